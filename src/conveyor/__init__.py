@@ -1,0 +1,2 @@
+"""conveyor: streaming reinforcement-learning post-training for language models."""
+__version__ = "0.1.0"

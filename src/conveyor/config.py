@@ -1,0 +1,237 @@
+"""Typed run configuration: one pydantic model per role, composed into RunConfig.
+
+Contract: ``load_config(path, overrides)`` reads a YAML or TOML recipe (or
+nothing: the built-in default), applies dotted ``key=value`` overrides, and
+validates everything at load time. Unknown keys and wrong types raise
+``ConfigError`` whose message names the dotted field and what was expected.
+This module imports no torch, so the CLI can validate a recipe instantly.
+It does not know how a field is used; each role reads its own section.
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used; the message is one line per problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Section):
+    """The locally built Llama-architecture model used when ``model.path`` is empty."""
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(384, gt=0)
+    max_position_embeddings: int = Field(256, gt=0)
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(None, description="HF checkpoint directory or hub id; empty builds the tiny model")
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+
+
+class DataConfig(_Section):
+    source: str = Field("synthetic:addition", description=(
+        "synthetic:<name> | jsonl | parquet | hf | gsm8k (jsonl or hf in GSM8K format)"))
+    path: str | None = Field(None, description="file path (jsonl/parquet) or HF dataset name (hf)")
+    split: str = "train"
+    eval_path: str | None = None
+    eval_split: str | None = None
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    chat_template: bool = Field(False, description="render prompts through the tokenizer's chat template")
+    system_prompt: str | None = None
+    prompt_template: str = Field("{prompt}", description="format string applied to the prompt field")
+    skip_invalid: bool = False
+    eval_size: int = Field(256, ge=0)
+    seed: int = 0
+    options: dict[str, Any] = Field(default_factory=dict, description="task-specific options (e.g. digits)")
+
+
+class RolloutConfig(_Section):
+    engine: Literal["native", "vllm"] = "native"
+    n: int = Field(8, ge=1, description="samples per task (group size)")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    max_new_tokens: int = Field(16, ge=1)
+    stop: list[str] = Field(default_factory=list, description="stop strings (the EOS token always stops)")
+    max_batch: int = Field(512, ge=1, description="sequences decoded together")
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    eos_bias: float = Field(0.0, description="added to the EOS logit (benchmark length shaping)")
+
+
+class RewardConfig(_Section):
+    fn: str = Field("auto", description="builtin name (math, exact, format, task) or dotted path module:fn")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: float = Field(5.0, gt=0)
+    fallback: float = Field(0.0, description="reward used when the verifier raises or times out")
+    workers: int = Field(2, ge=1)
+
+
+class TrainerConfig(_Section):
+    device: str = "auto"
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    total_steps: int | None = Field(None, description="for decaying schedules; defaults to loop.steps")
+    max_grad_norm: float | None = Field(1.0, description="None disables clipping")
+    micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch (padded)")
+    gradient_checkpointing: bool = False
+    autocast_bf16: bool = Field(True, description="bf16 autocast on GPU (ignored on CPU)")
+    reference: bool = Field(False, description="keep a frozen reference model (needed for a KL term)")
+    critic: bool = Field(False, description="train a value head (needed for GAE / PPO with a critic)")
+    critic_lr: float = Field(1e-5, gt=0)
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per pass")
+
+
+class AlgoConfig(_Section):
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce++", "gae"] = "grpo"
+    loss: Literal["ppo", "gspo", "decoupled_ppo"] = "ppo"
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    dual_clip: float | None = Field(None, description="dual-clip constant c > 1, None disables")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    kl_coef: float = Field(0.0, ge=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    importance_sampling: Literal["none", "truncated", "masked"] = "none"
+    is_level: Literal["token", "sequence"] = "token"
+    is_cap: float = Field(2.0, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+
+
+class SFTConfig(_Section):
+    """Supervised warm-start on the task's reference answers."""
+    steps: int = Field(0, ge=0, description="0 skips the warm-start")
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+
+
+class LoopConfig(_Section):
+    steps: int = Field(50, ge=0)
+    batch_size: int = Field(16, ge=1, description="groups (tasks) per training step")
+    max_staleness: int = Field(0, ge=0, description="0 = synchronous on-policy")
+    eval_every: int = Field(0, ge=0, description="0 = only initial and final evaluation")
+    eval_temperature: float = Field(0.0, ge=0)
+    checkpoint_every: int = Field(0, ge=0)
+    seed: int = 0
+    time_limit_s: float | None = Field(None, gt=0, description="stop RL after this many seconds")
+
+    @model_validator(mode="after")
+    def _sync_only(self) -> "LoopConfig":
+        if self.max_staleness != 0:
+            raise ValueError("only max_staleness = 0 (synchronous) is implemented; set loop.max_staleness=0")
+        return self
+
+
+class ObserveConfig(_Section):
+    progress: bool = True
+    tensorboard: bool = True
+    log_every: int = Field(1, ge=1)
+
+
+class RunConfig(_Section):
+    name: str = "default"
+    output_dir: str | None = Field(None, description="run directory; default runs/<name>-<timestamp>")
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    algo: AlgoConfig = AlgoConfig()
+    sft: SFTConfig = SFTConfig()
+    loop: LoopConfig = LoopConfig()
+    observe: ObserveConfig = ObserveConfig()
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"recipe {path} does not exist; give a YAML or TOML file path")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            data = yaml.safe_load(text) or {}
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"recipe {path} is malformed: {first}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``a.b.c=value`` override in place; the value is parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {key}: {p} is a value, not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{loc}: unknown field (check the spelling; see `conveyor config` for all fields)")
+        else:
+            got = e.get("input")
+            got_s = json.dumps(got, default=str)[:60] if not isinstance(got, dict) else "a mapping"
+            lines.append(f"{loc or 'config'}: {e['msg']} (got {got_s})")
+    return "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None) -> RunConfig:
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        data = _deep_merge(data, _read_file(Path(path)))
+    for item in overrides or []:
+        apply_override(data, item)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+
+
+def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,70 @@
+"""Build a tiny Hugging Face model and a character-level tokenizer, locally.
+
+Contract: ``build_tiny(out_dir, cfg)`` writes a Llama- (or Qwen2-) architecture
+causal LM with UNTIED embeddings and random weights plus a matching
+``PreTrainedTokenizerFast`` (one token per printable ASCII character, special
+tokens for BOS/EOS/PAD and the chat roles, a chat template) with
+``save_pretrained``. Everything loads back with ordinary ``from_pretrained``,
+so the rest of conveyor treats it exactly like a real checkpoint. No network.
+"""
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer():
+    """Character-level tokenizer: every printable ASCII char is one token."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    # A BPE model with no merges splits text into single characters; with no
+    # pre-tokenizer, spaces and newlines are ordinary characters too.
+    tok = Tokenizer(BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens(SPECIALS)
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>", chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
+    )
+
+
+def build_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                intermediate_size=384, max_position_embeddings=256, arch="llama", seed=0):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config = cls(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,  # vLLM's reload path leaves a tied lm_head stale
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0, attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model
+
+
+def build_tiny(out_dir: str | Path, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+               intermediate_size=384, max_position_embeddings=256, arch="llama", seed=0) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer()
+    model = build_model(tok, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                        max_position_embeddings, arch, seed)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -1,0 +1,138 @@
+"""The wire types: the only data that crosses roles.
+
+Contract
+- ``Task``: one problem. ``prompt`` is the final text given to the tokenizer
+  (the data layer already applied any chat template); ``answer`` and ``info``
+  are verifier metadata that generation never sees.
+- ``Trajectory``: one sampled completion of one task, token-in/token-out.
+  ``completion_ids``, ``loss_mask``, ``logprobs`` and ``versions`` have the
+  same length (one entry per completion token). ``loss_mask[i] == 0`` marks
+  tokens the policy did not produce (environment / tool output in multi-turn
+  rollouts); their logprob is 0.0 and version -1. ``logprobs`` are the
+  behaviour policy's log-probabilities of the sampled tokens, taken from the
+  same logits the tokens were sampled from. ``versions[i]`` is the policy
+  version whose weights produced token i.
+- ``Group``: the n samples of one task, explicit (never a positional reshape).
+- ``Batch``: what the trainer consumes: token ids plus per-token float fields,
+  aligned with the ids (position t of a field belongs to token t; fields are
+  0 where ``loss_mask`` is 0, and position 0 is never a target).
+
+These types know nothing of torch except ``Batch``, whose tensors are built
+by the loop just before training.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    prompt: str
+    answer: str | None = None
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    task: Task
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    text: str = ""
+    finish_reason: str = "stop"  # "stop" | "length" | "abort"
+    reward: float = 0.0
+    reward_info: Mapping[str, Any] = field(default_factory=dict)
+    turns: int = 1
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n):
+            raise ValueError(
+                f"Trajectory for task {self.task.id!r}: completion_ids ({n}), logprobs "
+                f"({len(self.logprobs)}), versions ({len(self.versions)}) and loss_mask "
+                f"({len(self.loss_mask)}) must have one entry per completion token"
+            )
+        if not math.isfinite(self.reward):
+            raise ValueError(f"Trajectory for task {self.task.id!r}: reward {self.reward} is not finite")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version among the policy's own tokens (-1 if none)."""
+        own = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        return min(own) if own else -1
+
+    def with_reward(self, reward: float, info: Mapping[str, Any] | None = None) -> "Trajectory":
+        return dataclasses.replace(self, reward=float(reward), reward_info=dict(info or {}))
+
+
+@dataclass(frozen=True)
+class Group:
+    task: Task
+    trajectories: tuple[Trajectory, ...]
+
+    def __post_init__(self) -> None:
+        for t in self.trajectories:
+            if t.task.id != self.task.id:
+                raise ValueError(f"Group {self.task.id!r} holds a trajectory of task {t.task.id!r}")
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Sequences for the trainer.
+
+    input_ids[i]: 1-D long tensor, prompt + completion of sample i.
+    loss_mask[i]: 1-D float tensor, same length; 1 where token t is a target
+                  the policy produced (0 for the prompt and environment tokens).
+    fields[name][i]: 1-D float tensor aligned with input_ids[i] (e.g. advantages,
+                  behaviour logprobs); the trainer passes them through to the loss.
+    num_tokens / num_seqs: totals over the WHOLE batch, so a loss can normalise
+                  identically however the batch is split into micro-batches.
+    """
+
+    input_ids: list["torch.Tensor"]
+    loss_mask: list["torch.Tensor"]
+    fields: dict[str, list["torch.Tensor"]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.loss_mask):
+            raise ValueError("Batch: input_ids and loss_mask must have one entry per sample")
+        for name, vals in self.fields.items():
+            if len(vals) != len(self.input_ids):
+                raise ValueError(f"Batch field {name!r} has {len(vals)} samples, expected {len(self.input_ids)}")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of loss tokens in the whole batch."""
+        return int(sum(float(m.sum()) for m in self.loss_mask))
+
+    def select(self, idx: list[int]) -> "Batch":
+        return Batch(
+            [self.input_ids[i] for i in idx],
+            [self.loss_mask[i] for i in idx],
+            {k: [v[i] for i in idx] for k, v in self.fields.items()},
+        )
