@@ -105,10 +105,11 @@ class TrainerConfig(_Section):
 class AlgoConfig(_Section):
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce++", "gae"] = "grpo"
     loss: Literal["ppo", "gspo", "decoupled_ppo"] = "ppo"
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.2, ge=0)
+    clip_low: float | None = Field(None, ge=0, description="default 0.2 (ppo) or 3e-4 (gspo)")
+    clip_high: float | None = Field(None, ge=0, description="default 0.2 (ppo) or 4e-4 (gspo); > clip_low = clip-higher")
     dual_clip: float | None = Field(None, description="dual-clip constant c > 1, None disables")
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"] = "token-mean"
     kl_coef: float = Field(0.0, ge=0)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False
@@ -116,8 +117,24 @@ class AlgoConfig(_Section):
     importance_sampling: Literal["none", "truncated", "masked"] = "none"
     is_level: Literal["token", "sequence"] = "token"
     is_cap: float = Field(2.0, gt=0)
+    behaviour_mode: Literal["truncate", "mask"] = Field("truncate", description=(
+        "decoupled PPO: truncate behaviour weights at is_cap, or drop tokens above it"))
+    value_coef: float = Field(0.5, ge=0)
+    value_clip: float | None = None
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _clip_defaults(self) -> "AlgoConfig":
+        # GSPO's sequence ratio lives within ~1e-3 of 1; PPO's token ratio within ~0.2.
+        lo, hi = (3e-4, 4e-4) if self.loss == "gspo" else (0.2, 0.2)
+        if self.clip_low is None:
+            self.clip_low = lo
+        if self.clip_high is None:
+            self.clip_high = hi
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"algo.dual_clip must be > 1 (got {self.dual_clip}); None disables it")
+        return self
 
 
 class SFTConfig(_Section):
@@ -162,6 +179,14 @@ class RunConfig(_Section):
     sft: SFTConfig = SFTConfig()
     loop: LoopConfig = LoopConfig()
     observe: ObserveConfig = ObserveConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        if self.algo.kl_coef > 0 and not self.trainer.reference:
+            raise ValueError("algo.kl_coef > 0 needs a reference model: set trainer.reference=true")
+        if self.algo.advantage == "gae" and not self.trainer.critic:
+            raise ValueError("algo.advantage=gae needs a value model: set trainer.critic=true")
+        return self
 
 
 def _read_file(path: Path) -> dict[str, Any]:

@@ -1,0 +1,188 @@
+"""Advantage estimators: scores in, per-sequence or per-token advantages out.
+
+Contract
+- Group estimators (GRPO, Dr.GRPO, RLOO) take ``rewards`` of shape [G, n]:
+  G groups (tasks), n samples per task, row g holding the n samples of task g.
+  They return [G, n] sequence-level advantages; ``expand_to_tokens`` spreads
+  them over a [B, T] loss mask.
+- Token estimators (REINFORCE++, GAE) take [B, T] tensors (B sequences,
+  padded time T) and a ``mask`` that is 1 on policy-generated target tokens.
+  They only ever read masked positions: padded or environment positions may
+  hold garbage (even NaN or inf) and come back as exactly 0.
+- Everything here is a pure function of its tensors and runs under
+  ``torch.no_grad`` semantics: advantages are targets, never differentiated,
+  so every output is detached.
+
+What it deliberately does not know: where rewards came from, how groups were
+formed (callers build the [G, n] matrix from explicit groups), which loss
+consumes the result, or anything of the rest of conveyor.
+"""
+from __future__ import annotations
+
+import torch
+
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+
+
+def _check_group_rewards(rewards: torch.Tensor) -> None:
+    if rewards.dim() != 2:
+        raise ValueError(f"group rewards must be [G, n] (groups x samples), got shape {tuple(rewards.shape)}")
+
+
+@torch.no_grad()
+def grpo_advantages(rewards: torch.Tensor, eps: float = 1e-6, std_normalize: bool = True) -> torch.Tensor:
+    """GRPO group-relative advantage (Shao et al. 2024).
+
+    A_i = (r_i - mean(r_group)) / (std(r_group) + eps)          # [G, n]
+
+    ``std`` is the population standard deviation (``unbiased=False``,
+    dividing by n): it is the scale of the n numbers actually observed, and it
+    keeps a group of two samples {1, 0} at advantages {+1, -1} rather than
+    {+0.71, -0.71}. A group whose rewards are all equal gets advantage 0
+    everywhere (numerator 0; eps keeps the division finite).
+
+    ``std_normalize=False`` is Dr.GRPO (Liu et al. 2025): A_i = r_i - mean,
+    which removes the bias towards groups with low reward variance.
+    """
+    _check_group_rewards(rewards)
+    r = rewards.float()                                  # [G, n]
+    centred = r - r.mean(dim=1, keepdim=True)            # [G, n]
+    if not std_normalize:
+        return centred
+    std = r.std(dim=1, keepdim=True, unbiased=False)     # [G, 1]
+    return centred / (std + eps)
+
+
+@torch.no_grad()
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024).
+
+    A_i = r_i - 1/(n-1) * sum_{j != i} r_j                      # [G, n]
+
+    The baseline of sample i excludes i itself, so it is independent of the
+    action and the estimator stays unbiased. Needs n >= 2 samples per group.
+    """
+    _check_group_rewards(rewards)
+    n = rewards.shape[1]
+    if n < 2:
+        raise ValueError(f"RLOO needs at least 2 samples per group to leave one out, got n={n}; "
+                         "raise rollout.n or use advantage=grpo")
+    r = rewards.float()                                  # [G, n]
+    others_mean = (r.sum(dim=1, keepdim=True) - r) / (n - 1)  # [G, n]
+    return r - others_mean
+
+
+def compute_group_advantages(name: str, rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Dispatch a group estimator by its config name: "grpo" | "drgrpo" | "rloo"."""
+    if name == "grpo":
+        return grpo_advantages(rewards, eps=eps, std_normalize=True)
+    if name == "drgrpo":
+        return grpo_advantages(rewards, eps=eps, std_normalize=False)
+    if name == "rloo":
+        return rloo_advantages(rewards)
+    raise ValueError(f"unknown group advantage estimator {name!r}; expected one of {GROUP_ESTIMATORS}")
+
+
+@torch.no_grad()
+def expand_to_tokens(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Give every target token its sequence's advantage: [B] -> [B, T], 0 off the mask."""
+    if seq_adv.dim() != 1 or seq_adv.shape[0] != mask.shape[0]:
+        raise ValueError(f"seq_adv must be [B] with B={mask.shape[0]}, got shape {tuple(seq_adv.shape)}")
+    m = mask.bool()                                      # [B, T]
+    per_token = seq_adv.float().unsqueeze(1).expand(m.shape)  # [B, T]
+    return torch.where(m, per_token, torch.zeros_like(per_token))
+
+
+def _whiten(x: torch.Tensor, m: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries of the whole batch, 0 elsewhere.
+
+    Population std, as in ``grpo_advantages``. With no masked entry at all the
+    result is all zeros.
+    """
+    count = m.sum().clamp(min=1)
+    xm = torch.where(m, x, torch.zeros_like(x))
+    mean = xm.sum() / count
+    var = torch.where(m, (x - mean) ** 2, torch.zeros_like(x)).sum() / count
+    out = (x - mean) / (var.sqrt() + eps)
+    return torch.where(m, out, torch.zeros_like(out))
+
+
+def _last_masked_index(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index of the last True per row ([B]) and whether the row has any ([B])."""
+    T = m.shape[1]
+    # argmax returns the first maximum, so search the time-reversed mask.
+    last = (T - 1) - torch.flip(m.int(), dims=[1]).argmax(dim=1)  # [B]
+    return last, m.any(dim=1)
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
+                            kl_coef: float = 0.0, gamma: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): discounted token returns, whitened over the batch.
+
+    Token reward r_t = -kl_coef * KL_t on every target token, plus the
+    sequence reward R on the sequence's last target token. The return is
+    G_t = sum_{k >= t} gamma^(k - t) r_k, where k and t count target tokens
+    only (environment tokens between turns are skipped, not discounted).
+    The advantage is G_t whitened over ALL target tokens of the batch:
+    A_t = (G_t - mean(G)) / (std(G) + eps), population std.
+
+    Shapes: rewards [B], mask [B, T], kl [B, T] or None -> advantages [B, T].
+    A sequence with no target token contributes nothing (its reward is dropped).
+    """
+    m = mask.bool()                                                  # [B, T]
+    B, T = m.shape
+    if rewards.shape != (B,):
+        raise ValueError(f"rewards must be [B] with B={B}, got shape {tuple(rewards.shape)}")
+    token_r = torch.zeros(B, T, dtype=torch.float32, device=m.device)  # [B, T]
+    if kl is not None and kl_coef != 0.0:
+        token_r = torch.where(m, -kl_coef * kl.float(), token_r)
+    last, has_any = _last_masked_index(m)                            # [B], [B]
+    rows = torch.arange(B, device=m.device)
+    token_r[rows, last] += torch.where(has_any, rewards.float(), torch.zeros_like(rewards, dtype=torch.float32))
+    returns = torch.zeros_like(token_r)                              # [B, T]
+    running = torch.zeros(B, dtype=torch.float32, device=m.device)   # [B]
+    for t in range(T - 1, -1, -1):
+        # Off-mask positions neither add reward nor discount: carry the running return through.
+        running = torch.where(m[:, t], token_r[:, t] + gamma * running, running)
+        returns[:, t] = running
+    return _whiten(returns, m, eps)
+
+
+@torch.no_grad()
+def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   gamma: float = 1.0, lam: float = 1.0, whiten: bool = False,
+                   eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over target tokens.
+
+    Walking the target tokens of each sequence backwards (t' is the next
+    target token after t; after the last one the value is 0, the episode ends):
+        delta_t = r_t + gamma * V(s_t') - V(s_t)
+        A_t     = delta_t + gamma * lam * A_t'
+        returns_t = A_t + V(s_t)            (the critic's regression target)
+    Non-target positions are skipped entirely: their rewards and values are
+    never read, so a multi-turn trajectory's environment tokens neither earn
+    reward nor break the chain. Put any reward on a target token.
+
+    ``whiten=True`` normalises the advantages over all target tokens of the
+    batch (population std); ``returns`` are computed before whitening.
+    Shapes: token_rewards, values, mask [B, T] -> (advantages, returns) [B, T].
+    """
+    m = mask.bool()                                                  # [B, T]
+    B, T = m.shape
+    r = torch.where(m, token_rewards.float(), torch.zeros(B, T, device=m.device))  # [B, T]
+    v = torch.where(m, values.float(), torch.zeros(B, T, device=m.device))         # [B, T]
+    adv = torch.zeros(B, T, dtype=torch.float32, device=m.device)                  # [B, T]
+    next_value = torch.zeros(B, dtype=torch.float32, device=m.device)              # [B]
+    next_adv = torch.zeros(B, dtype=torch.float32, device=m.device)                # [B]
+    for t in range(T - 1, -1, -1):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        a_t = delta + gamma * lam * next_adv
+        on = m[:, t]
+        adv[:, t] = torch.where(on, a_t, torch.zeros_like(a_t))
+        next_value = torch.where(on, v[:, t], next_value)
+        next_adv = torch.where(on, a_t, next_adv)
+    returns = torch.where(m, adv + v, torch.zeros_like(adv))
+    if whiten:
+        adv = _whiten(adv, m, eps)
+    return adv, returns

@@ -1,0 +1,207 @@
+"""The embedded launcher: every role in this process, on this machine.
+
+Contract: ``run_local(cfg, run_dir, resume)`` builds the roles (model and
+tokenizer, trainer, rollout engine, reward service, task sources, metrics),
+evaluates the initial policy, runs the supervised warm-start when
+``sft.steps > 0``, runs ``loop.rl_loop``, evaluates again and writes
+``summary.json``, a final HF checkpoint and the resolved config into
+``run_dir``. With ``resume`` it restores the latest checkpoint in
+``run_dir/checkpoints`` and continues. It knows which role implementation
+to pick for a config, and nothing of the formulas or the loop's schedule.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conveyor import loop
+from conveyor.config import RunConfig, save_config
+
+log = logging.getLogger("conveyor")
+
+
+class SetupError(ValueError):
+    """A run that cannot start; the message names the thing and the fix."""
+
+
+@dataclass
+class Components:
+    cfg: RunConfig
+    run_dir: Path
+    tokenizer: Any
+    trainer: Any
+    engine: Any
+    rewards: Any
+    train_source: Any
+    eval_tasks: list
+    cursor: Any
+    logger: Any
+    timer: Any
+    max_prompt_tokens: int
+    add_special_tokens: bool
+    stats: dict = field(default_factory=dict)
+
+    def checkpoint(self, step: int, summary: dict) -> Path:
+        from conveyor.trainer.checkpoint import save_checkpoint
+        path = self.run_dir / "checkpoints" / f"step_{step:06d}"
+        save_checkpoint(self.trainer, path, {"step": step, "cursor": self.cursor.state_dict(),
+                                             "summary": summary})
+        self.tokenizer.save_pretrained(path / "policy")
+        return path
+
+
+def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
+    if cfg.model.path is None:
+        out = run_dir / "base_model"
+        if not (out / "config.json").exists():
+            from conveyor.data.tiny import build_tiny
+            t = cfg.model.tiny
+            build_tiny(out, t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads,
+                       t.intermediate_size, t.max_position_embeddings, seed=cfg.loop.seed)
+        return str(out)
+    p = cfg.model.path
+    looks_local = p.startswith((".", "/", "~")) or Path(p).exists() or p.count("/") != 1
+    if looks_local and not (Path(p).expanduser() / "config.json").exists():
+        raise SetupError(f"model.path {p!r} is not a Hugging Face checkpoint directory (no config.json); "
+                         "give a directory written by save_pretrained or a hub id like org/name")
+    return str(Path(p).expanduser()) if looks_local else p
+
+
+def load_sources(cfg: RunConfig, tokenizer):
+    d = cfg.data
+    if d.source.startswith("synthetic:"):
+        from conveyor.data.synthetic import synthetic_source
+        name = d.source.split(":", 1)[1]
+        return (synthetic_source(name, "train", d.options, d.eval_size, d.seed),
+                synthetic_source(name, "eval", d.options, d.eval_size, d.seed))
+    from conveyor.data.files import load_file_source
+    return load_file_source(d, tokenizer, "train"), load_file_source(d, tokenizer, "eval")
+
+
+def build(cfg: RunConfig, run_dir: Path, model_path: str | None = None) -> Components:
+    from transformers import AutoTokenizer
+
+    from conveyor.data.api import TaskCursor
+    from conveyor.observe.metrics import MetricsLogger
+    from conveyor.observe.timers import PhaseTimer
+    from conveyor.reward.api import load_reward
+    from conveyor.reward.service import RewardService
+    from conveyor.rollout.native.engine import NativeEngine
+    from conveyor.trainer.local import LocalTrainer
+
+    path = model_path or resolve_model_path(cfg, run_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    except OSError as e:
+        raise SetupError(f"cannot load the tokenizer of model.path {path!r}: {str(e).splitlines()[0]}") from None
+    train_src, eval_src = load_sources(cfg, tokenizer)
+    spec = train_src.default_reward if cfg.reward.fn == "auto" else cfg.reward.fn
+    rewards = RewardService(load_reward(spec, cfg.reward.kwargs), timeout_s=cfg.reward.timeout_s,
+                            fallback=cfg.reward.fallback, workers=cfg.reward.workers)
+    trainer = make_trainer(cfg, path, tokenizer)
+    engine = NativeEngine.from_pretrained(path, device=cfg.rollout.device, dtype=cfg.rollout.dtype,
+                                          max_batch=cfg.rollout.max_batch, tokenizer=tokenizer)
+    return Components(
+        cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, trainer=trainer, engine=engine, rewards=rewards,
+        train_source=train_src, eval_tasks=[eval_src[i] for i in range(len(eval_src))],
+        cursor=TaskCursor(train_src, cfg.loop.batch_size, seed=cfg.loop.seed),
+        logger=MetricsLogger(run_dir, tensorboard=cfg.observe.tensorboard, progress=cfg.observe.progress,
+                             total_steps=cfg.loop.steps, log_every=cfg.observe.log_every),
+        timer=PhaseTimer(), max_prompt_tokens=max(1, engine.context_limit - 1),
+        add_special_tokens=not cfg.data.chat_template and not cfg.data.source.startswith("synthetic:"),
+    )
+
+
+def make_trainer(cfg: RunConfig, path: str, tokenizer):
+    from conveyor.trainer.local import LocalTrainer
+    # The trainer recomputes logprobs of the distribution the engine sampled from.
+    temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+    return LocalTrainer(path, cfg.trainer, total_steps=cfg.trainer.total_steps or cfg.loop.steps,
+                        temperature=temperature, pad_token_id=tokenizer.pad_token_id or 0)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    return ckpts[-1] if ckpts else None
+
+
+def run_local(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    t0 = time.perf_counter()
+    summary: dict[str, Any] = {}
+    start_step, ckpt = 0, latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        raise SetupError(f"--resume {run_dir}: no checkpoints/step_* inside; nothing to resume")
+    if ckpt is not None:
+        # Build from the RL starting point (the reference model must be that policy), then load weights.
+        warm = run_dir / "warmstart"
+        c = build(cfg, run_dir, model_path=str(warm) if (warm / "config.json").exists() else None)
+        from conveyor.trainer.checkpoint import load_checkpoint
+        extra = load_checkpoint(c.trainer, ckpt)
+        start_step, summary = int(extra["step"]), dict(extra.get("summary", {}))
+        c.cursor.load_state_dict(extra["cursor"])
+        c.engine.update_weights(c.trainer.named_weights(), version=start_step)
+        c.logger.message(f"resumed from {ckpt} at step {start_step}")
+    else:
+        c = build(cfg, run_dir)
+        summary["eval_reward_initial"] = loop.evaluate(c, 0)["eval_reward"]
+        if cfg.sft.steps > 0:
+            warm_start_phase(c)
+        summary["eval_reward_warmstart"] = loop.evaluate(c, 0)["eval_reward"]
+        c.logger.message(f"held-out reward: initial {summary['eval_reward_initial']:.3f}, "
+                         f"after warm-start {summary['eval_reward_warmstart']:.3f}")
+    t_rl = time.perf_counter()
+    last = loop.rl_loop(c, start_step, summary)
+    rl_seconds = time.perf_counter() - t_rl
+    steps_done = c.trainer.step
+    final = loop.evaluate(c, steps_done)
+    summary.update({
+        "eval_reward_final": final["eval_reward"], "steps": steps_done,
+        "wall_seconds": time.perf_counter() - t0, "rl_seconds": rl_seconds,
+        "trained_samples_per_second": (steps_done - start_step) * cfg.loop.batch_size * cfg.rollout.n
+        / max(rl_seconds, 1e-9),
+        "final_metrics": last, "final_eval": final, "run_dir": str(run_dir),
+    })
+    if cfg.loop.checkpoint_every:
+        c.checkpoint(steps_done, summary)
+    c.trainer.export_hf(run_dir / "final")
+    c.tokenizer.save_pretrained(run_dir / "final")
+    from conveyor.observe.report import write_summary
+    write_summary(run_dir, summary)
+    c.logger.message(
+        f"held-out reward: initial {summary.get('eval_reward_initial', float('nan')):.3f} -> warm-start "
+        f"{summary.get('eval_reward_warmstart', float('nan')):.3f} -> RL {summary['eval_reward_final']:.3f} "
+        f"({steps_done} steps, {summary['wall_seconds']:.0f}s); results in {run_dir}")
+    c.logger.close()
+    c.rewards.close()
+    return summary
+
+
+def warm_start_phase(c: Components) -> None:
+    """SFT with its own optimizer (its own lr), then hand the weights to the RL trainer and engine."""
+    from conveyor.sft import warm_start
+    from conveyor.trainer.local import LocalTrainer
+    cfg = c.cfg
+    sft_cfg = cfg.trainer.model_copy(update={"lr": cfg.sft.lr, "reference": False, "critic": False,
+                                             "warmup_steps": 0, "lr_schedule": "constant",
+                                             "ppo_epochs": 1, "mini_batches": 1})
+    sft_trainer = LocalTrainer(c.trainer.model, sft_cfg, total_steps=cfg.sft.steps,
+                               pad_token_id=c.tokenizer.pad_token_id or 0)
+    with c.timer.phase("warm_start"):
+        warm_start(sft_trainer, c.tokenizer, c.train_source, cfg.sft.steps, cfg.sft.batch_size, cfg.loop.seed,
+                   c.add_special_tokens,
+                   log=lambda s, m: c.logger.log(s, m, kind="sft") if (s + 1) % 10 == 0 else None)
+    # The RL trainer (with its reference and critic) starts from the warm-started policy, saved so
+    # that a resumed run rebuilds exactly this starting point.
+    warm = c.run_dir / "warmstart"
+    sft_trainer.export_hf(warm)
+    c.tokenizer.save_pretrained(warm)
+    c.trainer = make_trainer(cfg, str(warm), c.tokenizer)
+    c.engine.update_weights(c.trainer.named_weights(), version=0)
+    c.timer.lap()

@@ -1,0 +1,149 @@
+"""From scored groups to a trainer Batch, and from AlgoConfig to a loss function.
+
+Contract
+- ``needs(cfg)`` says which extra forward passes a step needs (proximal
+  logprobs recomputed by the trainer, reference logprobs, critic values).
+- ``make_batch(groups, cfg, extra)`` builds the Batch: ids = prompt +
+  completion, loss mask over the policy's own tokens, per-token fields
+  ``advantages``, ``behaviour_logprobs`` (engine), and where computed
+  ``proximal_logprobs`` / ``ref_logprobs`` / ``returns``.
+- ``make_loss(cfg)`` returns a LossFn for ``Trainer.train``: the policy loss
+  chosen in AlgoConfig, with optional importance-sampling correction, KL
+  term, entropy bonus and value loss, aggregated with global normalisers.
+
+The formulas live in ``conveyor.algo``; this module only chooses and wires
+them. It knows nothing of engines, processes or the loop's schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from conveyor import algo
+from conveyor.config import AlgoConfig
+from conveyor.types import Batch, Group, Trajectory
+
+
+@dataclass(frozen=True)
+class Needs:
+    proximal: bool  # trainer recomputes logprobs of the data before the update
+    reference: bool
+    values: bool
+
+
+def needs(cfg: AlgoConfig) -> Needs:
+    return Needs(
+        proximal=cfg.loss == "decoupled_ppo" or cfg.importance_sampling != "none",
+        reference=cfg.kl_coef > 0,
+        values=cfg.advantage == "gae",
+    )
+
+
+def _pad(rows: list[torch.Tensor]) -> torch.Tensor:  # list of [L_i] -> [B, max L]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def _unpad(x: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x[i, : len(r)].clone() for i, r in enumerate(like)]
+
+
+def base_batch(trajs: list[Trajectory]) -> Batch:
+    ids, masks, behaviour = [], [], []
+    for t in trajs:
+        p = len(t.prompt_ids)
+        ids.append(torch.tensor(t.prompt_ids + t.completion_ids, dtype=torch.long))
+        masks.append(torch.tensor([0.0] * p + [float(m) for m in t.loss_mask]))
+        behaviour.append(torch.tensor([0.0] * p + list(t.logprobs), dtype=torch.float32))
+    return Batch(ids, masks, {"behaviour_logprobs": behaviour})
+
+
+def make_batch(groups: list[Group], cfg: AlgoConfig, extra: dict[str, list[torch.Tensor]] | None = None,
+               base: Batch | None = None) -> tuple[Batch, dict[str, float]]:
+    """``extra`` carries per-token tensors computed by the trainer on ``base``
+    (proximal_logprobs, ref_logprobs, values); KL-in-reward and GAE need them."""
+    trajs = [t for g in groups for t in g.trajectories]
+    base = base or base_batch(trajs)
+    extra = dict(extra or {})
+    mask = _pad(base.loss_mask)                                     # [B, T]
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)  # [B]
+    kl_tok = None
+    if cfg.kl_in_reward and "ref_logprobs" in extra:
+        own = _pad(extra.get("proximal_logprobs") or base.fields["behaviour_logprobs"])
+        kl_tok = algo.kl_estimate(own, _pad(extra["ref_logprobs"]), cfg.kl_estimator, mask=mask)
+    if cfg.advantage in ("grpo", "drgrpo", "rloo"):
+        sizes = {len(g.trajectories) for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"group advantages need equal group sizes, got sizes {sorted(sizes)}")
+        r = rewards if kl_tok is None else rewards - cfg.kl_coef * kl_tok.sum(-1)
+        seq_adv = algo.compute_group_advantages(cfg.advantage, r.view(len(groups), -1)).reshape(-1)
+        adv = algo.expand_to_tokens(seq_adv, mask)
+    elif cfg.advantage == "reinforce++":
+        adv = algo.reinforce_pp_advantages(rewards, mask, kl=kl_tok, kl_coef=cfg.kl_coef if kl_tok is not None else 0.0,
+                                           gamma=cfg.gamma)
+    else:  # gae: sequence reward on the last policy token, KL penalty per token
+        token_r = torch.zeros_like(mask)
+        last = (mask * torch.arange(mask.shape[1])).argmax(-1)      # [B] index of last loss token
+        token_r[torch.arange(len(trajs)), last] = rewards
+        if kl_tok is not None:
+            token_r = token_r - cfg.kl_coef * kl_tok
+        adv, returns = algo.gae_advantages(token_r, _pad(extra["values"]), mask, cfg.gamma, cfg.lam)
+        extra["returns"] = _unpad(returns, base.input_ids)
+    fields = dict(base.fields, advantages=_unpad(adv * mask, base.input_ids))
+    fields.update({("old_values" if k == "values" else k): v for k, v in extra.items()})
+    stats = {
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "adv_abs_mean": float((adv.abs() * mask).sum() / mask.sum().clamp(min=1)),
+        "groups_without_signal": float(sum(len(set(g.rewards)) == 1 for g in groups) / max(len(groups), 1)),
+    }
+    if kl_tok is not None:
+        stats["kl_reward"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
+    return Batch(base.input_ids, base.loss_mask, fields), stats
+
+
+class PolicyLoss:
+    """The configured RL objective as a trainer LossFn (see trainer/api.py)."""
+
+    def __init__(self, cfg: AlgoConfig, norm_len: int | None = None):
+        self.cfg = cfg
+        self.needs = needs(cfg)
+        self.needs_entropy = cfg.entropy_coef != 0
+        self.norm_len = norm_len
+
+    def __call__(self, out, mb, num_tokens, num_seqs):
+        c = self.cfg
+        lp, mask, adv = out["logprobs"], mb["loss_mask"], mb["advantages"]
+        behaviour = mb["behaviour_logprobs"]
+        old = mb["proximal_logprobs"] if self.needs.proximal else behaviour
+        if c.loss == "decoupled_ppo":
+            tok, m = algo.decoupled_ppo_loss(lp, old, behaviour, adv, mask, c.clip_low, c.clip_high,
+                                             behaviour_cap=c.is_cap, behaviour_mode=c.behaviour_mode,
+                                             dual_clip=c.dual_clip)
+        elif c.loss == "gspo":
+            tok, m = algo.gspo_loss(lp, old, adv, mask, c.clip_low, c.clip_high)
+        else:
+            tok, m = algo.ppo_clip_loss(lp, old, adv, mask, c.clip_low, c.clip_high, c.dual_clip)
+        if c.importance_sampling != "none" and c.loss != "decoupled_ppo":
+            w, wm = algo.importance_weights(old, behaviour, mask, c.importance_sampling, c.is_level, c.is_cap)
+            tok = tok * w
+            m.update(wm)
+        if c.kl_coef > 0 and not c.kl_in_reward:
+            kl = algo.kl_estimate(lp, mb["ref_logprobs"], c.kl_estimator, mask=mask)
+            tok = tok + c.kl_coef * kl
+            m["kl"] = algo.masked_mean(kl, mask)
+        if self.needs_entropy:
+            tok = tok - c.entropy_coef * out["entropy"]
+            m["entropy"] = algo.masked_mean(out["entropy"], mask)
+        if self.needs.values:
+            v_tok, vm = algo.value_loss(out["values"], mb["old_values"], mb["returns"], mask, c.value_clip)
+            tok = tok + c.value_coef * v_tok
+            m.update(vm)
+        loss = algo.aggregate(tok, mask, c.loss_agg, num_tokens, num_seqs, norm_len=self.norm_len)
+        return loss, {k: float(v) for k, v in m.items()}
+
+
+def sft_loss(out, mb, num_tokens, num_seqs):
+    """Negative log-likelihood of the target tokens, token-mean over the whole batch."""
+    nll = -(out["logprobs"] * mb["loss_mask"]).sum() / max(num_tokens, 1)
+    return nll, {"nll": float(nll.detach()) * max(num_tokens, 1) / max(float(mb["loss_mask"].sum()), 1)}

@@ -1,0 +1,449 @@
+"""Metrics fan-out: one ``log`` call reaches every sink (JSONL, TensorBoard, console, trackers).
+
+Contract:
+- ``MetricsLogger(run_dir, ...)`` owns a list of sinks. ``log(step, metrics,
+  kind)`` validates the metrics once (string keys; numbers, or numpy/torch
+  scalars which are unwrapped) and hands the same dict to every sink, in
+  order. Sinks must not mutate it.
+- A sink is anything with ``log(step, metrics, kind)`` and ``close()``
+  (``Sink``). Built in: ``JsonlSink`` (``run_dir/metrics.jsonl``, the source
+  of truth, flushed per line), ``TensorBoardSink`` (``run_dir/tensorboard``),
+  ``ProgressSink`` (the console), and the optional ``WandbSink`` and
+  ``MlflowSink`` (the ``conveyor[tracking]`` extra).
+- Names: a metric is qualified as ``<kind>/<key>`` wherever the store is
+  shared across kinds (TensorBoard tags, W&B, MLflow): ``train/reward``,
+  ``eval/reward``. So the loop logs eval metrics under the same keys as train
+  metrics and lets ``kind`` tell them apart; a key that already carries its
+  kind (``eval_reward`` logged as eval) is not prefixed twice. The JSONL line
+  keeps the keys exactly as logged, next to its ``kind`` field.
+- Console: all human-readable output (bar, plain lines, ``message``) goes to
+  one stream, stderr by default, so stdout stays free for a command's
+  machine-readable result and ``2>file`` captures the whole story. When that
+  stream is a terminal, a tqdm bar advances on train steps and its postfix
+  shows the latest ``keys``; otherwise (CI, redirected logs) one plain line
+  is printed per ``log_every`` train steps, and for every non-train log.
+- ``log_every`` thins only the console; files receive every step.
+- A failing sink raises: metrics that silently stop are worse than a loud
+  error. ``close()`` closes every sink even if one raises, then re-raises.
+
+It deliberately does not know which metrics a run produces, how steps are
+numbered (the bar simply shows the largest train step seen), or what a run
+directory holds beyond its own files.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import operator
+import sys
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TextIO, runtime_checkable
+
+from tqdm import tqdm
+
+from conveyor.observe.report import METRICS_FILE, json_safe
+
+TENSORBOARD_DIR = "tensorboard"
+RESERVED_KEYS = frozenset({"step", "kind", "time"})
+# What the console shows by default: train keys bare, other kinds as kind/key.
+DEFAULT_KEYS: tuple[str, ...] = ("reward", "eval/reward", "loss", "kl", "samples_per_s", "time/step")
+TRACKING_EXTRA = "conveyor[tracking]"
+
+Number = float | int
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Receives every logged step; ``metrics`` is already validated and must not be mutated."""
+
+    def log(self, step: int, metrics: Mapping[str, Number], kind: str = "train") -> None: ...
+
+    def close(self) -> None: ...
+
+
+def qualified(kind: str, key: str) -> str:
+    """The name a metric gets in stores shared across kinds: ``eval/reward``.
+
+    A key that already spells its kind as a prefix (``eval_reward`` logged as
+    eval) is not prefixed twice: it becomes ``eval/reward``, not
+    ``eval/eval_reward``.
+    """
+    for sep in ("_", "/"):
+        if key.startswith(kind + sep) and len(key) > len(kind) + 1:
+            key = key[len(kind) + 1:]
+            break
+    return f"{kind}/{key}"
+
+
+def format_value(key: str, value: Number) -> str:
+    """Render one number in at most about 7 characters; ``time/*`` keys get an ``s`` suffix."""
+    if isinstance(value, bool) or isinstance(value, int):
+        text = str(int(value))
+    elif not math.isfinite(value):
+        text = str(value)
+    else:
+        a = abs(value)
+        if a == 0:
+            text = "0"
+        elif a >= 1e5 or a < 1e-2:
+            mantissa, exp = f"{value:.1e}".split("e")
+            text = f"{mantissa}e{int(exp)}"
+        elif a >= 100:
+            text = f"{value:.0f}"
+        else:
+            text = f"{value:.3g}"
+    return text + ("s" if key.startswith("time/") else "")
+
+
+def _clean_metrics(metrics: Mapping[str, Any]) -> dict[str, Number]:
+    out: dict[str, Number] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"metric names must be non-empty strings, got {key!r}")
+        if key in RESERVED_KEYS:
+            raise ValueError(f"metric name {key!r} is reserved for the record itself; rename it")
+        item = getattr(value, "item", None)
+        if callable(item) and not isinstance(value, (int, float)):
+            value = item()  # numpy / torch scalar; a multi-element tensor raises here
+        if isinstance(value, bool):
+            value = int(value)
+        if not isinstance(value, (int, float)):
+            raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}")
+        out[key] = value
+    return out
+
+
+class JsonlSink:
+    """Appends one JSON object per step to a file, flushed per line so a crash keeps the history."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(self.path)
+        # Append, so a resumed run continues the same history.
+        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: Mapping[str, Number], kind: str = "train") -> None:
+        if self._file is None:
+            raise RuntimeError(f"{self.path} is closed")
+        record = {"step": step, "kind": kind, "time": time.time(), **metrics}
+        self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line left without its newline by a killed writer, so appends stay parseable."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, 2)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        # Scan back in blocks for the last newline; lines are short, so this is one block.
+        pos = size
+        while pos > 0:
+            start = max(0, pos - 4096)
+            f.seek(start)
+            block = f.read(pos - start)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                f.truncate(start + nl + 1)
+                return
+            pos = start
+        f.truncate(0)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(tag: str, text: str) -> None:
+    if tag not in _warned:
+        _warned.add(tag)
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+
+class TensorBoardSink:
+    """Scalars as TensorBoard event files, tagged ``<kind>/<key>``.
+
+    If TensorBoard is not importable it warns once and does nothing, because
+    the JSONL file already keeps every number and a missing viewer is no
+    reason to stop a run.
+    """
+
+    def __init__(self, log_dir: str | Path) -> None:
+        self.log_dir = Path(log_dir)
+        self._writer: Any = None
+        try:
+            # Imported here: it pulls in tensorboard and protobuf, which runs
+            # that log nowhere should not pay for.
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            _warn_once("tensorboard", f"TensorBoard logging is off: {e}. "
+                       f"Install `tensorboard` to get event files; metrics.jsonl is still written.")
+            return
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    @property
+    def available(self) -> bool:
+        return self._writer is not None
+
+    def log(self, step: int, metrics: Mapping[str, Number], kind: str = "train") -> None:
+        if self._writer is None:
+            return
+        now = time.time()
+        for key, value in metrics.items():
+            self._writer.add_scalar(qualified(kind, key), value, global_step=step, walltime=now)
+        # Per step rather than every 2 minutes (the writer's default), so a
+        # crashed or live run shows its latest step; steps take seconds anyway.
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _isatty(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (ValueError, OSError):  # closed or detached stream
+        return False
+
+
+class ProgressSink:
+    """The console: a tqdm bar on a terminal, plain summary lines elsewhere.
+
+    ``keys`` picks what the bar's postfix and the plain train lines show: a
+    bare key names a train metric, ``<kind>/<key>`` one of another kind (the
+    latest value is kept, so ``eval/reward`` stays visible between evals).
+    """
+
+    def __init__(self, total_steps: int | None = None, keys: Sequence[str] = DEFAULT_KEYS,
+                 log_every: int = 1, stream: TextIO | None = None, tty: bool | None = None) -> None:
+        if log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {log_every}")
+        self.total_steps = total_steps
+        self.keys = tuple(keys)
+        self.log_every = log_every
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = _isatty(self.stream) if tty is None else tty
+        self._latest: dict[str, Number] = {}
+        self._bar: tqdm | None = None
+        self._started = time.monotonic()
+        self._train_logs = 0
+
+    def log(self, step: int, metrics: Mapping[str, Number], kind: str = "train") -> None:
+        for key, value in metrics.items():
+            self._latest[key if kind == "train" else qualified(kind, key)] = value
+        if kind == "train":
+            self._train_logs += 1
+        if self.tty:
+            self._update_bar(step, metrics, kind)
+        elif self._due(step, kind):
+            print(self.line(step, metrics, kind), file=self.stream, flush=True)
+
+    def _due(self, step: int, kind: str) -> bool:
+        if kind != "train":
+            return True  # evals are rare and are what people scroll for
+        return (self._train_logs == 1 or step % self.log_every == 0
+                or (self.total_steps is not None and step >= self.total_steps))
+
+    def _update_bar(self, step: int, metrics: Mapping[str, Number], kind: str) -> None:
+        if self._bar is None:
+            # Created at the first log, not in __init__, so model loading
+            # output printed before training does not tangle with the bar.
+            # A resumed run starts the bar where it left off.
+            self._bar = tqdm(total=self.total_steps, initial=max(step - 1, 0) if kind == "train" else 0,
+                             file=self.stream, unit="step", dynamic_ncols=True, desc="train")
+        self._bar.set_postfix_str(self.postfix(), refresh=False)
+        if kind != "train":
+            self._bar.write(self.line(step, metrics, kind), file=self.stream)
+        if kind == "train" and step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+        else:
+            self._bar.refresh()
+
+    def postfix(self) -> str:
+        """The latest values of ``keys``, e.g. ``reward=0.512 loss=-0.0123 time/step=1.9s``."""
+        return " ".join(f"{k}={format_value(k, self._latest[k])}" for k in self.keys if k in self._latest)
+
+    def line(self, step: int, metrics: Mapping[str, Number], kind: str = "train") -> str:
+        """One plain summary line: where the run is, then the numbers that matter."""
+        # Other kinds (e.g. a warm-start phase) count their own steps, so the
+        # RL total would mislead there.
+        counts_rl_steps = kind in ("train", "eval")
+        total = f"/{self.total_steps}" if self.total_steps is not None and counts_rl_steps else ""
+        elapsed = tqdm.format_interval(time.monotonic() - self._started)
+        if kind == "train":
+            body = self.postfix()
+            if not body:
+                # None of the chosen keys were logged: show the first few of what was.
+                body = " ".join(f"{k}={format_value(k, v)}" for k, v in list(metrics.items())[:6])
+        else:
+            body = " ".join(f"{k}={format_value(k, v)}" for k, v in metrics.items())
+        return f"[{kind}] step {step}{total} {elapsed} | {body}"
+
+    def message(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)  # clears and redraws the bar around the text
+            self.stream.flush()
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _require(module: str, sink: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"{sink} needs the `{module}` package, which is not installed; "
+                          f"install it with: pip install '{TRACKING_EXTRA}'") from e
+
+
+class WandbSink:
+    """Weights & Biases: one W&B run; metrics logged as ``<kind>/<key>`` at ``step``.
+
+    W&B ignores a step lower than one already logged, so steps must not go
+    backwards (train and eval at the same step are fine).
+    """
+
+    def __init__(self, project: str = "conveyor", *, name: str | None = None,
+                 run_dir: str | Path | None = None, config: Mapping[str, Any] | None = None,
+                 **init_kwargs: Any) -> None:
+        wandb = _require("wandb", "WandbSink")
+        self._run = wandb.init(project=project, name=name, dir=str(run_dir) if run_dir else None,
+                               config=dict(config) if config else None, **init_kwargs)
+
+    def log(self, step: int, metrics: Mapping[str, Number], kind: str = "train") -> None:
+        self._run.log({qualified(kind, k): v for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
+
+
+class MlflowSink:
+    """MLflow: one run in ``experiment``; metrics logged as ``<kind>/<key>`` at ``step``.
+
+    Uses ``MlflowClient`` rather than the module-level active run, so it
+    neither needs nor disturbs a run the caller may have started.
+    """
+
+    def __init__(self, experiment: str = "conveyor", *, run_name: str | None = None,
+                 tracking_uri: str | None = None, params: Mapping[str, Any] | None = None) -> None:
+        _require("mlflow", "MlflowSink")
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+
+        self._metric_cls = Metric
+        self._client = MlflowClient(tracking_uri=tracking_uri)
+        found = self._client.get_experiment_by_name(experiment)
+        exp_id = found.experiment_id if found is not None else self._client.create_experiment(experiment)
+        self._run_id: str | None = self._client.create_run(exp_id, run_name=run_name).info.run_id
+        flat = [Param(k, str(v)[:500]) for k, v in _flatten(params or {}).items()]
+        for i in range(0, len(flat), 100):  # MLflow caps a batch at 100 params
+            self._client.log_batch(self._run_id, params=flat[i:i + 100])
+
+    def log(self, step: int, metrics: Mapping[str, Number], kind: str = "train") -> None:
+        if self._run_id is None:
+            raise RuntimeError("MlflowSink is closed")
+        ms = int(time.time() * 1000)
+        batch = [self._metric_cls(qualified(kind, k), float(v), ms, step) for k, v in metrics.items()]
+        self._client.log_batch(self._run_id, metrics=batch)
+
+    def close(self) -> None:
+        if self._run_id is not None:
+            self._client.set_terminated(self._run_id)
+            self._run_id = None
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out
+
+
+class MetricsLogger:
+    """Fans each ``log`` out to JSONL, TensorBoard, the console and any extra sinks.
+
+    The keyword names match ``ObserveConfig``, so
+    ``MetricsLogger(run_dir, **cfg.observe.model_dump(), total_steps=cfg.loop.steps)``
+    wires it from a run config.
+    """
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, progress: bool = True,
+                 total_steps: int | None = None, keys: Sequence[str] = DEFAULT_KEYS,
+                 log_every: int = 1, sinks: Sequence[Sink] = (), stream: TextIO | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._stream = stream
+        self.sinks: list[Sink] = [JsonlSink(self.run_dir / METRICS_FILE)]
+        if tensorboard:
+            self.sinks.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR))
+        self.progress: ProgressSink | None = None
+        if progress:
+            self.progress = ProgressSink(total_steps, keys, log_every, stream=stream)
+            self.sinks.append(self.progress)
+        self.sinks.extend(sinks)
+        self._closed = False
+
+    def log(self, step: int, metrics: Mapping[str, Any], kind: str = "train") -> None:
+        """Record ``metrics`` for ``step``; ``kind`` is ``"train"`` or ``"eval"`` (any word works)."""
+        if self._closed:
+            raise RuntimeError(f"MetricsLogger for {self.run_dir} is closed")
+        step = operator.index(step)
+        if not kind or "/" in kind:
+            raise ValueError(f"kind must be a plain word such as 'train' or 'eval', got {kind!r}")
+        clean = _clean_metrics(metrics)
+        for sink in self.sinks:
+            sink.log(step, clean, kind)
+
+    def message(self, text: str) -> None:
+        """Print a line for people, above the progress bar when there is one."""
+        if self.progress is not None:
+            self.progress.message(text)
+        else:
+            print(text, file=self._stream if self._stream is not None else sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Flush and close every sink; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        first_error: BaseException | None = None
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as e:  # close the rest before reporting
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

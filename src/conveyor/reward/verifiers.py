@@ -1,0 +1,93 @@
+"""Rule-based verifiers: math answers, exact match, and a format check.
+
+Contract
+- ``math_reward(traj)`` compares the completion ``traj.text`` with the gold
+  ``traj.task.answer`` using math-verify and returns
+  ``{"reward": 1.0 | 0.0, "parsed": 1.0 | 0.0}`` ("parsed" says whether any
+  answer could be extracted from the completion). The prediction is the
+  content of ``\\boxed{...}`` when the completion has one, otherwise the last
+  number in the text. A GSM8K-style gold (``"... #### 42"``) is reduced to the
+  text after the last ``####``. A task without a gold answer, or a gold that
+  math-verify cannot parse, raises ``ValueError`` (a data problem the reward
+  service counts and logs, rather than a silent 0).
+- ``exact_match`` compares the completion text with the gold as strings.
+- ``format_reward`` is 1.0 when a regular expression is found ANYWHERE in the
+  completion (``re.search`` with DOTALL); anchor the pattern with ``\\A`` and
+  ``\\Z`` to demand the whole completion match.
+
+These functions know nothing of threads or time limits. math-verify's own
+timeout uses ``signal.alarm``, which only works on the main thread, so it is
+always switched off here; the reward service enforces the deadline instead.
+"""
+from __future__ import annotations
+
+import re
+
+from math_verify import parse, verify
+
+from conveyor.types import Trajectory
+
+# Thousands separators only in groups of three, so "3, 5" is two numbers, not "35".
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
+DEFAULT_FORMAT_PATTERN = r"\\boxed\{.+\}"
+
+
+def gold_answer(answer: str) -> str:
+    """The final answer of a gold string: the text after the last ``####`` if present."""
+    if "####" in answer:
+        answer = answer.rsplit("####", 1)[1]
+    return answer.strip()
+
+
+def extract_prediction(text: str) -> str | None:
+    """The part of a completion to verify: the text if it has ``\\boxed``, else its last number."""
+    if "\\boxed" in text:
+        return text
+    numbers = _NUMBER.findall(text)
+    if not numbers:
+        return None
+    # Wrapped in $...$ so math-verify reads it as LaTeX math; commas are separators.
+    return "$" + numbers[-1].replace(",", "") + "$"
+
+
+def math_reward(traj: Trajectory, *, float_rounding: int = 6, numeric_precision: int = 15,
+                strict: bool = True) -> dict[str, float]:
+    """1.0 if the completion's answer equals the gold mathematically (see the module docstring)."""
+    if traj.task.answer is None or not str(traj.task.answer).strip():
+        raise ValueError(f"math reward: task {traj.task.id!r} has no gold answer; "
+                         "give the data an answer field or choose another reward")
+    gold_text = gold_answer(str(traj.task.answer))
+    # A bare gold like "\sqrt{2}" is not found by math-verify without a math
+    # delimiter; boxing it makes every plain gold parse the same way.
+    if "\\boxed" not in gold_text:
+        gold_text = "\\boxed{" + gold_text + "}"
+    gold = parse(gold_text, parsing_timeout=None)
+    if not gold:
+        raise ValueError(f"math reward: cannot parse the gold answer {traj.task.answer!r} "
+                         f"of task {traj.task.id!r}")
+    pred_text = extract_prediction(traj.text)
+    pred = parse(pred_text, parsing_timeout=None) if pred_text is not None else []
+    if not pred:
+        return {"reward": 0.0, "parsed": 0.0}
+    ok = verify(gold, pred, float_rounding=float_rounding, numeric_precision=numeric_precision,
+                strict=strict, timeout_seconds=None)
+    return {"reward": 1.0 if ok else 0.0, "parsed": 1.0}
+
+
+def exact_match(traj: Trajectory, strip: bool = True, case_sensitive: bool = True) -> float:
+    """1.0 if the completion text equals the gold answer (optionally stripped / case-folded)."""
+    if traj.task.answer is None:
+        raise ValueError(f"exact reward: task {traj.task.id!r} has no gold answer; "
+                         "give the data an answer field or choose another reward")
+    pred, gold = traj.text, str(traj.task.answer)
+    if strip:
+        pred, gold = pred.strip(), gold.strip()
+    if not case_sensitive:
+        pred, gold = pred.casefold(), gold.casefold()
+    return 1.0 if pred == gold else 0.0
+
+
+def format_reward(traj: Trajectory, pattern: str = DEFAULT_FORMAT_PATTERN) -> float:
+    """1.0 if ``pattern`` is found anywhere in the completion (``re.search``, DOTALL)."""
+    # re caches compiled patterns, so compiling per call costs a dict lookup.
+    return 1.0 if re.search(pattern, traj.text, flags=re.DOTALL) else 0.0

@@ -1,0 +1,262 @@
+"""NativeEngine: the built-in rollout engine (CPU or one GPU, Hugging Face model, dense KV cache).
+
+Contract (see ``conveyor.rollout.api`` for what every engine promises)
+- ``generate(prompts, params)``: each (prompt, sample) pair is a request. A
+  scheduler admits up to ``max_batch`` requests into the running batch; the model
+  runner prefills admitted prompts ONCE and replicates each prompt's KV cache to
+  its samples; every step decodes all running rows, samples in float32, appends
+  token / logprob / version to each request, and removes finished rows from the
+  batch (and their cache rows) at once. Waiting requests join the running batch
+  in admission waves (policy in ``scheduler.py``).
+- Context: a prompt with ``len(prompt) >= context limit`` (the model's
+  ``max_position_embeddings``, or its sliding window when smaller) raises
+  ``ValueError`` naming the prompt index; otherwise generation is capped so that
+  prompt + completion fits the context, ending with finish_reason "length".
+- Versions: a token records the engine's version at the start of the step that
+  produced it. ``update_weights`` takes the same lock as a step, so another thread
+  may call it while ``generate`` runs: the swap lands between two decode steps and
+  later tokens carry the new version (the KV already computed for earlier tokens
+  is kept, as in partial rollouts).
+- Randomness: one ``torch.Generator`` per ``generate`` call, seeded from
+  ``params.seed``. Same seed, prompts, params and ``max_batch`` give the same
+  output; a different ``max_batch`` changes the order in which random numbers are
+  drawn, so sampled (not greedy) outputs differ.
+
+It does not know about tasks, rewards, trajectories or weight transports: it
+turns token ids into completions with the weights it was last given. One
+``generate`` runs at a time per engine.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Iterable, Mapping
+
+import torch
+
+from conveyor.rollout.api import Completion, SamplingParams
+from conveyor.rollout.native.runner import HFModelRunner, KVBatch
+from conveyor.rollout.native.sampling import sample
+from conveyor.rollout.native.scheduler import Request, Scheduler, StopRule
+
+if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.config import RolloutConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """None / "auto" keep the model's own dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    if dtype not in _DTYPES:
+        raise ValueError(f"NativeEngine dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    sources = [getattr(model, "generation_config", None), model.config, tokenizer]
+    for src in sources:
+        value = getattr(src, "eos_token_id", None) if src is not None else None
+        if value is None:
+            continue
+        ids.update(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return ids
+
+
+class NativeEngine:
+    """The built-in engine. Takes ownership of ``model``: it is moved, cast and put in eval mode."""
+
+    def __init__(self, model, tokenizer=None, *, device: str | torch.device = "auto",
+                 dtype: str | torch.dtype | None = "auto", max_batch: int = 256,
+                 refill: int | None = None, prefill_token_budget: int = 16384, version: int = 0):
+        if max_batch < 1:
+            raise ValueError(f"NativeEngine max_batch must be >= 1, got {max_batch}")
+        dev, dt = resolve_device(device), resolve_dtype(dtype)
+        model = model.to(device=dev, dtype=dt) if dt is not None else model.to(device=dev)
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.refill = refill
+        self.runner = HFModelRunner(model, prefill_token_budget)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._version = int(version)
+        # Held for one step at a time, and by update_weights, so a weight swap from
+        # another thread lands between decode steps, never inside one.
+        self._lock = threading.RLock()
+
+    @classmethod
+    def from_pretrained(cls, path: str, device: str | torch.device = "auto",
+                        dtype: str | torch.dtype | None = "auto", **kwargs) -> "NativeEngine":
+        """Load model and tokenizer from an HF checkpoint directory (or hub id already cached)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dt = resolve_dtype(dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt if dt is not None else "auto",
+                                                     attn_implementation="sdpa")
+        tokenizer = kwargs.pop("tokenizer", None) or AutoTokenizer.from_pretrained(path)
+        return cls(model, tokenizer, device=device, dtype=dt, **kwargs)
+
+    @classmethod
+    def from_config(cls, cfg: "RolloutConfig", model, tokenizer=None, **kwargs) -> "NativeEngine":
+        """Engine for ``cfg`` (device, dtype, max_batch); ``model`` is a model object or a checkpoint path."""
+        if isinstance(model, str):
+            return cls.from_pretrained(model, cfg.device, cfg.dtype, max_batch=cfg.max_batch, **kwargs)
+        return cls(model, tokenizer, device=cfg.device, dtype=cfg.dtype, max_batch=cfg.max_batch, **kwargs)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def context_limit(self) -> int:
+        """Longest prompt + completion this engine serves (prompts must be shorter)."""
+        return self.runner.context_limit
+
+    # ----- weights ----------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                       version: int) -> None:
+        """Copy each tensor in place into the parameter (or buffer) of that name, then set ``version``.
+
+        Parameters keep their storage (no reallocation), so views held elsewhere
+        (CUDA graphs, IPC handles) stay valid. On an error the version is left
+        unchanged and parameters copied before the bad one keep their new values.
+        """
+        self._check_open()
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        targets = dict(self.model.named_buffers())
+        targets.update(self.model.named_parameters(remove_duplicate=False))
+        with self._lock, torch.no_grad():
+            for name, tensor in items:
+                target = targets.get(name)
+                if target is None:
+                    raise ValueError(f"update_weights: unknown parameter {name!r}; names must match "
+                                     f"model.named_parameters() (e.g. {next(iter(targets))!r})")
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"update_weights: parameter {name!r} has shape {tuple(target.shape)}, "
+                                     f"got {tuple(tensor.shape)}; send weights of the same architecture")
+                target.copy_(tensor)
+            self._version = int(version)
+
+    # ----- generation ---------------------------------------------------------------
+    def _capped_requests(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+        limit, vocab = self.runner.context_limit, self.model.config.get_text_config(decoder=True).vocab_size
+        requests = []
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"generate: prompt {i} is empty; give at least one token (e.g. BOS)")
+            if len(prompt) >= limit:
+                raise ValueError(f"generate: prompt {i} has {len(prompt)} tokens but the model context is {limit}; "
+                                 f"shorten the prompt to at most {limit - 1} tokens")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab}); check the tokenizer")
+            budget = min(params.max_new_tokens, limit - len(prompt))
+            requests += [Request(i, j, list(prompt), budget) for j in range(params.n)]
+        return requests
+
+    def _generator(self, seed: int | None) -> torch.Generator:
+        gen = torch.Generator(device=self.runner.device)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(int(seed))
+        return gen
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        self._check_open()
+        if not prompts:
+            return []
+        if params.eos_bias and not self.eos_ids:
+            raise ValueError("SamplingParams.eos_bias needs an EOS token; the model config and tokenizer define none")
+        requests = self._capped_requests(prompts, params)
+        stop = StopRule(self.eos_ids | set(params.stop_token_ids), params.stop_strings, self.tokenizer)
+        sched = Scheduler(requests, self.max_batch, self.refill)
+        step = _Step(self, params, stop, self._generator(params.seed))
+        batch: KVBatch | None = None
+        with torch.inference_mode():
+            while sched.has_work():
+                admitted = sched.admit()
+                if admitted:
+                    batch = step.admit(batch, admitted, sched)
+                if batch is not None:
+                    batch = step.decode(batch, sched)
+        return self._completions(requests, len(prompts), params.n)
+
+    def _completions(self, requests: list[Request], num_prompts: int, n: int) -> list[list[Completion]]:
+        out: list[list[Completion]] = [[None] * n for _ in range(num_prompts)]  # type: ignore[list-item]
+        for r in requests:
+            text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+            out[r.prompt_index][r.sample_index] = Completion(r.token_ids, r.logprobs, r.versions,
+                                                             r.finish_reason or "abort", text)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self.model = None
+            self.runner = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.model is None:
+            raise RuntimeError("NativeEngine is closed; create a new engine")
+
+
+class _Step:
+    """One generate call's step functions: admission (prefill + first token) and decode."""
+
+    def __init__(self, engine: NativeEngine, params: SamplingParams, stop: StopRule, gen: torch.Generator):
+        self.engine, self.runner, self.params, self.stop, self.gen = engine, engine.runner, params, stop, gen
+        self.eos = tuple(sorted(engine.eos_ids))
+
+    def admit(self, batch: KVBatch | None, admitted: list[Request], sched: Scheduler) -> KVBatch | None:
+        """Prefill each distinct prompt once, replicate its rows to its samples, merge into the batch."""
+        with self.engine._lock:
+            version = self.engine.version
+            first_row: dict[int, int] = {}
+            unique: list[list[int]] = []
+            for r in admitted:
+                if r.prompt_index not in first_row:
+                    first_row[r.prompt_index] = len(unique)
+                    unique.append(r.prompt_ids)
+            new, logits = self.runner.prefill(unique)
+            rows = torch.tensor([first_row[r.prompt_index] for r in admitted], dtype=torch.long)
+            if len(unique) < len(admitted):
+                new = self.runner.select(new, rows)
+                logits = logits[rows.to(logits.device)]
+            merged = new if batch is None else self.runner.merge(batch, new)
+            # Rows already running keep their pending token; only the new rows sample now.
+            n_old = 0 if batch is None else batch.size
+            return self._sample_rows(merged, logits, n_old, sched, version)
+
+    def _sample_rows(self, merged: KVBatch, logits: torch.Tensor, n_old: int, sched: Scheduler,
+                     version: int) -> KVBatch | None:
+        p = self.params
+        tokens, logprobs = sample(logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                  eos_ids=self.eos, eos_bias=p.eos_bias, generator=self.gen)
+        merged.last_tok = torch.cat([merged.last_tok[:n_old], tokens])
+        for req, tok, lp in zip(sched.running[n_old:], tokens.tolist(), logprobs.tolist(), strict=True):
+            req.append(tok, lp, version)
+            req.finish_reason = self.stop.finish_reason(req)
+        keep = sched.retire()
+        if not keep:
+            return None
+        if len(keep) < merged.size:
+            merged = self.runner.select(merged, torch.tensor(keep, dtype=torch.long))
+        return merged
+
+    def decode(self, batch: KVBatch, sched: Scheduler) -> KVBatch | None:
+        with self.engine._lock:
+            version = self.engine.version
+            logits = self.runner.decode(batch)
+            return self._sample_rows(batch, logits, 0, sched, version)

@@ -1,0 +1,108 @@
+"""Requests and the admission scheduler of the native engine.
+
+Contract
+- A ``Request`` is one sequence being generated: its prompt, its own token budget
+  (already capped by the model's context), and the tokens, logprobs and versions
+  produced so far, plus its finish reason once it has one.
+- ``StopRule.finish_reason(request)`` decides, right after a token is appended,
+  whether the request is done: a stop token, then a stop string found in the tail
+  of the decoded completion, then the token budget.
+- ``Scheduler`` keeps a FIFO ``waiting`` queue and the ``running`` list, whose
+  order is the row order of the model runner's batch. ``admit()`` moves requests
+  from waiting to the end of running; ``retire()`` drops finished requests from
+  running and returns the row indices that stay.
+
+Admission policy (admission waves with a refill threshold): new requests are
+admitted when the batch is empty, or when at least ``refill`` slots are free
+(``refill`` defaults to a quarter of ``max_batch``), or when every waiting request
+fits. Each admission costs a prefill plus one copy of the running KV cache (to
+merge the rows), so admitting in waves amortises that copy over several slots
+while still refilling long before the batch drains. Samples of one prompt are
+admitted next to each other so they can share one prefill.
+
+It knows nothing of tensors or models: the engine turns admissions into
+prefills and retirements into row selections.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Request:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, logprob: float, version: int) -> None:
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.versions.append(version)
+
+
+class StopRule:
+    """When a request is finished, given the token it just appended."""
+
+    # Extra tokens decoded before the window, so tokenizers that render a token's
+    # leading space or a multi-byte character differently at the start of a
+    # decode cannot hide a stop string from the window's end.
+    _MARGIN = 4
+
+    def __init__(self, stop_token_ids: set[int], stop_strings: tuple[str, ...], tokenizer=None):
+        if stop_strings and tokenizer is None:
+            raise ValueError("SamplingParams.stop_strings need a tokenizer; construct NativeEngine with tokenizer=...")
+        self.stop_token_ids = stop_token_ids
+        self.stop_strings = stop_strings
+        self.tokenizer = tokenizer
+        # A stop string that ends at the newest token spans at most len(s) tokens,
+        # since every token decodes to at least one character.
+        self._window = max((len(s) for s in stop_strings), default=0) + self._MARGIN
+
+    def finish_reason(self, req: Request) -> str | None:
+        if req.token_ids[-1] in self.stop_token_ids:
+            return "stop"
+        if self.stop_strings:
+            tail = self.tokenizer.decode(req.token_ids[-self._window:], skip_special_tokens=True)
+            if any(s in tail for s in self.stop_strings):
+                return "stop"
+        if len(req.token_ids) >= req.max_new_tokens:
+            return "length"
+        return None
+
+
+class Scheduler:
+    def __init__(self, requests: list[Request], max_batch: int, refill: int | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.refill = max(1, refill if refill is not None else max_batch // 4)
+        self.waiting: deque[Request] = deque(requests)
+        self.running: list[Request] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def admit(self) -> list[Request]:
+        free = self.max_batch - len(self.running)
+        if not self.waiting or free <= 0:
+            return []
+        if self.running and free < min(self.refill, len(self.waiting)):
+            return []
+        admitted = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        self.running.extend(admitted)
+        return admitted
+
+    def retire(self) -> list[int]:
+        keep = [i for i, r in enumerate(self.running) if not r.finished]
+        self.running = [self.running[i] for i in keep]
+        return keep

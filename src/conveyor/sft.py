@@ -1,0 +1,43 @@
+"""Supervised warm-start: teach the policy the task's answer format before RL.
+
+Contract: ``warm_start(trainer, tokenizer, tasks, cfg, seed, log)`` runs
+``cfg.steps`` optimizer steps of next-token NLL on prompt + reference answer
++ EOS (loss only on the answer and EOS) through the ordinary ``Trainer``,
+with batches drawn by a seeded RNG, and returns the last losses. It knows
+nothing of rewards, engines or evaluation; the caller evaluates before and
+after.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from conveyor.objective import sft_loss
+from conveyor.types import Batch, Task
+
+
+def sft_batch(tokenizer, tasks: list[Task], add_special_tokens: bool = False) -> Batch:
+    ids, masks = [], []
+    for t in tasks:
+        if t.answer is None:
+            raise ValueError(f"task {t.id!r} has no answer; the warm-start needs reference answers "
+                             "(set sft.steps=0 to skip it)")
+        p = tokenizer(t.prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        a = tokenizer(t.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids.append(torch.tensor(p + a, dtype=torch.long))
+        masks.append(torch.tensor([0.0] * len(p) + [1.0] * len(a)))
+    return Batch(ids, masks, {})
+
+
+def warm_start(trainer, tokenizer, source, steps: int, batch_size: int, seed: int,
+               add_special_tokens: bool = False, log=None) -> list[float]:
+    rng = random.Random(f"sft-{seed}")
+    losses = []
+    for step in range(steps):
+        tasks = [source[rng.randrange(len(source))] for _ in range(batch_size)]
+        m = trainer.train(sft_batch(tokenizer, tasks, add_special_tokens), sft_loss)
+        losses.append(m["loss"])
+        if log is not None:
+            log(step, {"sft_loss": m["loss"], "lr": m.get("lr", 0.0)})
+    return losses

@@ -1,0 +1,100 @@
+"""The trainer role's contract: a Batch and a loss function in, new weights out.
+
+Contract
+- ``LossFn`` is any callable ``loss_fn(out, mb, num_tokens, num_seqs) ->
+  (loss, metrics)``. The trainer calls it once per micro-batch and sums the
+  gradients of the returned losses, then takes one optimizer step per
+  mini-batch. Because ``num_tokens`` / ``num_seqs`` are totals over the whole
+  mini-batch, a loss that divides by them gives the same gradient however the
+  mini-batch is cut into micro-batches.
+
+  ``out`` (all ``[b, L]``, aligned with ``mb["input_ids"]``):
+    * ``"logprobs"``: ``out["logprobs"][i, t] = log p(x_t | x_<t)``, i.e.
+      ``log_softmax(logits[i, t-1] / temperature)[x_t]``; position 0 and
+      padding are 0.0. Carries gradient.
+    * ``"entropy"``: entropy of the same predictive distribution (the one
+      that scored token t), only when ``getattr(loss_fn, "needs_entropy",
+      False)`` is true; 0.0 at position 0 and padding.
+    * ``"values"``: critic value for position t, i.e. the critic's output at
+      position t-1 (the state before token t was emitted), only when the
+      trainer has a critic; 0.0 at position 0 and padding.
+  ``mb``: ``"input_ids"`` (long, right-padded), ``"attention_mask"`` (1 on
+  real tokens), ``"loss_mask"`` (float) and every ``Batch.fields`` entry
+  under its own name, padded with 0, on the trainer's device.
+
+- ``Trainer`` is what the loop holds. Per-sample results are 1-D CPU float32
+  tensors aligned with ``batch.input_ids[i]`` (same convention as
+  ``out["logprobs"]``) and computed without gradient.
+
+The trainer knows nothing about RL: advantages, clipping, KL and staleness
+live in the loss function and the loop. This module holds only protocols.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from conveyor.types import Batch
+
+
+@runtime_checkable
+class LossFn(Protocol):
+    """``(out, mb, num_tokens, num_seqs) -> (scalar loss, metrics)``.
+
+    Optional attribute ``needs_entropy: bool`` (read with ``getattr``, default
+    False) asks the trainer for ``out["entropy"]``; computing it costs one
+    more pass over the vocabulary, so it is off unless asked for.
+    """
+
+    def __call__(
+        self,
+        out: dict[str, "torch.Tensor"],
+        mb: dict[str, "torch.Tensor"],
+        num_tokens: float,
+        num_seqs: int,
+    ) -> tuple["torch.Tensor", dict[str, float]]: ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """Policy (plus optional frozen reference and critic) and its optimizer."""
+
+    @property
+    def step(self) -> int:
+        """Number of completed ``train()`` calls (the policy version it has produced)."""
+        ...
+
+    def logprobs(self, batch: "Batch") -> list["torch.Tensor"]:
+        """Current policy's per-token logprobs, one 1-D tensor per sample."""
+        ...
+
+    def ref_logprobs(self, batch: "Batch") -> list["torch.Tensor"]:
+        """Frozen reference model's logprobs; raises if no reference is kept."""
+        ...
+
+    def values(self, batch: "Batch") -> list["torch.Tensor"]:
+        """Critic values (aligned like logprobs); raises if there is no critic."""
+        ...
+
+    def train(self, batch: "Batch", loss_fn: LossFn) -> dict[str, float]:
+        """Update the weights on ``batch`` with ``loss_fn``; returns metrics."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """Policy tensors named as in ``model.state_dict()``, for publishing to engines."""
+        ...
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """Write a resumable checkpoint; ``extra`` (JSON) comes back from ``load``."""
+        ...
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore a checkpoint written by ``save``; returns its ``extra``."""
+        ...
+
+    def export_hf(self, path: str | Path) -> None:
+        """Write the current policy as a plain Hugging Face checkpoint."""
+        ...

@@ -1,0 +1,215 @@
+"""Resumable trainer checkpoints and plain Hugging Face exports.
+
+Contract
+- ``save_checkpoint(trainer, dir, extra)`` writes::
+
+      dir/policy/               the policy via save_pretrained (safetensors), plus
+                                tokenizer files found in trainer.source_dir
+      dir/critic.safetensors    the critic (backbone + value head), if any
+      dir/training_state.pt     trainer.training_state(): optimizers, LR schedulers, step
+      dir/rng.pt                python random, numpy (if installed), torch CPU and CUDA RNG
+      dir/extra.json            ``extra`` (the loop's data cursor, step, ...)
+
+  The directory is assembled under a temporary sibling name and renamed into
+  place, so a crash mid-save never leaves a half-written ``dir``; an older
+  ``dir`` is moved aside first and deleted after the rename (the only window
+  without a checkpoint at ``dir`` is between two renames).
+- ``load_checkpoint(trainer, dir) -> extra`` restores all of the above into an
+  existing trainer in place (parameters keep their identity, so optimizer
+  references stay valid). The frozen reference model is NOT saved: it is
+  whatever the trainer was constructed from, so resume from the same initial
+  model, not from ``dir/policy``.
+- ``export_hf(dir, out)`` copies ``dir/policy`` to ``out``: a plain HF
+  checkpoint any ``from_pretrained`` reads. ``export_policy(trainer, out)``
+  writes the trainer's current policy the same way.
+
+The trainer is duck-typed: it needs ``model`` (a ``PreTrainedModel``),
+``critic`` (an ``nn.Module`` or None), ``source_dir`` (a path or None),
+``training_state()`` and ``load_training_state(state)``. This module does not
+know what the extra state means, nor anything about training.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+# Files a tokenizer may consist of; copied next to the weights so that an
+# exported directory is usable without the original checkpoint.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+    "chat_template.jinja", "chat_template.json",
+)
+
+
+@contextlib.contextmanager
+def _atomic_dir(final: str | Path) -> Iterator[Path]:
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_tokenizer_files(src: Path | None, dst: Path) -> list[str]:
+    """Copy the tokenizer files present in ``src`` to ``dst``; returns their names."""
+    if src is None or not Path(src).is_dir():
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is optional
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # As a tensor so the file loads with torch.load(weights_only=True).
+    state["numpy"] = (name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        try:
+            import numpy as np
+        except ImportError:  # pragma: no cover
+            return
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def save_checkpoint(trainer: Any, path: str | Path, extra: dict[str, Any]) -> Path:
+    """Write a resumable checkpoint of ``trainer`` to ``path`` (atomically); returns ``path``."""
+    try:
+        extra_text = json.dumps(extra, indent=2, sort_keys=True)
+    except TypeError as e:
+        raise TypeError(f"checkpoint extra must be JSON-serialisable ({e}); pass plain numbers/strings/lists") from None
+    with _atomic_dir(path) as tmp:
+        trainer.model.save_pretrained(tmp / "policy")
+        copy_tokenizer_files(trainer.source_dir, tmp / "policy")
+        if trainer.critic is not None:
+            from safetensors.torch import save_model
+
+            save_model(trainer.critic, str(tmp / "critic.safetensors"))
+        torch.save(trainer.training_state(), tmp / "training_state.pt")
+        torch.save(_rng_state(), tmp / "rng.pt")
+        (tmp / "extra.json").write_text(extra_text)
+    return Path(path)
+
+
+def _read_policy_tensors(policy_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = policy_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (policy_dir / name).is_file():
+            raise FileNotFoundError(f"checkpoint policy file {policy_dir / name} is missing; the checkpoint is incomplete")
+        state.update(load_file(str(policy_dir / name)))
+    return state
+
+
+def _key_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
+    own = model.state_dict()
+    # Tied weights (e.g. lm_head = embed_tokens) are saved once; a missing
+    # name is fine when it shares storage with a name that is present.
+    loaded_ptrs = {own[k].data_ptr() for k in state if k in own}
+    missing = [k for k in own if k not in state and own[k].data_ptr() not in loaded_ptrs]
+    unexpected = [k for k in state if k not in own]
+    return missing + unexpected
+
+
+def load_policy_weights(model: torch.nn.Module, policy_dir: str | Path) -> None:
+    """Copy the weights saved in ``policy_dir`` into ``model`` in place."""
+    policy_dir = Path(policy_dir)
+    state = _read_policy_tensors(policy_dir)
+    if _key_mismatch(model, state):
+        # Some architectures rename or fuse tensors on save; from_pretrained
+        # knows how to undo that, at the cost of a temporary second copy.
+        from transformers import AutoModelForCausalLM
+
+        state = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32).state_dict()
+        bad = _key_mismatch(model, state)
+        if bad:
+            raise ValueError(f"checkpoint {policy_dir} does not match the trainer's model "
+                             f"(e.g. {bad[:3]}); resume with the same model architecture")
+    model.load_state_dict(state, strict=False)
+
+
+def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
+    """Restore weights, optimizer/scheduler/step and RNG state; returns the saved ``extra``."""
+    path = Path(path)
+    if not (path / "policy").is_dir() or not (path / "training_state.pt").is_file():
+        raise FileNotFoundError(f"{path} is not a conveyor checkpoint (needs policy/ and training_state.pt); "
+                                "pass a directory written by save_checkpoint")
+    load_policy_weights(trainer.model, path / "policy")
+    critic_file = path / "critic.safetensors"
+    if trainer.critic is not None:
+        if not critic_file.is_file():
+            raise FileNotFoundError(f"{critic_file} is missing but the trainer has a critic; set trainer.critic=false "
+                                    "or resume from a checkpoint saved with a critic")
+        from safetensors.torch import load_model
+
+        load_model(trainer.critic, str(critic_file))
+    trainer.load_training_state(torch.load(path / "training_state.pt", weights_only=True))
+    _set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return json.loads((path / "extra.json").read_text())
+
+
+def export_hf(path: str | Path, out: str | Path) -> Path:
+    """Copy ``path/policy`` (weights, config, tokenizer files) to ``out`` as a plain HF checkpoint."""
+    policy = Path(path) / "policy"
+    if not policy.is_dir():
+        raise FileNotFoundError(f"{policy} does not exist; pass a checkpoint directory written by save_checkpoint")
+    with _atomic_dir(out) as tmp:
+        for item in policy.iterdir():
+            if item.is_file():
+                shutil.copy2(item, tmp / item.name)
+    return Path(out)
+
+
+def export_policy(trainer: Any, out: str | Path) -> Path:
+    """Write the trainer's current policy (and tokenizer files, if known) to ``out``."""
+    with _atomic_dir(out) as tmp:
+        trainer.model.save_pretrained(tmp)
+        copy_tokenizer_files(trainer.source_dir, tmp)
+    return Path(out)

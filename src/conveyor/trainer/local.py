@@ -1,0 +1,425 @@
+"""Single-device trainer: a Hugging Face causal LM, AdamW, and a token budget.
+
+Contract (see ``trainer/api.py`` for the loss-function and output alignment)
+- ``LocalTrainer(model_path_or_model, cfg, total_steps, temperature, pad_token_id)``
+  holds the policy in float32 on one device (``cfg.device``; "auto" picks CUDA
+  when available). On CUDA with ``cfg.autocast_bf16`` forwards run under bf16
+  autocast; on CPU nothing is cast, so CPU runs are exact and deterministic.
+- ``train(batch, loss_fn)`` makes ``cfg.ppo_epochs`` passes; each pass cuts
+  the batch into ``cfg.mini_batches`` contiguous chunks (same chunks every
+  pass, sizes differing by at most one) and takes one optimizer step per
+  chunk: zero grad, one backward per micro-batch (``plan_microbatches`` with
+  ``cfg.micro_batch_tokens``), clip, step. ``num_tokens`` given to the loss is
+  the chunk's loss-token count, floored at 1 so an all-masked chunk gives a
+  zero loss rather than 0/0.
+- The LR schedule counts ``train()`` calls, not optimizer steps: the
+  scheduler steps once per call, so ``cfg.warmup_steps`` and ``total_steps``
+  are in loop steps whatever ``ppo_epochs`` / ``mini_batches`` are. The
+  multiplier for call k (0-based) is ``lr_multiplier(k, ...)``.
+- ``total_steps`` (the argument) is authoritative for decaying schedules; the
+  caller resolves ``cfg.total_steps`` against the loop's step count.
+- A non-finite loss or gradient norm raises ``NonFiniteLossError`` naming the
+  step, epoch, mini-batch and micro-batch; the offending mini-batch takes no
+  optimizer step (earlier mini-batches of the same call already have).
+- Optional frozen reference (``cfg.reference``): a deep copy of the policy at
+  construction. Optional critic (``cfg.critic``): a copy of the backbone plus
+  a ``Linear(hidden, 1)`` head with its own AdamW (``cfg.critic_lr``, same
+  schedule shape), stepped together with the policy.
+
+It does not know what the loss computes, where the batch came from, or how
+weights reach engines (``named_weights`` just yields the live tensors).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.config import TrainerConfig
+from conveyor.trainer import checkpoint
+from conveyor.trainer.api import LossFn
+from conveyor.trainer.microbatch import collate, plan_microbatches
+from conveyor.types import Batch
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A loss or gradient norm was NaN/inf; no optimizer step was taken for that mini-batch."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"trainer.device={name!r} but CUDA is not available; set trainer.device=cpu or auto")
+    return dev
+
+
+def lr_multiplier(step: int, warmup: int, total: int, schedule: str) -> float:
+    """LR factor for ``train()`` call ``step`` (0-based).
+
+    warmup (step < warmup): (step + 1) / warmup, so the first call already
+    learns and call ``warmup - 1`` runs at the full LR.
+    afterwards, with p = (step - warmup) / max(1, total - warmup) clipped to [0, 1]:
+    constant 1; linear 1 - p; cosine 0.5 * (1 + cos(pi * p)). Both decays reach
+    0 at step == total.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    p = min(1.0, max(0.0, (step - warmup) / max(1, total - warmup)))
+    if schedule == "linear":
+        return 1.0 - p
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * p))
+    raise ValueError(f"unknown trainer.lr_schedule {schedule!r}; use constant, linear or cosine")
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    # Counting real tokens gives arange for right padding (and would also be
+    # right for left padding); padding positions get 0, they are masked anyway.
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    temperature: float = 1.0, with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, L, V] logits -> [b, L] logprob of each token given its prefix (and entropy).
+
+    Position t holds log_softmax(logits[t-1] / temperature)[x_t]; position 0
+    and padding hold 0.0. Only the target's logprob is gathered (logsumexp
+    minus the target score) instead of keeping a full log_softmax tensor.
+    """
+    # The float32 copy of [b, L-1, V] is the peak memory of the step for large
+    # vocabularies; chunking over the sequence (or fusing with the lm_head) is
+    # the remedy when that matters.
+    scores = logits[:, :-1].float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    lse = torch.logsumexp(scores, dim=-1)
+    target = scores.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    mask = attention_mask[:, 1:].to(lse.dtype)
+    logprobs = F.pad((target - lse) * mask, (1, 0))
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(scores, dim=-1)
+        entropy = F.pad((lse - (probs * scores).sum(-1)) * mask, (1, 0))
+    return logprobs, entropy
+
+
+def shift_right(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, L] -> [b, L] with out[:, t] = x[:, t-1], 0 at position 0 and padding."""
+    return F.pad(x[:, :-1], (1, 0)) * attention_mask.to(x.dtype)
+
+
+class ValueModel(nn.Module):
+    """Backbone (decoder without lm_head) + Linear(hidden, 1): one value per position."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, seed: int = 0):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden_size, 1)
+        # A private generator keeps the head's init independent of (and from
+        # disturbing) the global RNG, so runs stay reproducible.
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.randn(self.head.weight.shape, generator=gen) / math.sqrt(hidden_size))
+            self.head.bias.zero_()
+
+    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=False).last_hidden_state
+        return self.head(h).squeeze(-1).float()
+
+
+def _load_policy(src: Any) -> tuple[nn.Module, Path | None]:
+    if isinstance(src, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        # Master weights stay float32 whatever the checkpoint dtype: AdamW on
+        # bf16 weights loses small updates. bf16 comes from autocast instead.
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+        return model, Path(src) if Path(src).is_dir() else None
+    if not isinstance(src, nn.Module):
+        raise TypeError(f"LocalTrainer: expected a checkpoint path or a torch model, got {type(src).__name__}")
+    name = getattr(src, "name_or_path", "") or ""
+    return src, Path(name) if name and Path(name).is_dir() else None
+
+
+def _enable_checkpointing(model: nn.Module) -> None:
+    kwargs = {"use_reentrant": False}  # the non-reentrant form needs no input that requires grad
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _split(n: int, parts: int) -> list[list[int]]:
+    if parts > n:
+        raise ValueError(f"trainer.mini_batches={parts} exceeds the batch's {n} samples; lower trainer.mini_batches")
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for k in range(parts):
+        size = base + (1 if k < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+class _MetricMean:
+    """Loss-function metrics averaged over micro-batches, weighted by their loss tokens."""
+
+    def __init__(self) -> None:
+        self.wsum: dict[str, float] = {}
+        self.plain: dict[str, float] = {}
+        self.weight = 0.0
+        self.count = 0
+
+    def add(self, metrics: dict[str, Any], weight: float) -> None:
+        for k, v in metrics.items():
+            v = float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+            self.wsum[k] = self.wsum.get(k, 0.0) + weight * v
+            self.plain[k] = self.plain.get(k, 0.0) + v
+        self.weight += weight
+        self.count += 1
+
+    def result(self) -> dict[str, float]:
+        if self.weight > 0:
+            return {k: v / self.weight for k, v in self.wsum.items()}
+        # No loss tokens anywhere: weights are all 0, fall back to a plain mean.
+        return {k: v / max(1, self.count) for k, v in self.plain.items()}
+
+
+class LocalTrainer:
+    """Policy (+ optional reference and critic) on one device; implements ``Trainer``."""
+
+    def __init__(self, model_path_or_model: Any, cfg: TrainerConfig, total_steps: int,
+                 temperature: float = 1.0, pad_token_id: int = 0):
+        if temperature <= 0:
+            raise ValueError(f"LocalTrainer: temperature must be > 0 (got {temperature}); "
+                             "logprobs of greedy sampling are not defined")
+        self.cfg = cfg
+        self.total_steps = int(total_steps)
+        self.temperature = float(temperature)
+        self.pad_token_id = int(pad_token_id)
+        self.device = resolve_device(cfg.device)
+        self.model, self.source_dir = _load_policy(model_path_or_model)
+        # Copies are taken before training ever touches the weights.
+        self.reference = copy.deepcopy(self.model) if cfg.reference else None
+        self.critic = None
+        if cfg.critic:
+            backbone = copy.deepcopy(self.model.base_model)
+            self.critic = ValueModel(backbone, self.model.config.hidden_size).to(self.device)
+        self.model.to(self.device)
+        if self.reference is not None:
+            self.reference.to(self.device).eval().requires_grad_(False)
+        if cfg.gradient_checkpointing:
+            _enable_checkpointing(self.model)
+            if self.critic is not None:
+                _enable_checkpointing(self.critic.backbone)
+        self.model.eval()
+        self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), cfg.lr)
+        self.critic_optimizer = self.critic_scheduler = None
+        if self.critic is not None:
+            self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic.parameters(), cfg.critic_lr)
+        self._step = 0
+
+    def _optimizer(self, params, lr: float):
+        opt = torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr,
+                                betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
+        cfg, total = self.cfg, self.total_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_multiplier(s, cfg.warmup_steps, total, cfg.lr_schedule))
+        return opt, sched
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    # ----------------------------------------------------------------- forward
+    def _autocast(self):
+        if self.device.type == "cuda" and self.cfg.autocast_bf16:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+
+    def _policy_out(self, model: nn.Module, mb: dict[str, torch.Tensor],
+                    with_entropy: bool) -> dict[str, torch.Tensor]:
+        ids, am = mb["input_ids"], mb["attention_mask"]
+        with self._autocast():
+            logits = model(input_ids=ids, attention_mask=am, position_ids=position_ids(am),
+                           use_cache=False).logits
+        lp, ent = token_logprobs(logits, ids, am, self.temperature, with_entropy)
+        out = {"logprobs": lp}
+        if ent is not None:
+            out["entropy"] = ent
+        return out
+
+    def _values_out(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        am = mb["attention_mask"]
+        with self._autocast():
+            v = self.critic(mb["input_ids"], am, position_ids(am))
+        return shift_right(v, am)
+
+    @torch.no_grad()
+    def _per_sample(self, batch: Batch, fn) -> list[torch.Tensor]:
+        lengths = [int(x.numel()) for x in batch.input_ids]
+        result: list[torch.Tensor | None] = [None] * len(batch)
+        for idx in plan_microbatches(lengths, self.cfg.micro_batch_tokens):
+            mb = self._to_device(collate(batch, idx, self.pad_token_id))
+            values = fn(mb).float().cpu()
+            for row, i in enumerate(idx):
+                result[i] = values[row, : lengths[i]].clone()
+        return result  # type: ignore[return-value]
+
+    def logprobs(self, batch: Batch) -> list[torch.Tensor]:
+        self.model.eval()
+        return self._per_sample(batch, lambda mb: self._policy_out(self.model, mb, False)["logprobs"])
+
+    def ref_logprobs(self, batch: Batch) -> list[torch.Tensor]:
+        if self.reference is None:
+            raise RuntimeError("ref_logprobs needs a frozen reference model; set trainer.reference=true")
+        return self._per_sample(batch, lambda mb: self._policy_out(self.reference, mb, False)["logprobs"])
+
+    def values(self, batch: Batch) -> list[torch.Tensor]:
+        if self.critic is None:
+            raise RuntimeError("values needs a critic; set trainer.critic=true")
+        self.critic.eval()
+        return self._per_sample(batch, self._values_out)
+
+    # ------------------------------------------------------------------- train
+    def train(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        if len(batch) == 0:
+            raise ValueError("LocalTrainer.train: the batch is empty; the loop must pass at least one sample")
+        start = time.perf_counter()
+        chunks = _split(len(batch), self.cfg.mini_batches)
+        lr = self.optimizer.param_groups[0]["lr"]
+        means = _MetricMean()
+        totals = {"loss": 0.0, "grad_norm": 0.0, "critic_grad_norm": 0.0, "microbatches": 0}
+        self.model.train()
+        if self.critic is not None:
+            self.critic.train()
+        try:
+            for epoch in range(self.cfg.ppo_epochs):
+                for k, idx in enumerate(chunks):
+                    self._update(batch.select(idx), loss_fn, means, totals, f"epoch {epoch}, mini-batch {k}")
+        finally:
+            # Gradients are as large as the model; free them between steps so
+            # a colocated engine can use the memory.
+            self._zero_grad()
+            self.model.eval()
+        self.scheduler.step()
+        if self.critic_scheduler is not None:
+            self.critic_scheduler.step()
+        self._step += 1
+        updates = self.cfg.ppo_epochs * len(chunks)
+        metrics = {
+            "loss": totals["loss"] / updates, "grad_norm": totals["grad_norm"] / updates, "lr": lr,
+            "num_tokens": float(batch.num_tokens), "num_seqs": float(len(batch)),
+            "microbatches": float(totals["microbatches"]),
+        }
+        if self.critic is not None:
+            metrics["critic_grad_norm"] = totals["critic_grad_norm"] / updates
+        for key, value in means.result().items():
+            metrics[f"loss_fn/{key}" if key in metrics else key] = value
+        metrics["time_s"] = time.perf_counter() - start
+        return metrics
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.zero_grad(set_to_none=True)
+
+    def _update(self, mini: Batch, loss_fn: LossFn, means: _MetricMean, totals: dict, where: str) -> None:
+        """One optimizer step on one mini-batch: accumulate micro-batch gradients, clip, step."""
+        self._zero_grad()
+        num_tokens = max(float(mini.num_tokens), 1.0)
+        needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        plan = plan_microbatches([int(x.numel()) for x in mini.input_ids], self.cfg.micro_batch_tokens)
+        for j, idx in enumerate(plan):
+            mb = self._to_device(collate(mini, idx, self.pad_token_id))
+            out = self._policy_out(self.model, mb, needs_entropy)
+            if self.critic is not None:
+                out["values"] = self._values_out(mb)
+            loss, metrics = loss_fn(out, mb, num_tokens, len(mini))
+            value = self._check_loss(loss, f"{where}, micro-batch {j}")
+            loss.backward()
+            totals["loss"] += value
+            totals["microbatches"] += 1
+            means.add(metrics, float(mb["loss_mask"].sum()))
+        totals["grad_norm"] += self._clip(self.model.parameters(), f"{where} (policy)")
+        if self.critic is not None:
+            totals["critic_grad_norm"] += self._clip(self.critic.parameters(), f"{where} (critic)")
+            self.critic_optimizer.step()
+        self.optimizer.step()
+
+    def _check_loss(self, loss: Any, where: str) -> float:
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise TypeError(f"loss_fn must return a scalar tensor as its loss ({where}); "
+                            f"got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
+        if not loss.requires_grad:
+            raise TypeError(f"loss_fn returned a loss without gradient ({where}); build it from out['logprobs']")
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise NonFiniteLossError(
+                f"trainer step {self._step}, {where}: loss is {value}; no optimizer step was taken "
+                "(check the loss inputs, e.g. advantages and logprob ratios, and the learning rate)")
+        return value
+
+    def _clip(self, params, where: str) -> float:
+        params = [p for p in params if p.grad is not None]
+        # max_norm=inf makes clip_grad_norm_ a pure norm computation (coef clamps to 1).
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        if not math.isfinite(norm):
+            raise NonFiniteLossError(
+                f"trainer step {self._step}, {where}: gradient norm is {norm}; no optimizer step was taken "
+                "(the loss is finite but its gradient is not; check for log(0) or division by ~0 in the loss)")
+        return norm
+
+    # ----------------------------------------------------- weights and files
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Live policy tensors (no copy) named as in ``state_dict()``; copy before the next train()."""
+        yield from self.model.state_dict().items()
+
+    def training_state(self) -> dict[str, Any]:
+        """Optimizer, scheduler and step state (everything but weights and RNG) for checkpoints."""
+        state = {"step": self._step, "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict()}
+        if self.critic_optimizer is not None:
+            state["critic_optimizer"] = self.critic_optimizer.state_dict()
+            state["critic_scheduler"] = self.critic_scheduler.state_dict()
+        return state
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        has_critic = "critic_optimizer" in state
+        if has_critic != (self.critic is not None):
+            raise ValueError(
+                f"checkpoint {'has' if has_critic else 'has no'} critic but this trainer "
+                f"{'has none' if has_critic else 'has one'}; set trainer.critic={str(has_critic).lower()}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if has_critic:
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+            self.critic_scheduler.load_state_dict(state["critic_scheduler"])
+        self._step = int(state["step"])
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        checkpoint.save_checkpoint(self, path, extra or {})
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        return checkpoint.load_checkpoint(self, path)
+
+    def export_hf(self, path: str | Path) -> None:
+        checkpoint.export_policy(self, path)

@@ -1,0 +1,88 @@
+"""Token-budget micro-batching: which samples share a forward pass, and padding.
+
+Contract
+- ``plan_microbatches(lengths, max_tokens)`` returns lists of sample indices
+  (into ``lengths``) that together cover every sample exactly once. Samples
+  are taken longest first (ties by index, so the plan is deterministic) and a
+  micro-batch grows while its PADDED cost ``(count + 1) * max_len`` stays
+  within ``max_tokens``; ``max_len`` is the first (longest) member's length.
+  A single sequence longer than the budget gets a micro-batch of its own: it
+  is never dropped or truncated, so the budget is a target, not a hard cap.
+- ``collate(batch, idx, pad_id)`` right-pads the selected samples into
+  ``[b, L]`` tensors: ``input_ids`` (pad ``pad_id``), ``attention_mask``
+  (1 on real tokens), ``loss_mask`` (float, 0 on padding) and every
+  ``Batch.fields`` entry under its own name (0 on padding, dtype kept).
+
+This module does not know what the tensors are for, which device they go to
+or how a loss normalises; it only groups and pads.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.types import Batch
+
+
+def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group sample indices so each group's padded size fits ``max_tokens``.
+
+    >>> plan_microbatches([3, 5, 2, 5], 10)
+    [[1, 3], [0, 2]]
+    """
+    if max_tokens < 1:
+        raise ValueError(f"plan_microbatches: max_tokens must be >= 1, got {max_tokens}")
+    # Longest first keeps similar lengths together, which minimises padding;
+    # the index tie-break makes the plan independent of sort stability.
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    plan: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > max_tokens:
+            plan.append(current)
+            current = []
+        current.append(i)
+    if current:
+        plan.append(current)
+    return plan
+
+
+def _pad(seqs: list[torch.Tensor], length: int, value: float | int) -> torch.Tensor:
+    out = torch.full((len(seqs), length), value, dtype=seqs[0].dtype)
+    for row, s in enumerate(seqs):
+        out[row, : s.numel()] = s
+    return out
+
+
+def _check_aligned(batch: "Batch", idx: list[int]) -> None:
+    # A misaligned field would silently shift advantages against tokens, so
+    # fail loudly here, where the sample index is still known.
+    for i in idx:
+        n = batch.input_ids[i].numel()
+        named = [("loss_mask", batch.loss_mask[i])] + [(k, v[i]) for k, v in batch.fields.items()]
+        for name, t in named:
+            if t.numel() != n:
+                raise ValueError(
+                    f"Batch sample {i}: {name} has {t.numel()} entries but input_ids has {n}; "
+                    "every field must be aligned with input_ids")
+
+
+def collate(batch: "Batch", idx: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad samples ``idx`` of ``batch`` into ``[len(idx), max_len]`` tensors (on CPU)."""
+    if not idx:
+        raise ValueError("collate: idx is empty; a micro-batch needs at least one sample")
+    _check_aligned(batch, idx)
+    ids = [batch.input_ids[i].reshape(-1).long() for i in idx]
+    length = max(s.numel() for s in ids)
+    out = {
+        "input_ids": _pad(ids, length, pad_id),
+        "attention_mask": _pad([torch.ones_like(s) for s in ids], length, 0),
+        "loss_mask": _pad([batch.loss_mask[i].reshape(-1).float() for i in idx], length, 0.0),
+    }
+    for name, values in batch.fields.items():
+        if name in out:
+            raise ValueError(f"Batch field {name!r} clashes with a collated tensor; rename the field")
+        out[name] = _pad([values[i].reshape(-1) for i in idx], length, 0)
+    return out

@@ -1,0 +1,80 @@
+"""Values of the rule verifiers, and reward lookup by name."""
+import threading
+
+import pytest
+
+from conveyor.plugins import PluginError
+from conveyor.reward.api import BUILTIN_REWARDS, load_reward, reward_name
+from conveyor.reward.verifiers import exact_match, extract_prediction, format_reward, gold_answer, math_reward
+from conveyor.types import Task, Trajectory
+
+
+def traj(text: str, answer: str | None = "42", task_id: str = "t0") -> Trajectory:
+    return Trajectory(Task(task_id, "q", answer), (1,), (), (), (), (), text=text)
+
+
+@pytest.mark.parametrize("text, answer, reward, parsed", [
+    ("so the answer is \\boxed{42}", "42", 1.0, 1.0),
+    ("\\boxed{1/2}", "0.5", 1.0, 1.0),
+    ("the result is 0.5", "1/2", 1.0, 1.0),
+    ("\\boxed{\\frac{1}{2}}", "1/2", 1.0, 1.0),
+    ("\\boxed{41}", "42", 0.0, 1.0),
+    ("I get 12 then 40 + 2 = 42.", "42", 1.0, 1.0),   # last number wins
+    ("42 first, then 41", "42", 0.0, 1.0),
+    ("She pays $1,000 in total.", "Step one... #### 1,000", 1.0, 1.0),
+    ("no idea", "42", 0.0, 0.0),
+    ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0, 1.0),
+])
+def test_math_reward_values(text, answer, reward, parsed):
+    assert math_reward(traj(text, answer)) == {"reward": reward, "parsed": parsed}
+
+
+def test_math_reward_without_gold_raises_naming_task():
+    with pytest.raises(ValueError, match="task 'x7' has no gold answer"):
+        math_reward(traj("\\boxed{1}", None, task_id="x7"))
+
+
+def test_math_reward_works_off_the_main_thread():
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(math_reward(traj("\\boxed{42}"))))
+    t.start()
+    t.join(30)
+    assert out == [{"reward": 1.0, "parsed": 1.0}]
+
+
+def test_gold_and_prediction_extraction():
+    assert gold_answer("48 / 2 = 24 clips\n#### 24") == "24"
+    assert gold_answer(" 7 ") == "7"
+    assert extract_prediction("a 3, 5 and 1,200 apples") == "$1200$"
+    assert extract_prediction("x \\boxed{3}") == "x \\boxed{3}"
+    assert extract_prediction("nothing") is None
+
+
+def test_exact_match_values():
+    assert exact_match(traj(" 42\n")) == 1.0
+    assert exact_match(traj(" 42\n"), strip=False) == 0.0
+    assert exact_match(traj("Paris", "paris")) == 0.0
+    assert exact_match(traj("Paris", "paris"), case_sensitive=False) == 1.0
+
+
+def test_format_reward_uses_search_with_dotall():
+    assert format_reward(traj("work\nthen \\boxed{7} done")) == 1.0
+    assert format_reward(traj("7")) == 0.0
+    assert format_reward(traj("<think>a\nb</think> 7"), pattern=r"<think>.+</think>") == 1.0
+    assert format_reward(traj("x <think>a</think>"), pattern=r"\A<think>.+</think>\Z") == 0.0
+
+
+def test_load_reward_builtins_and_kwargs():
+    assert set(BUILTIN_REWARDS) == {"math", "exact", "format"}
+    assert load_reward("math", {}) is math_reward
+    fn = load_reward("exact", {"case_sensitive": False})
+    assert fn(traj("PARIS", "paris")) == 1.0
+    assert reward_name(fn) == "exact_match"
+    assert load_reward("conveyor.reward.verifiers:format_reward", {}) is format_reward
+
+
+def test_load_reward_rejects_unknown_kwargs_and_names():
+    with pytest.raises(PluginError, match=r"does not accept reward.kwargs \['strip_all'\].*strip, case_sensitive"):
+        load_reward("exact", {"strip_all": True})
+    with pytest.raises(PluginError, match="is not a builtin"):
+        load_reward("maths", {})

@@ -1,0 +1,244 @@
+"""NativeEngine on CPU fp32 with a tiny random Llama: logprob parity with a plain HF
+forward, greedy parity with ``model.generate``, group sampling, stop rules, weight
+updates, EOS bias and scheduling with more requests than batch slots."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from conveyor.data.tiny import build_model, build_tokenizer
+from conveyor.rollout.api import Completion, RolloutEngine, SamplingParams
+from conveyor.rollout.native import NativeEngine
+from conveyor.rollout.native.sampling import sample
+
+TEXTS = ["a", "hi there", "The quick brown fox", "1+2=", "zz", "hello, world! how are you?"]
+
+
+def tiny(tok, seed=0, **kw):
+    return build_model(tok, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       intermediate_size=128, seed=seed, **kw)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny(tok).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return [tok.encode(t) for t in TEXTS]
+
+
+def engine(model, tok, **kw):
+    # The engine owns (and may move) its module; tests keep the reference untouched.
+    return NativeEngine(copy.deepcopy(model), tok, device="cpu", dtype="float32", **kw)
+
+
+def hf_logprobs(model, prompt, completion, temperature):
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    scaled = logits[len(prompt) - 1:-1] / (temperature or 1.0)
+    return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def hf_greedy(model, prompt, max_new, eos):
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new, pad_token_id=0)[0, len(prompt):].tolist()
+    return out[:out.index(eos) + 1] if eos in out else out
+
+
+def frequent_stops(tok):
+    # Common characters as stop tokens make lengths vary, so rows finish at different
+    # steps and waiting requests are merged into a batch that is still running.
+    return tuple(tok.convert_tokens_to_ids(list("aeiost")))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 20, 0.9)])
+def test_logprobs_match_plain_forward(model, tok, prompts, temperature, top_k, top_p):
+    # Truncation only restricts which tokens are drawn; the logprob stays log_softmax(logits / T).
+    eng = engine(model, tok, max_batch=3, refill=1)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, n=2, max_new_tokens=14,
+                            seed=3, stop_token_ids=frequent_stops(tok))
+    merges = []
+    real = eng.runner.merge
+    eng.runner.merge = lambda a, b: merges.append((a.size, b.size)) or real(a, b)
+    out = eng.generate(prompts, params)
+    assert any(running > 0 for running, _ in merges), "admissions should join a running batch"
+    worst = 0.0
+    for prompt, group in zip(prompts, out):
+        for c in group:
+            ref = hf_logprobs(model, prompt, c.token_ids, temperature)
+            worst = max(worst, (ref - torch.tensor(c.logprobs)).abs().max().item())
+    assert worst < 1e-5
+
+
+def test_greedy_equals_hf_generate(model, tok, prompts):
+    eng = engine(model, tok, max_batch=4)
+    out = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))
+    for prompt, (c,) in zip(prompts, out):
+        assert c.token_ids == hf_greedy(model, prompt, 12, tok.eos_token_id)
+        ref = hf_logprobs(model, prompt, c.token_ids, 0.0)
+        assert (ref - torch.tensor(c.logprobs)).abs().max().item() < 1e-5
+
+
+def test_group_sampling_shape_diversity_and_seed(model, tok, prompts):
+    eng = engine(model, tok)
+    params = SamplingParams(temperature=1.0, n=4, max_new_tokens=8, seed=11)
+    out = eng.generate(prompts[:3], params)
+    assert [len(g) for g in out] == [4, 4, 4]
+    for g in out:
+        assert all(isinstance(c, Completion) and len(c.token_ids) == len(c.logprobs) == len(c.versions)
+                   for c in g)
+        assert len({tuple(c.token_ids) for c in g}) > 1
+    again = eng.generate(prompts[:3], params)
+    assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in out]
+    assert [[c.logprobs for c in g] for g in again] == [[c.logprobs for c in g] for g in out]
+    other = eng.generate(prompts[:3], SamplingParams(temperature=1.0, n=4, max_new_tokens=8, seed=12))
+    assert [[c.token_ids for c in g] for g in other] != [[c.token_ids for c in g] for g in out]
+
+
+def test_prompt_prefilled_once_per_group(model, tok, prompts):
+    eng = engine(model, tok, max_batch=64)
+    rows = []
+    real = eng.runner.prefill
+    eng.runner.prefill = lambda ps: rows.append(len(ps)) or real(ps)
+    eng.generate(prompts[:3], SamplingParams(n=5, max_new_tokens=4, seed=0))
+    assert rows == [3]
+
+
+def test_top_k_one_is_greedy(model, tok, prompts):
+    eng = engine(model, tok)
+    greedy = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=10))
+    topk = eng.generate(prompts, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=10, seed=5))
+    assert [g[0].token_ids for g in topk] == [g[0].token_ids for g in greedy]
+
+
+def test_stop_string_stop_token_and_length(model, tok, prompts):
+    eng = engine(model, tok)
+    ref = eng.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=10))[0][0]
+    assert ref.finish_reason == "length" and len(ref.token_ids) == 10
+    # Stop string: two characters from the middle of the greedy text.
+    stop = ref.text[4:6]
+    cut = next(k for k in range(1, 11) if stop in tok.decode(ref.token_ids[:k], skip_special_tokens=True))
+    c = eng.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=10, stop_strings=[stop]))[0][0]
+    assert c.finish_reason == "stop" and c.token_ids == ref.token_ids[:cut] and stop in c.text
+    # Stop token: the greedy token at position 3 ends the completion there (and is kept).
+    t = ref.token_ids[3]
+    first = ref.token_ids.index(t)
+    c = eng.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=10, stop_token_ids=[t]))[0][0]
+    assert c.finish_reason == "stop" and c.token_ids == ref.token_ids[:first + 1]
+    short = eng.generate(prompts, SamplingParams(temperature=0.9, max_new_tokens=3, seed=1))
+    assert all(len(g[0].token_ids) == 3 and g[0].finish_reason == "length" for g in short
+               if tok.eos_token_id not in g[0].token_ids)
+
+
+def test_update_weights_in_place_and_errors(model, tok, prompts):
+    other = tiny(tok, seed=7).eval()
+    eng = engine(model, tok)
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    before = eng.generate(prompts, params)
+    ptr = eng.model.lm_head.weight.data_ptr()
+    eng.update_weights(other.state_dict(), version=3)
+    after = eng.generate(prompts, params)
+    assert eng.version == 3 and eng.model.lm_head.weight.data_ptr() == ptr
+    for prompt, (c,) in zip(prompts, after):
+        assert c.token_ids == hf_greedy(other, prompt, 10, tok.eos_token_id)
+        assert c.versions == [3] * len(c.token_ids)
+    assert [g[0].token_ids for g in after] != [g[0].token_ids for g in before]
+    # An iterable of pairs works too (a streaming transport).
+    eng.update_weights(((n, p) for n, p in model.named_parameters()), version=4)
+    assert eng.generate(prompts, params)[0][0].token_ids == before[0][0].token_ids
+    with pytest.raises(ValueError, match="unknown parameter 'model.nope'"):
+        eng.update_weights({"model.nope": torch.zeros(1)}, version=5)
+    with pytest.raises(ValueError, match=r"'lm_head.weight' has shape .*got \(3, 64\)"):
+        eng.update_weights({"lm_head.weight": torch.zeros(3, 64)}, version=5)
+    assert eng.version == 4
+
+
+def test_update_between_decode_steps_changes_versions(model, tok, prompts):
+    eng = engine(model, tok)
+    calls = {"n": 0}
+
+    def swap_after_third_forward(*_):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            eng.update_weights(dict(eng.model.named_parameters()), version=1)
+
+    eng.model.register_forward_hook(swap_after_third_forward)
+    c = eng.generate(prompts[:2], SamplingParams(temperature=0.0, max_new_tokens=6))[0][0]
+    # Forward 1 is the prefill, forwards 2 and 3 are decode steps run with version 0.
+    assert c.versions == [0, 0, 0, 1, 1, 1]
+
+
+def test_eos_bias_ends_at_first_token(model, tok, prompts):
+    eng = engine(model, tok)
+    out = eng.generate(prompts, SamplingParams(temperature=1.0, n=3, max_new_tokens=8, eos_bias=1e4, seed=0))
+    for g in out:
+        for c in g:
+            assert c.token_ids == [tok.eos_token_id] and c.finish_reason == "stop" and c.text == ""
+            assert abs(c.logprobs[0]) < 1e-6  # the biased distribution puts all mass on EOS
+
+
+def test_more_requests_than_slots(model, tok):
+    many = [tok.encode(TEXTS[i % len(TEXTS)] * (1 + i % 3)) for i in range(10)]
+    params = SamplingParams(temperature=0.0, n=2, max_new_tokens=9, stop_token_ids=frequent_stops(tok))
+    small = engine(model, tok, max_batch=4).generate(many, params)
+    large = engine(model, tok, max_batch=64).generate(many, params)
+    # A tiny prefill budget splits prefills into chunks that are merged and put back in order.
+    chunked = engine(model, tok, max_batch=64, prefill_token_budget=20).generate(many, params)
+    assert [[(c.token_ids, c.finish_reason) for c in g] for g in small] == \
+           [[(c.token_ids, c.finish_reason) for c in g] for g in large] == \
+           [[(c.token_ids, c.finish_reason) for c in g] for g in chunked]
+    for a, b in zip(small, large):
+        for x, y in zip(a, b):
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+
+
+def test_context_limit(tok):
+    short = tiny(tok, max_position_embeddings=16).eval()
+    eng = NativeEngine(short, tok, device="cpu")
+    with pytest.raises(ValueError, match="prompt 1 has 16 tokens but the model context is 16"):
+        eng.generate([[5, 6], [7] * 16], SamplingParams(max_new_tokens=4))
+    out = eng.generate([[7] * 12], SamplingParams(temperature=0.0, max_new_tokens=10))[0][0]
+    assert len(out.token_ids) <= 4
+    assert out.finish_reason == ("length" if len(out.token_ids) == 4 else "stop")
+
+
+def test_params_from_config():
+    from conveyor.config import RolloutConfig
+
+    cfg = RolloutConfig(n=4, temperature=0.5, top_k=3, stop=["\n"], eos_bias=-2.0)
+    p = SamplingParams.from_config(cfg, seed=9)
+    assert (p.n, p.temperature, p.top_k, p.stop_strings, p.eos_bias, p.seed) == (4, 0.5, 3, ("\n",), -2.0, 9)
+
+
+def test_edge_cases_and_protocol(model, tok):
+    eng = engine(model, tok)
+    assert isinstance(eng, RolloutEngine)
+    assert eng.generate([], SamplingParams()) == []
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        eng.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate([[5]], SamplingParams())
+
+
+def test_sampler_top_p_keeps_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    drawn = {int(sample(logits, temperature=1.0, top_p=0.7, generator=gen)[0]) for _ in range(200)}
+    assert drawn == {0, 1}
+    tokens, lps = sample(logits.repeat(3, 1), temperature=1.0, top_p=0.7, generator=gen)
+    assert torch.allclose(lps, torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[tokens])

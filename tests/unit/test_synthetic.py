@@ -1,0 +1,38 @@
+from conveyor.data.synthetic import partial_credit, score_text, sft_pairs, synthetic_source
+from conveyor.types import Task, Trajectory
+
+
+def _traj(task, text):
+    return Trajectory(task, (1,), (), (), (), (), text=text)
+
+
+def test_splits_are_disjoint_and_seeded():
+    tr = synthetic_source("addition", "train", {"digits": 2}, eval_size=50, seed=3)
+    ev = synthetic_source("addition", "eval", {"digits": 2}, eval_size=50, seed=3)
+    assert len(ev) == 50
+    assert not {t.prompt for t in tr.tasks} & {t.prompt for t in ev.tasks}
+    again = synthetic_source("addition", "eval", {"digits": 2}, eval_size=50, seed=3)
+    assert [t.prompt for t in again.tasks] == [t.prompt for t in ev.tasks]
+    p, a = sft_pairs(ev)[0]
+    x, y = p[:-1].split("+")
+    assert int(x) + int(y) == int(a)
+
+
+def test_partial_credit_values():
+    assert score_text("85", "85", right_align=True) == 1.0
+    assert score_text("75", "85", right_align=True) == 0.5
+    assert score_text("5", "85", right_align=True) == 0.5     # right-aligned: units digit right
+    assert score_text("185", "85", right_align=True) == 2 / 3  # an extra digit costs credit
+    assert score_text("", "85", right_align=True) == 0.0
+    assert score_text("abd", "abc", right_align=False) == 2 / 3
+    t = Task("t", "47+38=", "85", {"task": "addition"})
+    assert partial_credit(_traj(t, "85")) == {"reward": 1.0, "exact": 1.0}
+    assert partial_credit(_traj(t, "95"))["reward"] == 0.5
+
+
+def test_reverse_task():
+    ev = synthetic_source("reverse", "eval", {"length": 4}, eval_size=10, seed=0)
+    t = ev[0]
+    s = t.prompt[len("rev:"):-1]
+    assert t.answer == s[::-1]
+    assert partial_credit(_traj(t, t.answer))["reward"] == 1.0
