@@ -77,22 +77,23 @@ def _train(ns) -> int:
 
 
 def _sft(ns) -> int:
-    from conveyor.launch.local import build, warm_start_phase
     from conveyor import loop
+    from conveyor.launch.local import build, resolve_model_path, start_rollouts, warm_start_phase
     cfg = _config(ns.args, ns.output_dir)
     if cfg.sft.steps == 0:
         raise ConfigError("sft.steps is 0: set sft.steps=N to run the warm-start")
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    c = build(cfg, run_dir)
-    before = loop.evaluate(c, 0)["eval_reward"]
-    warm_start_phase(c)
-    after = loop.evaluate(c, cfg.sft.steps)["eval_reward"]
-    c.trainer.export_hf(run_dir / "warmstart")
-    c.tokenizer.save_pretrained(run_dir / "warmstart")
-    c.logger.message(f"held-out reward {before:.3f} -> {after:.3f}; model in {run_dir / 'warmstart'}")
-    c.logger.close()
-    c.rewards.close()
+    base = resolve_model_path(cfg, run_dir)
+    c = build(cfg, run_dir, base)
+    try:
+        start_rollouts(c, base, 0)
+        before = loop.evaluate(c, 0)["eval_reward"]
+        warm = warm_start_phase(c, base)
+        after = loop.evaluate(c, cfg.sft.steps)["eval_reward"]
+        c.logger.message(f"held-out reward {before:.3f} -> {after:.3f}; model in {warm}")
+    finally:
+        c.close()
     return 0
 
 
@@ -123,6 +124,16 @@ def _build_tiny(ns) -> int:
     return 0
 
 
+def _role_failure(e: BaseException) -> BaseException | None:
+    """The RoleError behind an exception (a dead or failing role), if any: its message
+    already names the role, the exit code or traceback, and the last log lines."""
+    while e is not None:
+        if type(e).__name__ == "RoleError":
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="conveyor", description="streaming RL post-training for LLMs")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -151,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return ns.fn(ns)
-    except Exception as e:  # noqa: BLE001 - only user errors are shortened, see _USER_ERRORS
+    except Exception as e:  # noqa: BLE001 - only user errors and role failures are shortened
         if type(e).__name__ in _USER_ERRORS or isinstance(e, ConfigError):
             print(f"conveyor: error: {e}", file=sys.stderr)
             return 2
+        role = _role_failure(e)
+        if role is not None:
+            print(f"conveyor: run stopped: {role}", file=sys.stderr)
+            return 1
         raise
     except KeyboardInterrupt:
         print("conveyor: interrupted", file=sys.stderr)

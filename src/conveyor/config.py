@@ -39,7 +39,6 @@ class TinyModelConfig(_Section):
 class ModelConfig(_Section):
     path: str | None = Field(None, description="HF checkpoint directory or hub id; empty builds the tiny model")
     tiny: TinyModelConfig = TinyModelConfig()
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
 
 
@@ -62,7 +61,8 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["native", "vllm"] = "native"
+    engine: Literal["native", "vllm", "remote"] = Field("native", description=(
+        "native: the built-in engine; vllm: vLLM in the engine's process; remote: an OpenAI-compatible server"))
     n: int = Field(8, ge=1, description="samples per task (group size)")
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -71,8 +71,23 @@ class RolloutConfig(_Section):
     stop: list[str] = Field(default_factory=list, description="stop strings (the EOS token always stops)")
     max_batch: int = Field(512, ge=1, description="sequences decoded together")
     device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "engine weights; auto keeps the checkpoint's dtype (the trainer always keeps fp32 master weights)"))
     eos_bias: float = Field(0.0, description="added to the EOS logit (benchmark length shaping)")
+    vllm_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
+        "extra vllm.LLM arguments (gpu_memory_utilization, tensor_parallel_size, enable_sleep_mode, ...)"))
+    vllm_weight_sync: Literal["reload", "nccl", "ipc"] = Field("reload", description=(
+        "reload: safetensors in /dev/shm + reload_weights; nccl: trainer on its own GPU; ipc: same GPU"))
+    remote_url: str | None = Field(None, description="http://host:port of an OpenAI-compatible server")
+    remote_model: str | None = Field(None, description="served model name; default: the server's first model")
+    remote_weight_sync: Literal["vllm_reload", "vllm_nccl", "sglang_disk", "none"] = "none"
+    remote_timeout_s: float = Field(600.0, gt=0, description="deadline of one HTTP request")
+
+    @model_validator(mode="after")
+    def _remote_needs_url(self) -> "RolloutConfig":
+        if self.engine == "remote" and not self.remote_url:
+            raise ValueError("rollout.engine=remote needs rollout.remote_url=http://host:port")
+        return self
 
 
 class RewardConfig(_Section):
@@ -149,16 +164,40 @@ class LoopConfig(_Section):
     batch_size: int = Field(16, ge=1, description="groups (tasks) per training step")
     max_staleness: int = Field(0, ge=0, description="0 = synchronous on-policy")
     eval_every: int = Field(0, ge=0, description="0 = only initial and final evaluation")
-    eval_temperature: float = Field(0.0, ge=0)
+    eval_temperature: float = Field(0.0, ge=0, description="0 = greedy held-out evaluation")
+    eval_sampled: bool = Field(False, description="also evaluate at the rollout temperature")
     checkpoint_every: int = Field(0, ge=0)
     seed: int = 0
     time_limit_s: float | None = Field(None, gt=0, description="stop RL after this many seconds")
+    concurrency: int | None = Field(None, ge=1, description=(
+        "groups in flight at most; default batch_size * (max_staleness + 1)"))
+    buffer_size: int | None = Field(None, ge=1, description=(
+        "scored groups the buffer holds; default batch_size * (max_staleness + 1)"))
+    partial_rollouts: bool = Field(True, description=(
+        "new weights interrupt running generations (tokens record their version); "
+        "false: engines take new weights only between requests"))
 
     @model_validator(mode="after")
-    def _sync_only(self) -> "LoopConfig":
-        if self.max_staleness != 0:
-            raise ValueError("only max_staleness = 0 (synchronous) is implemented; set loop.max_staleness=0")
+    def _fits(self) -> "LoopConfig":
+        cap = self.batch_size * (self.max_staleness + 1)
+        if self.buffer_size is not None and self.buffer_size < self.batch_size:
+            raise ValueError(f"loop.buffer_size ({self.buffer_size}) must hold one batch "
+                             f"(loop.batch_size={self.batch_size})")
+        if self.concurrency is not None and self.concurrency > cap:
+            raise ValueError(f"loop.concurrency ({self.concurrency}) exceeds what the staleness rule can ever "
+                             f"admit (batch_size * (max_staleness + 1) = {cap}); lower it or raise max_staleness")
         return self
+
+
+class LaunchConfig(_Section):
+    """Where the roles run (see docs/architecture.md, Launch)."""
+    placement: Literal["colocated", "disaggregated"] = Field("colocated", description=(
+        "colocated: all roles in this process, sharing its devices; "
+        "disaggregated: trainer and each engine in processes of their own"))
+    engines: int = Field(1, ge=1, description="rollout engine workers")
+    engine_threads: int = Field(1, ge=1, description="CPU threads of each engine process (disaggregated)")
+    trainer_threads: int = Field(1, ge=1, description="CPU threads of the trainer process (disaggregated)")
+    timeout_s: float = Field(600.0, gt=0, description="deadline of every cross-role wait")
 
 
 class ObserveConfig(_Section):
@@ -179,6 +218,7 @@ class RunConfig(_Section):
     sft: SFTConfig = SFTConfig()
     loop: LoopConfig = LoopConfig()
     observe: ObserveConfig = ObserveConfig()
+    launch: LaunchConfig = LaunchConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
@@ -186,6 +226,8 @@ class RunConfig(_Section):
             raise ValueError("algo.kl_coef > 0 needs a reference model: set trainer.reference=true")
         if self.algo.advantage == "gae" and not self.trainer.critic:
             raise ValueError("algo.advantage=gae needs a value model: set trainer.critic=true")
+        if self.launch.engines > 1 and self.launch.placement == "colocated":
+            raise ValueError("launch.engines > 1 needs launch.placement=disaggregated (one process per engine)")
         return self
 
 

@@ -1,21 +1,26 @@
-"""The RL loop: generate, score, compute advantages, train, publish, repeat.
+"""The RL loop: take scored groups, compute advantages, train, publish, repeat.
 
 Contract: ``rl_loop(c, start_step, summary)`` runs training steps
-``start_step .. cfg.loop.steps-1`` over the roles bundled in ``c``
-(``launch.local.Components``), logging metrics, evaluating and
-checkpointing when due, and returns the last step's metrics. Admission of
-new rollouts goes through ``staleness.may_admit``; with ``max_staleness = 0``
-(the only mode here) a step's rollouts start only after the previous step's
-weights are published, which is synchronous on-policy RL. The loop knows no
-formulas (``objective``/``algo``) and no model internals (trainer, engine).
+``start_step .. loop.steps-1`` over the roles bundled in ``c``
+(``launch.local.Components``) and returns the last step's metrics. Rollouts
+are produced concurrently by ``c.producer``, which admits a new group only
+while ``staleness.may_admit(issued, batch_size, version, max_staleness)``
+holds for the version published here. With ``max_staleness = 0`` nothing of
+step v+1 starts before version v+1 is published: synchronous on-policy RL is
+this same loop. Each step waits (with a deadline) for ``batch_size`` scored
+groups from ``c.buffer``, trains on them in admission order, publishes the
+new weights and logs metrics; evaluation and checkpoints run when due.
+The loop knows no formulas (``objective``/``algo``), no model internals and
+not where the roles run.
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
 
-from conveyor import objective, staleness
+from conveyor import objective
 from conveyor.rollout.api import SamplingParams
-from conveyor.rollout.single_turn import rollout_groups
+from conveyor.rollout.single_turn import prepare_prompts, to_groups
 from conveyor.types import Group
 
 
@@ -23,27 +28,31 @@ def sampling(cfg, **overrides) -> SamplingParams:
     return SamplingParams.from_config(cfg.rollout, **overrides)
 
 
-def score(c, groups: list[Group]) -> list[Group]:
-    flat = c.rewards.score([t for g in groups for t in g.trajectories])
-    out, i = [], 0
-    for g in groups:
-        out.append(Group(g.task, tuple(flat[i:i + len(g.trajectories)])))
-        i += len(g.trajectories)
-    return out
-
-
 def evaluate(c, step: int) -> dict[str, float]:
+    """Held-out reward at ``loop.eval_temperature`` (greedy by default); with
+    ``loop.eval_sampled`` also at the rollout temperature (the policy's expected reward)."""
     cfg = c.cfg
-    params = sampling(cfg, n=1, temperature=cfg.loop.eval_temperature, seed=cfg.loop.seed + 7919)
-    groups = score(c, rollout_groups(c.engine, c.tokenizer, c.eval_tasks, params, c.max_prompt_tokens,
-                                     c.add_special_tokens, c.stats))
-    trajs = [t for g in groups for t in g.trajectories]
-    m = {"eval_reward": sum(t.reward for t in trajs) / max(len(trajs), 1),
-         "eval_len": sum(len(t.completion_ids) for t in trajs) / max(len(trajs), 1)}
-    for key in sorted({k for t in trajs for k in t.reward_info}):
-        vals = [float(t.reward_info[key]) for t in trajs if key in t.reward_info]
-        m[f"eval_{key}"] = sum(vals) / len(vals)
+    m = _eval_at(c, cfg.loop.eval_temperature, "eval_")
+    if cfg.loop.eval_sampled:
+        m.update(_eval_at(c, cfg.rollout.temperature, "eval_sampled_"))
     c.logger.log(step, m, kind="eval")
+    return m
+
+
+def _eval_at(c, temperature: float, prefix: str) -> dict[str, float]:
+    params = sampling(c.cfg, n=1, temperature=temperature, seed=c.cfg.loop.seed + 7919)
+    tasks, prompts = prepare_prompts(c.tokenizer, c.eval_tasks, c.max_prompt_tokens, c.add_special_tokens)
+    if not tasks:
+        return {prefix + "reward": float("nan")}
+    t0 = time.perf_counter()
+    outs = c.producer.request([list(p) for p in prompts], params).result(timeout=c.cfg.launch.timeout_s)
+    groups = to_groups(c.tokenizer, tasks, prompts, outs, time.perf_counter() - t0)
+    trajs = c.rewards.score([t for g in groups for t in g.trajectories])
+    m = {prefix + "reward": sum(t.reward for t in trajs) / len(trajs),
+         prefix + "len": sum(len(t.completion_ids) for t in trajs) / len(trajs)}
+    for key in sorted({k for t in trajs for k in t.reward_info if k != "reward_error"}):
+        vals = [float(t.reward_info[key]) for t in trajs if key in t.reward_info]
+        m[prefix + key] = sum(vals) / len(vals)
     return m
 
 
@@ -52,25 +61,18 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
     loss_fn = objective.PolicyLoss(cfg.algo, norm_len=cfg.rollout.max_new_tokens)
     need = objective.needs(cfg.algo)
     metrics: dict[str, float] = {}
+    published_at = {start_step: time.time()}
+    engine_busy = {e.engine_id: (e.busy_s, e.idle_s) for e in c.producer.engines}
     t_start = time.perf_counter()
+    c.producer.admitting = True  # admission is driven by the version published below
     for step in range(start_step, lc.steps):
         if lc.time_limit_s and time.perf_counter() - t_start > lc.time_limit_s:
             c.logger.message(f"time limit {lc.time_limit_s:.0f}s reached after {step - start_step} steps")
             break
         timer = c.timer
-        version = c.engine.version
-        issued = step * lc.batch_size  # groups admitted before this step's
-        if not staleness.may_admit(issued, lc.batch_size, version, lc.max_staleness):
-            raise RuntimeError(f"step {step}: engine serves version {version}, too stale to admit "
-                               f"(max_staleness={lc.max_staleness}); weight publishing fell behind")
-        with timer.phase("generate"):
-            tasks = c.cursor.next_batch(lc.batch_size)
-            groups = rollout_groups(c.engine, c.tokenizer, tasks, sampling(cfg, seed=lc.seed * 100_003 + step),
-                                    c.max_prompt_tokens, c.add_special_tokens, c.stats)
-        with timer.phase("reward"):
-            groups = score(c, groups)
-        if not groups:
-            raise RuntimeError(f"step {step}: no task produced a rollout (see prompt_too_long in metrics)")
+        with timer.phase("wait"):  # the trainer's idle time: waiting for scored groups
+            items = c.buffer.get(lc.batch_size, timeout=cfg.launch.timeout_s)
+        groups = [g for _, g in sorted(items, key=lambda x: x[0])]
         with timer.phase("prepare"):
             base = objective.base_batch([t for g in groups for t in g.trajectories])
             extra = {}
@@ -83,30 +85,55 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
             batch, stats = objective.make_batch(groups, cfg.algo, extra, base)
         with timer.phase("train"):
             train_m = c.trainer.train(batch, loss_fn)
-        with timer.phase("sync"):
-            t0 = time.perf_counter()
-            c.engine.update_weights(c.trainer.named_weights(), version=version + 1)
-            sync_ms = (time.perf_counter() - t0) * 1e3
-        metrics = {**stats, **train_m, **rollout_stats(groups, version + 1), "weight_sync_ms": sync_ms,
+        with timer.phase("publish"):
+            published_at[step + 1] = time.time()  # the optimizer step has just ended
+            publish_s = c.trainer.publish(step + 1)
+            c.producer.version = step + 1
+        metrics = {**stats, **train_m, **rollout_stats(groups, step), "weight_publish_ms": publish_s * 1e3,
+                   "buffer_depth": len(c.buffer), **sync_stats(c.producer, published_at),
+                   **engine_idle(c.producer.engines, engine_busy),
                    **{f"reward_{k}": v for k, v in c.rewards.stats().items()}, **c.stats, **timer.lap()}
         if "proximal_logprobs" in extra:
             metrics["logprob_diff_max"] = max(
                 float(((p - b).abs() * m).max()) for p, b, m in
                 zip(extra["proximal_logprobs"], base.fields["behaviour_logprobs"], base.loss_mask))
+        metrics["trainer_idle_frac"] = metrics["time/wait"] / max(metrics["time/step"], 1e-9)
         metrics["samples_per_s"] = len(batch) / max(metrics["time/step"], 1e-9)
         c.logger.log(step + 1, metrics)
         if lc.eval_every and (step + 1) % lc.eval_every == 0 and step + 1 < lc.steps:
             evaluate(c, step + 1)
         if lc.checkpoint_every and (step + 1) % lc.checkpoint_every == 0:
             c.checkpoint(step + 1, summary)
+    c.producer.admitting = False
     return metrics
 
 
-def rollout_stats(groups: list[Group], trainer_version: int) -> dict[str, float]:
+def rollout_stats(groups: list[Group], step: int) -> dict[str, float]:
     trajs = [t for g in groups for t in g.trajectories]
     lens = sorted(len(t.completion_ids) for t in trajs)
-    stale = [trainer_version - 1 - t.min_version for t in trajs]
-    return {"response_len": sum(lens) / len(lens), "response_len_max": float(lens[-1]),
-            "truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
-            "staleness_max": float(max(stale)),
-            "multi_version_frac": sum(len(set(t.versions)) > 1 for t in trajs) / len(trajs)}
+    stale = Counter(step - t.min_version for t in trajs)  # versions behind the policy being trained
+    out = {"response_len": sum(lens) / len(lens), "response_len_max": float(lens[-1]),
+           "truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
+           "staleness_max": float(max(stale)), "staleness_mean": sum(k * v for k, v in stale.items()) / len(trajs),
+           "multi_version_frac": sum(len(set(t.versions)) > 1 for t in trajs) / len(trajs)}
+    out.update({f"staleness_hist/{k}": v / len(trajs) for k, v in sorted(stale.items())})
+    return out
+
+
+def sync_stats(producer, published_at: dict[int, float]) -> dict[str, float]:
+    """End of publish -> engine serving it (ms), and how long decoding paused for the copy."""
+    events, producer.stats.weight_events = producer.stats.weight_events, []
+    lat = [(applied - published_at[v]) * 1e3 for _, v, applied, _ in events if v in published_at]
+    pause = [p * 1e3 for *_, p in events]
+    return {"weight_sync_ms": max(lat), "weight_pause_ms": max(pause)} if lat else {}
+
+
+def engine_idle(engines, last: dict) -> dict[str, float]:
+    out = {}
+    for e in engines:
+        b0, i0 = last[e.engine_id]
+        busy, idle = e.busy_s - b0, e.idle_s - i0
+        last[e.engine_id] = (e.busy_s, e.idle_s)
+        if busy + idle > 0:
+            out[f"engine{e.engine_id}_idle_frac"] = idle / (busy + idle)
+    return out

@@ -47,8 +47,16 @@ def test_toml_recipe_and_saved_config_round_trip(tmp_path):
 
 
 def test_impossible_combinations_fail_at_load():
-    with pytest.raises(ConfigError, match="max_staleness"):
-        load_config(None, ["loop.max_staleness=2"])
+    with pytest.raises(ConfigError, match=r"loop\.max_staleness: Input should be greater than or equal to 0"):
+        load_config(None, ["loop.max_staleness=-1"])
+    with pytest.raises(ConfigError, match=r"loop.concurrency \(99\) exceeds"):
+        load_config(None, ["loop.concurrency=99", "loop.batch_size=4", "loop.max_staleness=1"])
+    with pytest.raises(ConfigError, match=r"loop.buffer_size \(2\) must hold one batch"):
+        load_config(None, ["loop.buffer_size=2", "loop.batch_size=4"])
+    with pytest.raises(ConfigError, match=r"launch\.engines: Input should be greater than or equal to 1"):
+        load_config(None, ["launch.engines=0"])
+    with pytest.raises(ConfigError, match="launch.placement=disaggregated"):
+        load_config(None, ["launch.engines=2"])
     with pytest.raises(ConfigError, match="trainer.reference"):
         load_config(None, ["algo.kl_coef=0.1"])
     with pytest.raises(ConfigError, match="trainer.critic"):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,25 +33,41 @@ class Components:
     cfg: RunConfig
     run_dir: Path
     tokenizer: Any
-    trainer: Any
-    engine: Any
     rewards: Any
     train_source: Any
     eval_tasks: list
     cursor: Any
     logger: Any
     timer: Any
-    max_prompt_tokens: int
+    buffer: Any
     add_special_tokens: bool
+    trainer: Any = None      # TrainerHost (colocated) or TrainerProxy (disaggregated)
+    producer: Any = None
+    weights: Any = None
+    max_prompt_tokens: int = 0
     stats: dict = field(default_factory=dict)
 
     def checkpoint(self, step: int, summary: dict) -> Path:
-        from conveyor.trainer.checkpoint import save_checkpoint
         path = self.run_dir / "checkpoints" / f"step_{step:06d}"
-        save_checkpoint(self.trainer, path, {"step": step, "cursor": self.cursor.state_dict(),
-                                             "summary": summary})
+        # With max_staleness > 0, groups of later steps may already be in flight; they are
+        # regenerated after a resume (the cursor is saved as of this step's boundary).
+        # (The producer records the state before it draws, so if it has not recorded it
+        # after our read, our read was before its draw.)
+        now = self.cursor.state_dict()
+        cursor = self.producer.cursor_at_step.get(step, now)
+        self.trainer.save_checkpoint(path, {"step": step, "cursor": cursor, "summary": summary})
         self.tokenizer.save_pretrained(path / "policy")
         return path
+
+    def close(self) -> None:
+        from conveyor.launch.roles import stop_engines
+        if self.producer is not None:
+            self.producer.stop()
+            stop_engines(self.producer.engines)
+        if self.trainer is not None and hasattr(type(self.trainer), "close"):
+            self.trainer.close()
+        self.rewards.close()
+        self.logger.close()
 
 
 def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
@@ -83,7 +98,8 @@ def load_sources(cfg: RunConfig, tokenizer):
     return load_file_source(d, tokenizer, "train"), load_file_source(d, tokenizer, "eval")
 
 
-def build(cfg: RunConfig, run_dir: Path, model_path: str | None = None) -> Components:
+def build(cfg: RunConfig, run_dir: Path, path: str) -> Components:
+    """Everything but the trainer and the engines, which start in ``run_local``."""
     from transformers import AutoTokenizer
 
     from conveyor.data.api import TaskCursor
@@ -91,10 +107,8 @@ def build(cfg: RunConfig, run_dir: Path, model_path: str | None = None) -> Compo
     from conveyor.observe.timers import PhaseTimer
     from conveyor.reward.api import load_reward
     from conveyor.reward.service import RewardService
-    from conveyor.rollout.native.engine import NativeEngine
-    from conveyor.trainer.local import LocalTrainer
+    from conveyor.transport.buffer import TrajectoryBuffer
 
-    path = model_path or resolve_model_path(cfg, run_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     except OSError as e:
@@ -103,26 +117,27 @@ def build(cfg: RunConfig, run_dir: Path, model_path: str | None = None) -> Compo
     spec = train_src.default_reward if cfg.reward.fn == "auto" else cfg.reward.fn
     rewards = RewardService(load_reward(spec, cfg.reward.kwargs), timeout_s=cfg.reward.timeout_s,
                             fallback=cfg.reward.fallback, workers=cfg.reward.workers)
-    trainer = make_trainer(cfg, path, tokenizer)
-    engine = NativeEngine.from_pretrained(path, device=cfg.rollout.device, dtype=cfg.rollout.dtype,
-                                          max_batch=cfg.rollout.max_batch, tokenizer=tokenizer)
+    lc = cfg.loop
     return Components(
-        cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, trainer=trainer, engine=engine, rewards=rewards,
+        cfg=cfg, run_dir=run_dir, tokenizer=tokenizer, rewards=rewards,
         train_source=train_src, eval_tasks=[eval_src[i] for i in range(len(eval_src))],
-        cursor=TaskCursor(train_src, cfg.loop.batch_size, seed=cfg.loop.seed),
+        cursor=TaskCursor(train_src, lc.batch_size, seed=lc.seed),
         logger=MetricsLogger(run_dir, tensorboard=cfg.observe.tensorboard, progress=cfg.observe.progress,
-                             total_steps=cfg.loop.steps, log_every=cfg.observe.log_every),
-        timer=PhaseTimer(), max_prompt_tokens=max(1, engine.context_limit - 1),
+                             total_steps=lc.steps, log_every=cfg.observe.log_every),
+        timer=PhaseTimer(), buffer=TrajectoryBuffer(lc.buffer_size or lc.batch_size * (lc.max_staleness + 1)),
         add_special_tokens=not cfg.data.chat_template and not cfg.data.source.startswith("synthetic:"),
     )
 
 
-def make_trainer(cfg: RunConfig, path: str, tokenizer):
-    from conveyor.trainer.local import LocalTrainer
-    # The trainer recomputes logprobs of the distribution the engine sampled from.
-    temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-    return LocalTrainer(path, cfg.trainer, total_steps=cfg.trainer.total_steps or cfg.loop.steps,
-                        temperature=temperature, pad_token_id=tokenizer.pad_token_id or 0)
+def start_rollouts(c: Components, path: str, start_step: int) -> None:
+    from conveyor.launch import roles
+    from conveyor.producer import Producer
+    c.weights = roles.make_weights(c.cfg, path)
+    engines, outbox, context_limit = roles.start_engines(c.cfg, path, c.tokenizer, c.weights, c.run_dir)
+    c.max_prompt_tokens = max(1, context_limit - 1)
+    c.producer = Producer(c, engines, outbox, lambda seed: loop.sampling(c.cfg, seed=seed),
+                          start_issued=start_step * c.cfg.loop.batch_size, version=start_step)
+    c.producer.start()
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -134,32 +149,45 @@ def run_local(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     t0 = time.perf_counter()
-    summary: dict[str, Any] = {}
-    start_step, ckpt = 0, latest_checkpoint(run_dir) if resume else None
+    ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise SetupError(f"--resume {run_dir}: no checkpoints/step_* inside; nothing to resume")
+    base = resolve_model_path(cfg, run_dir)
+    warm = run_dir / "warmstart"
+    # A resumed run rebuilds its RL starting point (and so its reference model) from warmstart/.
+    start_path = str(warm) if ckpt is not None and (warm / "config.json").exists() else base
+    c = build(cfg, run_dir, start_path)
+    try:
+        return _run(c, cfg, run_dir, base, start_path, ckpt, t0)
+    finally:
+        c.close()
+
+
+def _run(c: Components, cfg: RunConfig, run_dir: Path, base: str, start_path: str, ckpt, t0: float) -> dict:
+    from conveyor.launch.roles import start_trainer
+    summary: dict[str, Any] = {}
+    start_step = 0
     if ckpt is not None:
-        # Build from the RL starting point (the reference model must be that policy), then load weights.
-        warm = run_dir / "warmstart"
-        c = build(cfg, run_dir, model_path=str(warm) if (warm / "config.json").exists() else None)
-        from conveyor.trainer.checkpoint import load_checkpoint
-        extra = load_checkpoint(c.trainer, ckpt)
+        extra = _read_extra(ckpt)
         start_step, summary = int(extra["step"]), dict(extra.get("summary", {}))
-        c.cursor.load_state_dict(extra["cursor"])
-        c.engine.update_weights(c.trainer.named_weights(), version=start_step)
-        c.logger.message(f"resumed from {ckpt} at step {start_step}")
-    else:
-        c = build(cfg, run_dir)
+    start_rollouts(c, start_path, start_step)
+    if ckpt is None:
         summary["eval_reward_initial"] = loop.evaluate(c, 0)["eval_reward"]
         if cfg.sft.steps > 0:
-            warm_start_phase(c)
+            start_path = warm_start_phase(c, base)
         summary["eval_reward_warmstart"] = loop.evaluate(c, 0)["eval_reward"]
         c.logger.message(f"held-out reward: initial {summary['eval_reward_initial']:.3f}, "
                          f"after warm-start {summary['eval_reward_warmstart']:.3f}")
+    c.trainer = start_trainer(cfg, start_path, c.tokenizer, c.weights, run_dir)
+    if ckpt is not None:
+        extra = c.trainer.load_checkpoint(ckpt)
+        c.cursor.load_state_dict(extra["cursor"])
+        c.trainer.publish(start_step)
+        c.logger.message(f"resumed from {ckpt} at step {start_step}")
     t_rl = time.perf_counter()
     last = loop.rl_loop(c, start_step, summary)
     rl_seconds = time.perf_counter() - t_rl
-    steps_done = c.trainer.step
+    steps_done = c.trainer.step()
     final = loop.evaluate(c, steps_done)
     summary.update({
         "eval_reward_final": final["eval_reward"], "steps": steps_done,
@@ -178,30 +206,30 @@ def run_local(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
         f"held-out reward: initial {summary.get('eval_reward_initial', float('nan')):.3f} -> warm-start "
         f"{summary.get('eval_reward_warmstart', float('nan')):.3f} -> RL {summary['eval_reward_final']:.3f} "
         f"({steps_done} steps, {summary['wall_seconds']:.0f}s); results in {run_dir}")
-    c.logger.close()
-    c.rewards.close()
     return summary
 
 
-def warm_start_phase(c: Components) -> None:
-    """SFT with its own optimizer (its own lr), then hand the weights to the RL trainer and engine."""
+def _read_extra(ckpt: Path) -> dict:
+    return json.loads((ckpt / "extra.json").read_text())
+
+
+def warm_start_phase(c: Components, base: str) -> str:
+    """SFT in this process with its own optimizer; the result is published to the engines
+    and saved as ``warmstart/``, the RL trainer's starting point. Returns that path."""
+    from conveyor.launch.roles import make_trainer
     from conveyor.sft import warm_start
-    from conveyor.trainer.local import LocalTrainer
     cfg = c.cfg
     sft_cfg = cfg.trainer.model_copy(update={"lr": cfg.sft.lr, "reference": False, "critic": False,
                                              "warmup_steps": 0, "lr_schedule": "constant",
                                              "ppo_epochs": 1, "mini_batches": 1})
-    sft_trainer = LocalTrainer(c.trainer.model, sft_cfg, total_steps=cfg.sft.steps,
-                               pad_token_id=c.tokenizer.pad_token_id or 0)
+    sft_trainer = make_trainer(cfg.model_copy(update={"trainer": sft_cfg}), base, c.tokenizer)
     with c.timer.phase("warm_start"):
         warm_start(sft_trainer, c.tokenizer, c.train_source, cfg.sft.steps, cfg.sft.batch_size, cfg.loop.seed,
                    c.add_special_tokens,
                    log=lambda s, m: c.logger.log(s, m, kind="sft") if (s + 1) % 10 == 0 else None)
-    # The RL trainer (with its reference and critic) starts from the warm-started policy, saved so
-    # that a resumed run rebuilds exactly this starting point.
     warm = c.run_dir / "warmstart"
     sft_trainer.export_hf(warm)
     c.tokenizer.save_pretrained(warm)
-    c.trainer = make_trainer(cfg, str(warm), c.tokenizer)
-    c.engine.update_weights(c.trainer.named_weights(), version=0)
+    c.weights.publish(sft_trainer.named_weights(), 0)
     c.timer.lap()
+    return str(warm)

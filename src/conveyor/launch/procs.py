@@ -1,0 +1,119 @@
+"""Child processes for roles: start, call with deadlines, notice death, stop.
+
+Contract
+- ``RoleProcess(role, target, args, log_dir, ctx, threads)`` starts
+  ``target(*args)`` in a spawned process named after the role, with its
+  stdout/stderr going to ``log_dir/<role>.log`` and torch limited to
+  ``threads`` threads.
+- ``check()`` raises ``RoleError`` if the process has died, naming the role,
+  its exit code and the last lines of its log; the controller calls it
+  whenever it waits, so a dead child is noticed within a poll interval.
+- ``RpcClient(conn, proc)`` calls methods of an object served by
+  ``serve_rpc(obj, conn)`` in the child: every call has a deadline, and an
+  exception in the child comes back as ``RoleError`` carrying the child's
+  traceback. ``stop()`` asks politely, then terminates, then kills.
+
+It knows nothing of what the roles do.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+
+class RoleError(RuntimeError):
+    """A role failed; the message names the role and says what happened."""
+
+
+def _bootstrap(role: str, log_path: str, threads: int, target: Callable, args: tuple) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    import torch
+    torch.set_num_threads(max(1, threads))
+    print(f"[{role}] started pid={os.getpid()} threads={threads}", flush=True)
+    try:
+        target(*args)
+    except BaseException:  # noqa: BLE001 - the log is the only place a child can report to
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    print(f"[{role}] exiting", flush=True)
+
+
+class RoleProcess:
+    def __init__(self, role: str, target: Callable, args: tuple, log_dir: Path, ctx, threads: int = 1):
+        self.role = role
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{role}.log"
+        self.proc = ctx.Process(target=_bootstrap, name=role, daemon=True,
+                                args=(role, str(self.log_path), threads, target, args))
+        self.proc.start()
+
+    def last_lines(self, n: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def check(self) -> None:
+        if not self.proc.is_alive():
+            raise RoleError(f"{self.role} process exited with code {self.proc.exitcode}; "
+                            f"last lines of {self.log_path}:\n{self.last_lines()}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.is_alive():
+            self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(3.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(3.0)
+
+
+def serve_rpc(obj: Any, conn) -> None:
+    """Child side: answer ``(method, args, kwargs)`` messages until ``("__stop__", ...)``."""
+    while True:
+        method, args, kwargs = conn.recv()
+        if method == "__stop__":
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(obj, method)(*args, **kwargs)))
+        except Exception:  # noqa: BLE001 - sent back to the caller with the traceback
+            conn.send(("err", traceback.format_exc()))
+
+
+class RpcClient:
+    def __init__(self, conn, proc: RoleProcess, poll_s: float = 0.2):
+        self.conn, self.proc, self.poll_s = conn, proc, poll_s
+
+    def call(self, method: str, *args, timeout: float = 600.0, **kwargs) -> Any:
+        self.proc.check()
+        self.conn.send((method, args, kwargs))
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(self.poll_s):
+            self.proc.check()
+            if time.monotonic() > deadline:
+                raise RoleError(f"{self.proc.role}.{method} did not answer within {timeout:.0f}s; "
+                                f"last lines of its log:\n{self.proc.last_lines()}")
+        status, value = self.conn.recv()
+        if status == "err":
+            raise RoleError(f"{self.proc.role}.{method} raised in the {self.proc.role} process:\n{value}")
+        return value
+
+    def stop(self) -> None:
+        try:
+            if self.proc.proc.is_alive():
+                self.call("__stop__", timeout=10.0)
+        except (RoleError, OSError, EOFError):
+            pass
+        self.proc.stop()

@@ -1,0 +1,41 @@
+"""Engine selection: one function from the rollout config to a RolloutEngine.
+
+Contract: ``make_engine(cfg_rollout, model_path, tokenizer)`` returns
+- ``"native"``: ``NativeEngine`` loaded from ``model_path`` (device, dtype, max_batch);
+- ``"vllm"``: ``VLLMEngine`` on ``model_path`` in this process (``vllm_kwargs``,
+  ``vllm_weight_sync`` when the config has those fields);
+- ``"remote"``: ``RemoteEngine`` for the server at ``remote_url`` (``remote_model``,
+  ``remote_weight_sync``, ``remote_timeout_s``); ``model_path`` is only used for
+  EOS ids and the config files that SGLang's disk reload needs.
+The optional config fields are read with ``getattr`` so this module works with a
+``RolloutConfig`` that does not define them yet (they then take their defaults).
+An unknown engine name raises ``ValueError`` naming the choices.
+
+It does not know how engines generate or load weights, and imports each engine
+(and vLLM) only when that engine is chosen.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.config import RolloutConfig
+    from conveyor.rollout.api import RolloutEngine
+
+ENGINES = ("native", "vllm", "remote")
+
+
+def make_engine(cfg_rollout: "RolloutConfig", model_path: str, tokenizer: Any = None) -> "RolloutEngine":
+    """The engine named by ``cfg_rollout.engine``, built for ``model_path`` and ``tokenizer``."""
+    name = cfg_rollout.engine
+    if name == "native":
+        from conveyor.rollout.native.engine import NativeEngine
+        return NativeEngine.from_pretrained(model_path, device=cfg_rollout.device, dtype=cfg_rollout.dtype,
+                                            max_batch=cfg_rollout.max_batch, tokenizer=tokenizer)
+    if name == "vllm":
+        from conveyor.rollout.vllm import VLLMEngine
+        return VLLMEngine.from_config(cfg_rollout, model_path, tokenizer)
+    if name == "remote":
+        from conveyor.rollout.remote import RemoteEngine
+        return RemoteEngine.from_config(cfg_rollout, model_path, tokenizer)
+    raise ValueError(f"rollout.engine {name!r} is not one of {', '.join(ENGINES)}")

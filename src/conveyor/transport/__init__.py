@@ -1,0 +1,1 @@
+"""Transports between roles: the trajectory buffer and versioned weight transports."""

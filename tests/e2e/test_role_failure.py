@@ -1,0 +1,36 @@
+"""A role process that dies mid-run stops the run within seconds, naming the role."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+
+def test_killed_engine_stops_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run_dir}", "sft.steps=0",
+           "loop.steps=100000", "loop.batch_size=4", "rollout.n=4", "data.eval_size=8",
+           "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
+           "loop.time_limit_s=null", "observe.tensorboard=false", "observe.progress=false",
+           "launch.placement=disaggregated", "launch.timeout_s=120"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = run_dir / "logs" / "engine0.log"
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # wait until training steps are running
+        if metrics.exists() and '"kind": "train"' in metrics.read_text():
+            break
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    pid = int(re.search(r"\[engine0\] started pid=(\d+)", log.read_text()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 30, "the controller took too long to notice"
+    assert proc.returncode == 1
+    assert "conveyor: run stopped: engine0 process exited with code -9" in err, err[-3000:]
+    assert "last lines of" in err and "engine0.log" in err
