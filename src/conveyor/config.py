@@ -74,6 +74,13 @@ class RolloutConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "engine weights; auto keeps the checkpoint's dtype (the trainer always keeps fp32 master weights)"))
     eos_bias: float = Field(0.0, description="added to the EOS logit (benchmark length shaping)")
+    runner: Literal["auto", "fast", "hf"] = Field("auto", description=(
+        "native engine: fast = own forward, paged KV cache, CUDA graphs (Llama/Qwen2/Qwen3); hf = the "
+        "Hugging Face forward (any model); auto = fast on a GPU for supported models, else hf"))
+    kv_fraction: float = Field(0.4, gt=0, le=0.95, description="fast runner: share of free GPU memory for the KV pool")
+    kv_blocks: int | None = Field(None, ge=1, description="fast runner: KV pool size in blocks (overrides kv_fraction)")
+    block_size: int = Field(16, ge=1, description="fast runner: tokens per KV block")
+    cuda_graphs: bool = Field(True, description="fast runner: capture decode steps in CUDA graphs")
     vllm_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
         "extra vllm.LLM arguments (gpu_memory_utilization, tensor_parallel_size, enable_sleep_mode, ...)"))
     vllm_weight_sync: Literal["reload", "nccl", "ipc"] = Field("reload", description=(
@@ -154,7 +161,11 @@ class AlgoConfig(_Section):
 
 class SFTConfig(_Section):
     """Supervised warm-start on the task's reference answers."""
-    steps: int = Field(0, ge=0, description="0 skips the warm-start")
+    steps: int = Field(0, ge=0, description="most warm-start steps; 0 skips the warm-start")
+    target_reward: float | None = Field(None, description=(
+        "stop early once the greedy reward on held-out TRAINING tasks reaches this"))
+    check_every: int = Field(50, ge=1, description="warm-start steps between target checks")
+    check_size: int = Field(100, ge=1, description="training tasks held out for the target check")
     batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-3, gt=0)
 

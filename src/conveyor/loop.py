@@ -32,16 +32,16 @@ def evaluate(c, step: int) -> dict[str, float]:
     """Held-out reward at ``loop.eval_temperature`` (greedy by default); with
     ``loop.eval_sampled`` also at the rollout temperature (the policy's expected reward)."""
     cfg = c.cfg
-    m = _eval_at(c, cfg.loop.eval_temperature, "eval_")
+    m = eval_tasks(c, c.eval_tasks, cfg.loop.eval_temperature, "eval_")
     if cfg.loop.eval_sampled:
-        m.update(_eval_at(c, cfg.rollout.temperature, "eval_sampled_"))
+        m.update(eval_tasks(c, c.eval_tasks, cfg.rollout.temperature, "eval_sampled_"))
     c.logger.log(step, m, kind="eval")
     return m
 
 
-def _eval_at(c, temperature: float, prefix: str) -> dict[str, float]:
+def eval_tasks(c, tasks, temperature: float, prefix: str) -> dict[str, float]:
     params = sampling(c.cfg, n=1, temperature=temperature, seed=c.cfg.loop.seed + 7919)
-    tasks, prompts = prepare_prompts(c.tokenizer, c.eval_tasks, c.max_prompt_tokens, c.add_special_tokens)
+    tasks, prompts = prepare_prompts(c.tokenizer, tasks, c.max_prompt_tokens, c.add_special_tokens)
     if not tasks:
         return {prefix + "reward": float("nan")}
     t0 = time.perf_counter()
@@ -113,6 +113,7 @@ def rollout_stats(groups: list[Group], step: int) -> dict[str, float]:
     lens = sorted(len(t.completion_ids) for t in trajs)
     stale = Counter(step - t.min_version for t in trajs)  # versions behind the policy being trained
     out = {"response_len": sum(lens) / len(lens), "response_len_max": float(lens[-1]),
+           "response_len_p50": float(lens[len(lens) // 2]), "response_len_p99": float(lens[int(0.99 * (len(lens) - 1))]),
            "truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
            "staleness_max": float(max(stale)), "staleness_mean": sum(k * v for k, v in stale.items()) / len(trajs),
            "multi_version_frac": sum(len(set(t.versions)) > 1 for t in trajs) / len(trajs)}

@@ -1,9 +1,11 @@
 """Supervised warm-start: teach the policy the task's answer format before RL.
 
-Contract: ``warm_start(trainer, tokenizer, tasks, cfg, seed, log)`` runs
-``cfg.steps`` optimizer steps of next-token NLL on prompt + reference answer
-+ EOS (loss only on the answer and EOS) through the ordinary ``Trainer``,
-with batches drawn by a seeded RNG, and returns the last losses. It knows
+Contract: ``warm_start(trainer, tokenizer, source, steps, ...)`` runs up to
+``steps`` optimizer steps of next-token NLL on prompt + reference answer +
+EOS (loss only on the answer and EOS) through the ordinary ``Trainer``, with
+batches drawn by a seeded RNG, stopping early when the caller's ``check``
+says the policy is good enough ("warm-start if needed": how long a short
+supervised phase must run to teach the format varies a lot between seeds). It knows
 nothing of rewards, engines or evaluation; the caller evaluates before and
 after.
 """
@@ -31,13 +33,18 @@ def sft_batch(tokenizer, tasks: list[Task], add_special_tokens: bool = False) ->
 
 
 def warm_start(trainer, tokenizer, source, steps: int, batch_size: int, seed: int,
-               add_special_tokens: bool = False, log=None) -> list[float]:
+               add_special_tokens: bool = False, log=None, check=None, check_every: int = 50,
+               exclude: set[int] | None = None) -> int:
+    """Train up to ``steps`` steps; every ``check_every`` steps ``check()`` may say
+    "enough" (returns True). Tasks whose index is in ``exclude`` are never trained
+    on (the caller checks on them). Returns the number of steps taken."""
     rng = random.Random(f"sft-{seed}")
-    losses = []
+    pool = [i for i in range(len(source)) if not exclude or i not in exclude]
     for step in range(steps):
-        tasks = [source[rng.randrange(len(source))] for _ in range(batch_size)]
+        tasks = [source[pool[rng.randrange(len(pool))]] for _ in range(batch_size)]
         m = trainer.train(sft_batch(tokenizer, tasks, add_special_tokens), sft_loss)
-        losses.append(m["loss"])
         if log is not None:
             log(step, {"sft_loss": m["loss"], "lr": m.get("lr", 0.0)})
-    return losses
+        if check is not None and (step + 1) % check_every == 0 and check():
+            return step + 1
+    return steps

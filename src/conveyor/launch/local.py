@@ -172,10 +172,10 @@ def _run(c: Components, cfg: RunConfig, run_dir: Path, base: str, start_path: st
         start_step, summary = int(extra["step"]), dict(extra.get("summary", {}))
     start_rollouts(c, start_path, start_step)
     if ckpt is None:
-        summary["eval_reward_initial"] = loop.evaluate(c, 0)["eval_reward"]
+        _record(summary, loop.evaluate(c, 0), "initial")
         if cfg.sft.steps > 0:
             start_path = warm_start_phase(c, base)
-        summary["eval_reward_warmstart"] = loop.evaluate(c, 0)["eval_reward"]
+        _record(summary, loop.evaluate(c, 0), "warmstart")
         c.logger.message(f"held-out reward: initial {summary['eval_reward_initial']:.3f}, "
                          f"after warm-start {summary['eval_reward_warmstart']:.3f}")
     c.trainer = start_trainer(cfg, start_path, c.tokenizer, c.weights, run_dir)
@@ -189,12 +189,13 @@ def _run(c: Components, cfg: RunConfig, run_dir: Path, base: str, start_path: st
     rl_seconds = time.perf_counter() - t_rl
     steps_done = c.trainer.step()
     final = loop.evaluate(c, steps_done)
+    _record(summary, final, "final")
     summary.update({
-        "eval_reward_final": final["eval_reward"], "steps": steps_done,
+        "steps": steps_done,
         "wall_seconds": time.perf_counter() - t0, "rl_seconds": rl_seconds,
         "trained_samples_per_second": (steps_done - start_step) * cfg.loop.batch_size * cfg.rollout.n
         / max(rl_seconds, 1e-9),
-        "final_metrics": last, "final_eval": final, "run_dir": str(run_dir),
+        "final_metrics": last, "run_dir": str(run_dir),
     })
     if cfg.loop.checkpoint_every:
         c.checkpoint(steps_done, summary)
@@ -202,11 +203,18 @@ def _run(c: Components, cfg: RunConfig, run_dir: Path, base: str, start_path: st
     c.tokenizer.save_pretrained(run_dir / "final")
     from conveyor.observe.report import write_summary
     write_summary(run_dir, summary)
-    c.logger.message(
-        f"held-out reward: initial {summary.get('eval_reward_initial', float('nan')):.3f} -> warm-start "
-        f"{summary.get('eval_reward_warmstart', float('nan')):.3f} -> RL {summary['eval_reward_final']:.3f} "
-        f"({steps_done} steps, {summary['wall_seconds']:.0f}s); results in {run_dir}")
+    for key, label in (("eval_reward", "greedy"), ("eval_sampled_reward", "sampled")):
+        if f"{key}_final" in summary:
+            pts = [summary.get(f"{key}_{p}", float("nan")) for p in ("initial", "warmstart", "final")]
+            c.logger.message(f"held-out reward ({label}): initial {pts[0]:.3f} -> warm-start {pts[1]:.3f} "
+                             f"-> after RL {pts[2]:.3f}")
+    c.logger.message(f"{steps_done} RL steps, {summary['wall_seconds']:.0f}s in all; results in {run_dir}")
     return summary
+
+
+def _record(summary: dict, evaluation: dict, point: str) -> None:
+    """eval_reward -> eval_reward_initial / _warmstart / _final (and every other eval metric)."""
+    summary.update({f"{k}_{point}": v for k, v in evaluation.items()})
 
 
 def _read_extra(ckpt: Path) -> dict:
@@ -216,17 +224,33 @@ def _read_extra(ckpt: Path) -> dict:
 def warm_start_phase(c: Components, base: str) -> str:
     """SFT in this process with its own optimizer; the result is published to the engines
     and saved as ``warmstart/``, the RL trainer's starting point. Returns that path."""
+    import random
+
     from conveyor.launch.roles import make_trainer
     from conveyor.sft import warm_start
-    cfg = c.cfg
-    sft_cfg = cfg.trainer.model_copy(update={"lr": cfg.sft.lr, "reference": False, "critic": False,
+    cfg, sc = c.cfg, c.cfg.sft
+    sft_cfg = cfg.trainer.model_copy(update={"lr": sc.lr, "reference": False, "critic": False,
                                              "warmup_steps": 0, "lr_schedule": "constant",
                                              "ppo_epochs": 1, "mini_batches": 1})
     sft_trainer = make_trainer(cfg.model_copy(update={"trainer": sft_cfg}), base, c.tokenizer)
+    held: set[int] = set()
+    check = None
+    if sc.target_reward is not None:
+        # The early-stop check uses training tasks kept out of the warm-start, never the eval split.
+        rng = random.Random(f"sft-check-{cfg.loop.seed}")
+        held = set(rng.sample(range(len(c.train_source)), min(sc.check_size, len(c.train_source) // 2)))
+        check_tasks = [c.train_source[i] for i in sorted(held)]
+
+        def check() -> bool:
+            c.weights.publish(sft_trainer.named_weights(), 0)
+            r = loop.eval_tasks(c, check_tasks, cfg.loop.eval_temperature, "sft_check_")
+            c.logger.log(sft_trainer.step, r, kind="sft")
+            return r["sft_check_reward"] >= sc.target_reward
     with c.timer.phase("warm_start"):
-        warm_start(sft_trainer, c.tokenizer, c.train_source, cfg.sft.steps, cfg.sft.batch_size, cfg.loop.seed,
-                   c.add_special_tokens,
-                   log=lambda s, m: c.logger.log(s, m, kind="sft") if (s + 1) % 10 == 0 else None)
+        steps = warm_start(sft_trainer, c.tokenizer, c.train_source, sc.steps, sc.batch_size, cfg.loop.seed,
+                           c.add_special_tokens, check=check, check_every=sc.check_every, exclude=held,
+                           log=lambda s, m: c.logger.log(s, m, kind="sft") if (s + 1) % 10 == 0 else None)
+    c.logger.message(f"warm-start: {steps} supervised steps")
     warm = c.run_dir / "warmstart"
     sft_trainer.export_hf(warm)
     c.tokenizer.save_pretrained(warm)

@@ -60,18 +60,53 @@ def engine_loop(engine, inbox, outbox, weights, engine_id: int, partial: bool) -
             idle_s += time.perf_counter() - t0
             if msg[0] == "stop":
                 break
-            _, chunk_id, prompts, params = msg
-            # Weights published before this request was admitted must be in place
-            # before it starts: that is what bounds staleness by the admission rule.
+            chunks, stop_after = _merge_waiting(msg, inbox)
+            # Weights published before these requests were admitted must be in place
+            # before they start: that is what bounds staleness by the admission rule.
             take_weights()
             t0 = time.perf_counter()
-            outs = engine.generate(prompts, params)
+            prompts = [p for _, ps, _ in chunks for p in ps]
+            outs = engine.generate(prompts, chunks[0][2])
             busy_s += time.perf_counter() - t0
-            outbox.put(("done", engine_id, chunk_id, outs, {"busy_s": busy_s, "idle_s": idle_s}))
+            i = 0
+            for chunk_id, ps, _ in chunks:
+                outbox.put(("done", engine_id, chunk_id, outs[i:i + len(ps)], {"busy_s": busy_s, "idle_s": idle_s}))
+                i += len(ps)
+            if stop_after:
+                break
     except Exception:  # noqa: BLE001 - reported to the controller, which stops the run
         outbox.put(("error", engine_id, traceback.format_exc()))
     finally:
         stop.set()
+
+
+def _merge_waiting(first, inbox) -> tuple[list[tuple], bool]:
+    """The first request plus every waiting one with the same sampling settings, so that
+    chunks admitted while the engine was busy decode together in one larger batch.
+    (With max_staleness 0 only one chunk is ever waiting, so nothing changes.) The
+    merged call uses the first chunk's seed."""
+    _, chunk_id, prompts, params = first
+    chunks, stop_after, held = [(chunk_id, prompts, params)], False, []
+    while True:
+        try:
+            msg = inbox.get_nowait()
+        except queue.Empty:
+            break
+        if msg[0] == "stop":
+            stop_after = True
+            break
+        if chunk_id >= 0 and msg[1] >= 0 and _same_but_seed(msg[3], params):
+            chunks.append((msg[1], msg[2], msg[3]))
+        else:
+            held.append(msg)
+    for msg in held:  # evaluation requests and different settings keep their turn
+        inbox.put(msg)
+    return chunks, stop_after
+
+
+def _same_but_seed(a, b) -> bool:
+    import dataclasses
+    return dataclasses.replace(a, seed=None) == dataclasses.replace(b, seed=None)
 
 
 def engine_process(spec: dict, inbox, outbox, weights, engine_id: int, partial: bool) -> None:

@@ -31,7 +31,10 @@ def make_engine(cfg_rollout: "RolloutConfig", model_path: str, tokenizer: Any = 
     if name == "native":
         from conveyor.rollout.native.engine import NativeEngine
         return NativeEngine.from_pretrained(model_path, device=cfg_rollout.device, dtype=cfg_rollout.dtype,
-                                            max_batch=cfg_rollout.max_batch, tokenizer=tokenizer)
+                                            max_batch=cfg_rollout.max_batch, tokenizer=tokenizer,
+                                            runner=cfg_rollout.runner, kv_fraction=cfg_rollout.kv_fraction,
+                                            kv_blocks=cfg_rollout.kv_blocks, block_size=cfg_rollout.block_size,
+                                            cuda_graphs=cfg_rollout.cuda_graphs)
     if name == "vllm":
         from conveyor.rollout.vllm import VLLMEngine
         return VLLMEngine.from_config(cfg_rollout, model_path, tokenizer)

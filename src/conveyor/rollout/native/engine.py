@@ -1,4 +1,23 @@
-"""NativeEngine: the built-in rollout engine (CPU or one GPU, Hugging Face model, dense KV cache).
+"""NativeEngine: the built-in rollout engine (CPU or one GPU).
+
+Two model runners behind one engine:
+- the fast runner (``fast_runner.py``): its own forward for Llama-family decoders
+  (Llama 3, Qwen2 / Qwen2.5, Qwen3), a paged KV cache with prompt blocks shared
+  by a group's samples, preemption when the pool is full, Triton decode
+  attention and CUDA-graph decode on a GPU. ``runner="auto"`` (the default) uses
+  it on a GPU when the model is supported; ``runner="fast"`` uses it on the CPU
+  too (plain-torch kernels, the path the CPU tests exercise). Its generation
+  loop is ``paged_loop.py``. ``kv_fraction`` (of the GPU memory free when the
+  engine is built, default 0.4 so a colocated trainer keeps room for its
+  optimizer state) or ``kv_blocks`` sizes the pool; ``release_memory()`` / ``reacquire_memory()``
+  free and re-allocate it between rollouts.
+- the Hugging Face runner (``runner.py``, dense left-padded DynamicCache): any
+  causal LM; the fallback, logged, for models the fast runner does not support,
+  and the CPU default. The contract below describes its loop; the paged loop
+  keeps the same promises (order, versions, logprobs, context rule, seeding).
+
+``pause()`` stops scheduling between steps (KV kept), ``resume()`` continues and
+``abort()`` ends the running ``generate`` with finish_reason "abort".
 
 Contract (see ``conveyor.rollout.api`` for what every engine promises)
 - ``generate(prompts, params)``: each (prompt, sample) pair is a request. A
@@ -28,12 +47,16 @@ turns token ids into completions with the weights it was last given. One
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
 from conveyor.rollout.api import Completion, SamplingParams
+from conveyor.rollout.native.fast_model import unsupported_reason
+from conveyor.rollout.native.fast_runner import FastRunner
+from conveyor.rollout.native.paged_loop import PagedLoop, check_fits_pool
 from conveyor.rollout.native.runner import HFModelRunner, KVBatch
 from conveyor.rollout.native.sampling import sample
 from conveyor.rollout.native.scheduler import Request, Scheduler, StopRule
@@ -41,6 +64,9 @@ from conveyor.rollout.native.scheduler import Request, Scheduler, StopRule
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import RolloutConfig
 
+log = logging.getLogger(__name__)
+
+RUNNERS = ("auto", "fast", "hf")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -61,6 +87,17 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
+def _use_fast_runner(model, device: torch.device, runner: str) -> bool:
+    """The paged fast runner for supported models on a GPU ("auto") or anywhere ("fast"); else HF."""
+    if runner == "hf" or (runner == "auto" and device.type != "cuda"):
+        return False
+    reason = unsupported_reason(model)
+    if reason is not None:
+        log.warning("NativeEngine: fast runner unavailable (%s); falling back to the Hugging Face runner", reason)
+        return False
+    return True
+
+
 def _eos_ids(model, tokenizer) -> set[int]:
     ids: set[int] = set()
     sources = [getattr(model, "generation_config", None), model.config, tokenizer]
@@ -77,9 +114,13 @@ class NativeEngine:
 
     def __init__(self, model, tokenizer=None, *, device: str | torch.device = "auto",
                  dtype: str | torch.dtype | None = "auto", max_batch: int = 256,
-                 refill: int | None = None, prefill_token_budget: int = 16384, version: int = 0):
+                 refill: int | None = None, prefill_token_budget: int = 16384, version: int = 0,
+                 runner: str = "auto", kv_fraction: float = 0.4, kv_blocks: int | None = None,
+                 block_size: int = 16, cuda_graphs: bool = True):
         if max_batch < 1:
             raise ValueError(f"NativeEngine max_batch must be >= 1, got {max_batch}")
+        if runner not in RUNNERS:
+            raise ValueError(f"NativeEngine runner {runner!r} is not one of {', '.join(RUNNERS)}")
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         model = model.to(device=dev, dtype=dt) if dt is not None else model.to(device=dev)
         model.eval()
@@ -88,12 +129,21 @@ class NativeEngine:
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.refill = refill
-        self.runner = HFModelRunner(model, prefill_token_budget)
+        self.paged = _use_fast_runner(model, dev, runner)
+        if self.paged:
+            self.runner = FastRunner(model, max_batch=max_batch, block_size=block_size, kv_fraction=kv_fraction,
+                                     kv_blocks=kv_blocks, cuda_graphs=cuda_graphs,
+                                     prefill_token_budget=prefill_token_budget)
+        else:
+            self.runner = HFModelRunner(model, prefill_token_budget)
         self.eos_ids = _eos_ids(model, tokenizer)
         self._version = int(version)
         # Held for one step at a time, and by update_weights, so a weight swap from
         # another thread lands between decode steps, never inside one.
         self._lock = threading.RLock()
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._aborted = False
 
     @classmethod
     def from_pretrained(cls, path: str, device: str | torch.device = "auto",
@@ -180,11 +230,21 @@ class NativeEngine:
             raise ValueError("SamplingParams.eos_bias needs an EOS token; the model config and tokenizer define none")
         requests = self._capped_requests(prompts, params)
         stop = StopRule(self.eos_ids | set(params.stop_token_ids), params.stop_strings, self.tokenizer)
+        self._aborted = False
+        if self.paged:
+            if not self.runner.holds_memory:
+                raise RuntimeError("generate: the KV cache was released; call reacquire_memory() first")
+            check_fits_pool(self.runner, requests)
+            with torch.inference_mode():
+                PagedLoop(self, params, stop, self._generator(params.seed)).run(requests)
+            return self._completions(requests, len(prompts), params.n)
         sched = Scheduler(requests, self.max_batch, self.refill)
         step = _Step(self, params, stop, self._generator(params.seed))
         batch: KVBatch | None = None
         with torch.inference_mode():
             while sched.has_work():
+                if not self._wait_unpaused():
+                    break
                 admitted = sched.admit()
                 if admitted:
                     batch = step.admit(batch, admitted, sched)
@@ -200,8 +260,44 @@ class NativeEngine:
                                                              r.finish_reason or "abort", text)
         return out
 
+    # ----- memory and flow control ----------------------------------------------------
+    def release_memory(self) -> None:
+        """Free the KV cache (paged runner) so a colocated trainer can use the memory between rollouts."""
+        self._check_open()
+        with self._lock:
+            if self.paged:
+                self.runner.release_memory()
+            elif torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def reacquire_memory(self) -> None:
+        """Allocate the KV cache again (a no-op when it is held or the runner keeps no pool)."""
+        self._check_open()
+        with self._lock:
+            if self.paged:
+                self.runner.reacquire_memory()
+
+    def pause(self) -> None:
+        """Stop scheduling between steps (running requests keep their KV) until ``resume()``."""
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        self._unpaused.set()
+
+    def abort(self) -> None:
+        """End the ``generate`` in progress: unfinished requests return with finish_reason "abort"."""
+        self._aborted = True
+        self._unpaused.set()
+
+    def _wait_unpaused(self) -> bool:
+        """Block while paused; False once the running call was aborted."""
+        self._unpaused.wait()
+        return not self._aborted
+
     def close(self) -> None:
         with self._lock:
+            if self.paged and self.runner is not None and self.runner.holds_memory:
+                self.runner.release_memory()
             self.model = None
             self.runner = None
         if torch.cuda.is_available():

@@ -21,9 +21,10 @@ Contract
 
 This is the one module that knows Hugging Face internals: the forward keyword
 for the cache (``cache`` in recent transformers, ``past_key_values`` before) and
-the per-layer ``keys`` / ``values`` tensors of ``DynamicCache``. A paged-KV runner
-can replace it behind the same four methods. It knows nothing of sampling,
-requests or stop conditions.
+the per-layer ``keys`` / ``values`` tensors of ``DynamicCache``. It serves any
+causal LM; Llama-family models on a GPU get the paged ``fast_runner.FastRunner``
+instead (see ``engine.py``). It knows nothing of sampling, requests or stop
+conditions.
 """
 from __future__ import annotations
 

@@ -10,7 +10,11 @@ Contract
 - ``Scheduler`` keeps a FIFO ``waiting`` queue and the ``running`` list, whose
   order is the row order of the model runner's batch. ``admit()`` moves requests
   from waiting to the end of running; ``retire()`` drops finished requests from
-  running and returns the row indices that stay.
+  running and returns the row indices that stay. ``preempt(tail)`` moves the last
+  running requests back to the front of waiting (the paged runner ran out of KV
+  blocks; their tokens so far are kept and recomputed on re-admission).
+- ``admit(fits)``: the optional ``fits(request)`` stops a wave at the first
+  request the KV budget cannot take, so admission stays FIFO.
 
 Admission policy (admission waves with a refill threshold): new requests are
 admitted when the batch is empty, or when at least ``refill`` slots are free
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 
 @dataclass
@@ -39,6 +44,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    kv: Any = None  # the paged runner's per-sequence state (block ids), None while not in its cache
 
     @property
     def finished(self) -> bool:
@@ -92,15 +98,26 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admit(self) -> list[Request]:
+    def admit(self, fits: Callable[[Request], bool] | None = None) -> list[Request]:
+        """Admit a wave; ``fits`` (the paged runner's KV budget) may stop it early, in FIFO order."""
         free = self.max_batch - len(self.running)
         if not self.waiting or free <= 0:
             return []
         if self.running and free < min(self.refill, len(self.waiting)):
             return []
-        admitted = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        admitted = []
+        while self.waiting and len(admitted) < free and (fits is None or fits(self.waiting[0])):
+            admitted.append(self.waiting.popleft())
         self.running.extend(admitted)
         return admitted
+
+    def preempt(self, tail: list[Request]) -> None:
+        """Move ``tail`` (the last requests of ``running``, last first) back to the front of ``waiting``."""
+        if not tail:
+            return
+        self.running = self.running[:len(self.running) - len(tail)]
+        for req in tail:
+            self.waiting.appendleft(req)
 
     def retire(self) -> list[int]:
         keep = [i for i, r in enumerate(self.running) if not r.finished]

@@ -1,0 +1,419 @@
+"""FastRunner: paged-KV model runner with CUDA-graph decode for Llama-family decoders.
+
+Contract
+- KV pool: one tensor ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]``
+  in the model dtype, sized by ``kv_blocks`` or by ``kv_fraction`` of the free GPU
+  memory (``paged.kv_pool_blocks``); a small fixed pool on the CPU. Each running
+  request owns a ``SeqKV``: a row of the persistent block table, its block ids
+  (``len(blocks) == ceil(cached / block_size)``) and ``cached``, the number of its
+  tokens whose keys and values are in the pool.
+- ``prefill(requests)`` computes the KV of every known token of each request
+  (prompt plus tokens generated before a preemption) and returns float32-castable
+  next-token logits ``[len(requests), V]`` in request order. Requests with the
+  same prompt and nothing generated yet (the samples of one group admitted
+  together) are computed once: the others share its full blocks (reference
+  counts) and get a copy of its last partial block, so they can diverge.
+- ``ensure_slots(running)`` gives every running request a slot for its next
+  token; when the pool is empty it preempts from the end of ``running`` (the most
+  recently admitted first), frees their blocks and returns them: their KV is
+  recomputed by a later ``prefill``. ``decode(running)`` then feeds each
+  request's last token, writes its KV and returns logits ``[B, V]``.
+- ``free(request)`` returns a finished (or preempted) request's blocks and row.
+- Decode runs as a CUDA graph captured per batch bucket (the batch is padded to
+  the bucket; padded rows point at the reserved null block and row). Graph
+  inputs are static buffers filled by one host-to-device copy per step. Weights
+  are read through references to the model's parameters, so in-place weight
+  updates need no recapture.
+- ``release_memory()`` drops the pool and the graphs (no request may be running);
+  ``reacquire_memory()`` allocates them again.
+
+It knows nothing of sampling, stop rules or versions: the engine's paged loop
+(``paged_loop.py``) drives it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from conveyor.rollout.native import fast_ops
+from conveyor.rollout.native.fast_model import FastDecoder
+from conveyor.rollout.native.paged import BlockAllocator, blocks_for, kv_bytes_per_token, kv_pool_blocks
+from conveyor.rollout.native.runner import context_limit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqKV:
+    row: int
+    blocks: list[int]
+    cached: int
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a captured graph: powers of two to 64, then steps of 64, then of 128."""
+    sizes, b = [], 1
+    while b < 64:
+        sizes.append(b)
+        b *= 2
+    while b < 512:
+        sizes.append(b)
+        b += 64
+    while b < max_batch:
+        sizes.append(b)
+        b += 128
+    return [s for s in sizes if s < max_batch] + [max_batch]
+
+
+def _select_ops(device: torch.device):
+    if device.type != "cuda":
+        return fast_ops, False
+    try:
+        from conveyor.rollout.native import triton_ops
+    except Exception as exc:  # noqa: BLE001 - any import failure means no Triton path
+        log.warning("fast runner: Triton is unavailable (%s); using torch kernels without CUDA graphs", exc)
+        return fast_ops, False
+    return triton_ops, True
+
+
+class FastRunner:
+    def __init__(self, model, *, max_batch: int, block_size: int = 16, kv_fraction: float = 0.4,
+                 kv_blocks: int | None = None, cuda_graphs: bool = True, prefill_token_budget: int = 16384):
+        self.context_limit = context_limit(model.config)
+        self.net = FastDecoder(model, self.context_limit)
+        self.device, self.dtype = self.net.device, self.net.dtype
+        self.ops, graphable = _select_ops(self.device)
+        self.use_graphs = bool(cuda_graphs and graphable)
+        self.block_size, self.max_batch = int(block_size), int(max_batch)
+        self.prefill_token_budget = int(prefill_token_budget)
+        self.max_blocks_per_seq = blocks_for(self.context_limit, self.block_size)
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        self.bytes_per_block = kv_bytes_per_token(self.net.num_layers, self.net.nkv, self.net.head_dim,
+                                                  itemsize) * self.block_size
+        self._kv_fraction, self._kv_blocks = kv_fraction, kv_blocks
+        self.buckets = decode_buckets(self.max_batch) if self.use_graphs else []
+        pin = self.device.type == "cuda"
+        # Rows: ids, positions, write slots, context lengths, block-table rows.
+        self._inp = torch.zeros(5, self.max_batch, dtype=torch.long, device=self.device)
+        self._host = torch.zeros(5, self.max_batch, dtype=torch.long, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self.null_row = self.max_batch
+        self._bt = torch.zeros(self.max_batch + 1, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        self._bt_updates: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._free_rows = list(range(self.max_batch - 1, -1, -1))
+        self._cached = np.zeros(self.max_batch + 1, dtype=np.int64)
+        self._tail = np.zeros(self.max_batch + 1, dtype=np.int64)
+        self._rows: np.ndarray | None = None  # block-table rows of the running batch, in order
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.kv = None
+        self.allocator: BlockAllocator | None = None
+        self.reacquire_memory()
+
+    # ----- memory -----------------------------------------------------------------
+    def _workspace_bytes(self) -> int:
+        """Logits and sampling temporaries of the largest batch plus prefill activations."""
+        net = self.net
+        ffn = self.net.layers[0].gu_w.shape[0]
+        sampling = self.max_batch * net.vocab * (2 + 4 * 4)
+        prefill = self.prefill_token_budget * (2 * ffn + 8 * net.hidden) * 4
+        return sampling + prefill + (1 << 30)
+
+    def reacquire_memory(self) -> None:
+        """Allocate the KV pool (and capture the decode graphs); a no-op when it is held."""
+        if self.kv is not None:
+            return
+        blocks = kv_pool_blocks(device_type=self.device.type, bytes_per_block=self.bytes_per_block,
+                                kv_fraction=self._kv_fraction, kv_blocks=self._kv_blocks,
+                                workspace_bytes=self._workspace_bytes() if self.device.type == "cuda" else 0)
+        net = self.net
+        self.kv = torch.zeros(net.num_layers, 2, blocks * self.block_size, net.nkv, net.head_dim,
+                              dtype=self.dtype, device=self.device)
+        self.allocator = BlockAllocator(blocks)
+        log.info("fast runner: KV pool of %d blocks x %d tokens (%.2f GiB)", blocks, self.block_size,
+                 blocks * self.bytes_per_block / 2**30)
+        if self.use_graphs:
+            self._capture_graphs()
+
+    def release_memory(self) -> None:
+        """Free the KV pool and the graphs' memory; ``reacquire_memory`` brings them back."""
+        if len(self._free_rows) != self.max_batch:
+            raise RuntimeError("release_memory: requests are still running; call it between generate calls")
+        self._graphs.clear()
+        self.kv = None
+        self.allocator = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def holds_memory(self) -> bool:
+        return self.kv is not None
+
+    # ----- sequences --------------------------------------------------------------
+    @staticmethod
+    def share_key(req) -> tuple:
+        # Only untouched samples of one prompt have identical tokens; a resumed request is its own.
+        return ("prompt", req.prompt_index) if not req.token_ids else ("own", id(req))
+
+    def tokens_of(self, req) -> list[int]:
+        return req.prompt_ids + req.token_ids
+
+    def _new_seq(self, blocks: list[int], cached: int) -> SeqKV:
+        seq = SeqKV(self._free_rows.pop(), blocks, cached)
+        rows, cols, vals = self._bt_updates
+        rows.extend([seq.row] * len(blocks))
+        cols.extend(range(len(blocks)))
+        vals.extend(blocks)
+        self._cached[seq.row] = cached
+        self._tail[seq.row] = blocks[-1]
+        self._rows = None
+        return seq
+
+    def _append_block(self, seq: SeqKV, block: int) -> None:
+        seq.blocks.append(block)
+        self._bt_updates[0].append(seq.row)
+        self._bt_updates[1].append(len(seq.blocks) - 1)
+        self._bt_updates[2].append(block)
+        self._tail[seq.row] = block
+
+    def free(self, req) -> None:
+        seq = req.kv
+        if seq is None:
+            return
+        self.allocator.free(seq.blocks)
+        self._free_rows.append(seq.row)
+        req.kv = None
+        self._rows = None
+
+    def _flush_block_table(self) -> None:
+        rows, cols, vals = self._bt_updates
+        if not rows:
+            return
+        idx = torch.tensor([rows, cols], dtype=torch.long).to(self.device, non_blocking=True)
+        self._bt[idx[0], idx[1]] = torch.tensor(vals, dtype=torch.int32).to(self.device, non_blocking=True)
+        self._bt_updates = ([], [], [])
+
+    def _rows_of(self, running) -> np.ndarray:
+        # The batch changes only by admission (new rows) and retirement or preemption
+        # (freed rows), and both reset the cache.
+        if self._rows is None or len(self._rows) != len(running):
+            self._rows = np.fromiter((r.kv.row for r in running), dtype=np.int64, count=len(running))
+        return self._rows
+
+    # ----- admission and preemption -----------------------------------------------------
+    def admission_check(self, running: list):
+        """A ``fits(request)`` callable for one admission wave: it books the blocks each admitted prompt needs.
+
+        A reserve of about 1% of the pool is kept for the running batch's next blocks
+        (only while something runs: an empty pool always takes the first request).
+        """
+        free = self.allocator.num_free
+        reserve = max(1, self.allocator.capacity // 100)
+        seen: set = set()
+        state = {"taken": bool(running)}
+
+        def fits(req) -> bool:
+            nonlocal free
+            n = len(req.prompt_ids) + len(req.token_ids)
+            key = self.share_key(req)
+            need = (1 if n % self.block_size else 0) if key in seen else blocks_for(n, self.block_size)
+            if free - need < (reserve if state["taken"] else 0):
+                return False
+            free -= need
+            seen.add(key)
+            state["taken"] = True
+            return True
+
+        return fits
+
+    def ensure_slots(self, running: list) -> list:
+        """Give each running request a slot for its next token; preempt from the end when the pool is full."""
+        rows = self._rows_of(running)
+        need = np.flatnonzero(self._cached[rows] % self.block_size == 0)
+        end, preempted = len(running), []
+        for i in need.tolist():
+            if i >= end:
+                break
+            got = self.allocator.allocate(1)
+            while got is None and end - 1 > i:
+                end -= 1
+                preempted.append(running[end])
+                self.free(running[end])
+                got = self.allocator.allocate(1)
+            if got is None:
+                if i == 0:
+                    raise RuntimeError(f"the KV pool ({self.allocator.capacity} blocks of {self.block_size} tokens) "
+                                       f"cannot hold one sequence of {self._cached[rows[0]] + 1} tokens; "
+                                       f"raise kv_fraction / kv_blocks or lower max_new_tokens")
+                end = i
+                preempted.append(running[i])
+                self.free(running[i])
+                break
+            self._append_block(running[i].kv, got[0])
+        return preempted  # the tail of ``running``, last first
+
+    # ----- prefill ------------------------------------------------------------------
+    def prefill(self, requests: list) -> torch.Tensor:
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(self.share_key(r), []).append(i)
+        leaders = [members[0] for members in groups.values()]
+        for i in leaders:
+            r = requests[i]
+            n = len(r.prompt_ids) + len(r.token_ids)
+            blocks = self.allocator.allocate(blocks_for(n, self.block_size))
+            if blocks is None:
+                raise RuntimeError("fast runner: prefill admitted more tokens than the KV pool holds")
+            r.kv = self._new_seq(blocks, n)
+        logits = self._prefill_leaders([requests[i] for i in leaders])
+        row_of = {}
+        for j, (key, members) in enumerate(groups.items()):
+            row_of.update({m: j for m in members})
+            self._share_prompt(requests[members[0]], [requests[m] for m in members[1:]])
+        index = torch.tensor([row_of[i] for i in range(len(requests))], device=logits.device)
+        return logits.index_select(0, index)
+
+    def _share_prompt(self, leader, followers: list) -> None:
+        """Followers reference the leader's full blocks and copy its partial last block."""
+        if not followers:
+            return
+        seq = leader.kv
+        full, partial = divmod(seq.cached, self.block_size)
+        src, dst = [], []
+        for r in followers:
+            blocks = [self.allocator.share(b) for b in seq.blocks[:full]]
+            if partial:
+                got = self.allocator.allocate(1)
+                if got is None:
+                    raise RuntimeError("fast runner: prefill admitted more tokens than the KV pool holds")
+                src.append(seq.blocks[-1])
+                dst.append(got[0])
+                blocks += got
+            r.kv = self._new_seq(blocks, seq.cached)
+        if src:
+            pool = self.kv.view(self.net.num_layers, 2, -1, self.block_size, self.net.nkv, self.net.head_dim)
+            s = torch.tensor(src, device=self.device)
+            pool[:, :, torch.tensor(dst, device=self.device)] = pool[:, :, s]
+
+    def _prefill_leaders(self, leaders: list) -> torch.Tensor:
+        """Logits of each leader's last token; sequences run in chunks of about ``prefill_token_budget`` tokens."""
+        order = sorted(range(len(leaders)), key=lambda i: leaders[i].kv.cached)
+        chunks, cur, tokens = [], [], 0
+        for i in order:
+            n = leaders[i].kv.cached
+            if cur and tokens + n > self.prefill_token_budget:
+                chunks.append(cur)
+                cur, tokens = [], 0
+            cur.append(i)
+            tokens += n
+        chunks.append(cur)
+        self._flush_block_table()
+        out = torch.empty(len(leaders), self.net.vocab, dtype=self.dtype, device=self.device)
+        for chunk in chunks:
+            logits = self._prefill_chunk([leaders[i] for i in chunk])
+            out[torch.tensor(chunk, device=self.device)] = logits
+        return out
+
+    def _prefill_chunk(self, seqs: list) -> torch.Tensor:
+        ps = self.block_size
+        lens = [r.kv.cached for r in seqs]
+        ids = np.concatenate([np.asarray(self.tokens_of(r), dtype=np.int64) for r in seqs])
+        pos = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+        slots = np.concatenate([np.asarray(r.kv.blocks, dtype=np.int64)[np.arange(n) // ps] * ps + np.arange(n) % ps
+                                for r, n in zip(seqs, lens)])
+        dev = self.device
+        ids_t, pos_t, slots_t = (torch.from_numpy(a).to(dev) for a in (ids, pos, slots))
+        runs, start = [], 0  # (first token, sequences, length) of each run of equal lengths
+        for n in lens:
+            if runs and runs[-1][2] == n and runs[-1][0] + runs[-1][1] * n == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
+            else:
+                runs.append((start, 1, n))
+            start += n
+        net = self.net
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            k, v = self.kv[i, 0][slots_t], self.kv[i, 1][slots_t]
+            out = torch.empty(q.shape[0], net.nq * net.head_dim, dtype=q.dtype, device=dev)
+            for first, count, n in runs:
+                part = slice(first, first + count * n)
+                qs = q[part].view(count, n, net.nq, -1).transpose(1, 2)
+                ks = k[part].view(count, n, net.nkv, -1).transpose(1, 2)
+                vs = v[part].view(count, n, net.nkv, -1).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=net.scale, enable_gqa=True)
+                out[part] = o.transpose(1, 2).reshape(count * n, -1)
+            return out
+
+        hidden = net.forward(ids_t, pos_t, slots_t, self._layer_kv, attend, self.ops)
+        last = torch.from_numpy(np.cumsum(lens) - 1).to(dev)
+        return net.logits(hidden.index_select(0, last))
+
+    def _layer_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[i, 0], self.kv[i, 1]
+
+    # ----- decode -------------------------------------------------------------------
+    def _bucket(self, b: int) -> int:
+        for size in self.buckets:
+            if size >= b:
+                return size
+        return b
+
+    def decode(self, running: list) -> torch.Tensor:
+        """One token for every running request (call ``ensure_slots`` first)."""
+        b = len(running)
+        rows = self._rows_of(running)
+        pos = self._cached[rows]
+        h = self._host_np
+        h[0, :b] = np.fromiter((r.token_ids[-1] for r in running), dtype=np.int64, count=b)
+        h[1, :b] = pos
+        h[2, :b] = self._tail[rows] * self.block_size + pos % self.block_size
+        h[3, :b] = pos + 1
+        h[4, :b] = rows
+        size = self._bucket(b)
+        # Padded rows write to the null block and attend to one token of it.
+        h[0:3, b:size] = 0
+        h[3, b:size] = 1
+        h[4, b:size] = self.null_row
+        self._flush_block_table()
+        self._inp[:, :size].copy_(self._host[:, :size], non_blocking=True)
+        graph = self._graphs.get(size)
+        if graph is not None:
+            graph[0].replay()
+            logits = graph[1][:b]
+        else:
+            logits = self._decode_forward(size, int(pos.max()) + 1)[:b]
+        self._cached[rows] += 1
+        return logits
+
+    def _decode_forward(self, size: int, max_ctx: int) -> torch.Tensor:
+        ids, pos, slots, ctx, rows = (self._inp[j, :size] for j in range(5))
+        tables = self._bt.index_select(0, rows)
+        net, ops = self.net, self.ops
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            return ops.decode_attention(q, self.kv[i, 0], self.kv[i, 1], tables, ctx, net.scale,
+                                        self.block_size, max_ctx)
+
+        return net.logits(net.forward(ids, pos, slots, self._layer_kv, attend, ops))
+
+    def _capture_graphs(self) -> None:
+        """Capture one decode graph per bucket, largest first, sharing one memory pool."""
+        h = self._host_np
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        with torch.no_grad():
+            for size in sorted(self.buckets, reverse=True):
+                h[0:3, :size], h[3, :size], h[4, :size] = 0, 1, self.null_row
+                self._inp[:, :size].copy_(self._host[:, :size])
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._decode_forward(size, 1)  # compiles the kernels outside the capture
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._decode_forward(size, 1)
+                self._graphs[size] = (graph, out)
+        torch.cuda.synchronize()
