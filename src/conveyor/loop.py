@@ -61,7 +61,7 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
     loss_fn = objective.PolicyLoss(cfg.algo, norm_len=cfg.rollout.max_new_tokens)
     need = objective.needs(cfg.algo)
     metrics: dict[str, float] = {}
-    published_at = {start_step: time.time()}
+    published_at: dict[int, float] = {}  # versions published by this loop -> when
     engine_busy = {e.engine_id: (e.busy_s, e.idle_s) for e in c.producer.engines}
     t_start = time.perf_counter()
     c.producer.admitting = True  # admission is driven by the version published below

@@ -19,14 +19,16 @@ from conveyor.objective import sft_loss
 from conveyor.types import Batch, Task
 
 
-def sft_batch(tokenizer, tasks: list[Task], add_special_tokens: bool = False) -> Batch:
+def sft_batch(tokenizer, tasks: list[Task], add_special_tokens: bool = False,
+              answers: list[str | None] | None = None) -> Batch:
+    """Prompt + answer + EOS with the loss on answer and EOS; ``answers`` default to the tasks' own."""
     ids, masks = [], []
-    for t in tasks:
-        if t.answer is None:
+    for t, answer in zip(tasks, answers or [t.answer for t in tasks]):
+        if answer is None:
             raise ValueError(f"task {t.id!r} has no answer; the warm-start needs reference answers "
                              "(set sft.steps=0 to skip it)")
         p = tokenizer(t.prompt, add_special_tokens=add_special_tokens)["input_ids"]
-        a = tokenizer(t.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         ids.append(torch.tensor(p + a, dtype=torch.long))
         masks.append(torch.tensor([0.0] * len(p) + [1.0] * len(a)))
     return Batch(ids, masks, {})
@@ -40,9 +42,11 @@ def warm_start(trainer, tokenizer, source, steps: int, batch_size: int, seed: in
     on (the caller checks on them). Returns the number of steps taken."""
     rng = random.Random(f"sft-{seed}")
     pool = [i for i in range(len(source)) if not exclude or i not in exclude]
+    demo = getattr(source, "demonstration", None)  # a source may show imperfect demonstrations
     for step in range(steps):
         tasks = [source[pool[rng.randrange(len(pool))]] for _ in range(batch_size)]
-        m = trainer.train(sft_batch(tokenizer, tasks, add_special_tokens), sft_loss)
+        answers = [demo(t, rng) for t in tasks] if demo else None
+        m = trainer.train(sft_batch(tokenizer, tasks, add_special_tokens, answers), sft_loss)
         if log is not None:
             log(step, {"sft_loss": m["loss"], "lr": m.get("lr", 0.0)})
         if check is not None and (step + 1) % check_every == 0 and check():

@@ -36,3 +36,20 @@ def test_reverse_task():
     s = t.prompt[len("rev:"):-1]
     assert t.answer == s[::-1]
     assert partial_credit(_traj(t, t.answer))["reward"] == 1.0
+
+
+def test_imperfect_teacher_drops_carries_only():
+    import random
+
+    from conveyor.data.synthetic import sum_without_carry
+    assert sum_without_carry(47, 38) == "75"   # units carry dropped
+    assert sum_without_carry(67, 58) == "15"   # both carries dropped
+    assert sum_without_carry(12, 34) == "46"   # no carry: the true sum
+    src = synthetic_source("addition", "train", {"digits": 2, "teacher_error": 1.0}, eval_size=10, seed=0)
+    rng = random.Random(0)
+    for t in src.tasks[:50]:
+        a, b = (int(x) for x in t.prompt[:-1].split("+"))
+        assert src.demonstration(t, rng) == sum_without_carry(a, b)
+        assert t.answer == str(a + b)          # tasks and rewards keep the true answer
+    clean = synthetic_source("addition", "train", {"digits": 2}, eval_size=10, seed=0)
+    assert all(clean.demonstration(t, rng) == t.answer for t in clean.tasks[:50])

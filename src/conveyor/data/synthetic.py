@@ -11,6 +11,10 @@ Tasks
 - ``addition``: ``"47+38="`` -> ``"85"``; operands have ``digits`` digits.
 - ``reverse``: ``"rev:kxqa="`` -> ``"aqxk"``; strings of ``length`` letters.
 
+``options.teacher_error`` makes the warm-start's demonstrations imperfect
+(``SyntheticSource.demonstration``); tasks, evaluation and rewards always use
+the true answer.
+
 Partial credit (both): the completion is compared with the answer position
 by position (right-aligned for numbers, since carries make the low digits
 easiest; left-aligned for strings); reward = matching positions /
@@ -35,6 +39,15 @@ def _addition(rng: random.Random, digits: int) -> tuple[str, str]:
     return f"{a}+{b}=", str(a + b)
 
 
+def sum_without_carry(a: int, b: int) -> str:
+    """The classic slip: add digit by digit and drop every carry (47+38 -> 75)."""
+    out, place = 0, 1
+    while a or b:
+        out += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return str(out)
+
+
 def _reverse(rng: random.Random, length: int) -> tuple[str, str]:
     s = "".join(rng.choice(string.ascii_lowercase) for _ in range(length))
     return f"rev:{s}=", s[::-1]
@@ -55,12 +68,24 @@ class SyntheticSource:
     tasks: list[Task]
     default_reward: str = "conveyor.data.synthetic:partial_credit"
     stats: dict = field(default_factory=dict)
+    teacher_error: float = 0.0
 
     def __len__(self) -> int:
         return len(self.tasks)
 
     def __getitem__(self, i: int) -> Task:
         return self.tasks[i]
+
+    def demonstration(self, task: Task, rng: random.Random) -> str:
+        """The answer shown by the warm-start's teacher. With ``teacher_error`` p
+        the teacher is imperfect, like most real demonstration data: for
+        addition it drops the carries with probability p (the flawed answer only
+        differs where a carry happens). The verifier always checks the true sum,
+        so RL can learn what imitation of this teacher cannot."""
+        if self.teacher_error and self.name == "addition" and rng.random() < self.teacher_error:
+            a, b = (int(x) for x in task.prompt[:-1].split("+"))
+            return sum_without_carry(a, b)
+        return task.answer or ""
 
 
 def synthetic_source(name: str, split: str, options: dict | None = None, eval_size: int = 256,
@@ -70,6 +95,9 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
     to train, so the splits never share a prompt."""
     options = dict(options or {})
     train_size = int(options.pop("train_size", train_size or 20000))
+    teacher_error = float(options.pop("teacher_error", 0.0))
+    if not 0.0 <= teacher_error <= 1.0:
+        raise ValueError(f"data.options.teacher_error must be in [0, 1], got {teacher_error}")
     rng = random.Random(f"{name}-{seed}")
     seen: dict[str, str] = {}
     want = eval_size + train_size
@@ -85,7 +113,7 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
     part = items[:eval_size] if split == "eval" else items[eval_size:]
     tasks = [Task(id=f"{name}-{split}-{i}", prompt=p, answer=a, info={"task": name})
              for i, (p, a) in enumerate(part)]
-    return SyntheticSource(name, tasks)
+    return SyntheticSource(name, tasks, teacher_error=teacher_error)
 
 
 def sft_pairs(source) -> list[tuple[str, str]]:

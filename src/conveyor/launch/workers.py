@@ -78,6 +78,9 @@ def engine_loop(engine, inbox, outbox, weights, engine_id: int, partial: bool) -
         outbox.put(("error", engine_id, traceback.format_exc()))
     finally:
         stop.set()
+        if watcher is not None:
+            # A watcher still copying weights on the GPU at interpreter exit aborts the process.
+            watcher.join(timeout=10)
 
 
 def _merge_waiting(first, inbox) -> tuple[list[tuple], bool]:
