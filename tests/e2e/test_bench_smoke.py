@@ -24,7 +24,7 @@ def _check_common(rec: dict, system: str, steps: int) -> None:
     for pkg in ("torch", "transformers", "trl", "conveyor"):
         assert rec["versions"][pkg], pkg
     assert rec["seeds"] == {"loop": 0, "data": 0, "reward": 0, "model": 0}
-    assert rec["config"]["samples_per_step"] == 16 and rec["config"]["lr"] == 1e-3
+    assert rec["config"]["samples_per_step"] == 16 and rec["config"]["lr"] == 2e-3
     m = rec["metrics"]
     assert m["steps"] == steps and m["steady"] and m["window"] == [3, steps]
     assert m["trained_samples_per_s"] > 0 and m["median_step_s"] > 0
@@ -50,10 +50,11 @@ def test_w2_harness_runs_both_systems_and_records_rows(tmp_path):
     start = build_tiny(tmp_path / "start", hidden_size=32, num_layers=1, intermediate_size=64)
     out = tmp_path / "bench"
     args = ["--out", str(out), "--warmstart", str(start), "--max-steps", "3", "--budget-s", "120", "--cpu-threads", "1",
+            "--lrs", "2e-3",
             "--slack-s", "240", *[a for o in SMALL for a in ("--override", o)]]
     assert w2_learning.main(args) == 0
-    conv = json.loads((out / "w2-conveyor-lr0.001-seed0.json").read_text())
-    trl = json.loads((out / "w2-trl-lr0.001-seed0.json").read_text())
+    conv = json.loads((out / "w2-conveyor-lr0.002-seed0.json").read_text())
+    trl = json.loads((out / "w2-trl-lr0.002-seed0.json").read_text())
     _check_common(conv, "conveyor", 3)
     _check_common(trl, "trl", 3)
     assert conv["metrics"]["weight_sync_ms"] is not None and trl["metrics"]["weight_sync_ms"] is None

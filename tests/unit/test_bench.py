@@ -151,3 +151,13 @@ def test_a_failing_or_hanging_child_becomes_a_status(tmp_path):
     assert hang["status"] == "timeout" and hang["wall_s"] < 30
     missing = H.run_peer({"system": "nosuch", "run_dir": str(tmp_path / "c")}, deadline_s=60)
     assert missing["status"] == "failed" and "nosuch_peer" in missing["error"]
+
+
+def test_steps_without_an_engine_report_are_covered_by_scaling():
+    steps = [{"time/step": 1.0, "time/train": 0.5, "engine0_idle_frac": 0.5, "num_seqs": 2},
+             {"time/step": 1.0, "time/train": 0.5, "num_seqs": 2}]
+    trajs = [{"prompt_len": 1, "completion_len": 3, "version": 0, "reward": 0.0}] * 4
+    m = M.summarize(steps, trajs, samples_per_step=2, warmup=0)
+    assert m["engine_report_coverage"] == pytest.approx(0.5)
+    assert m["engine_idle_frac"] == pytest.approx(0.5)                 # busy 0.5 s of 1 s, scaled to 1 s of 2 s
+    assert m["rollout_tokens_per_s"] == pytest.approx(12 / 1.0)

@@ -71,3 +71,18 @@ def test_w1_tokenizer_round_trips_prompts_through_autotokenizer(tmp_path):
     tok = AutoTokenizer.from_pretrained(tmp_path)
     assert len(tok) == 4096 and tok.eos_token_id == 2 and tok.pad_token_id == 0
     assert tok(" ab Cd")["input_ids"][0] >= FIRST_WORD_ID
+
+
+def test_trl_maps_several_optimizer_steps_per_rollout_batch(tmp_path):
+    pytest.importorskip("trl")
+    from benchmarks.peers.trl_peer import grpo_args, optimizer_steps_per_rollout_batch
+    over = ["loop.batch_size=4", "trainer.mini_batches=4", "trainer.ppo_epochs=2"]
+    cfg = W.run_config(_spec(tmp_path, overrides=over))
+    assert optimizer_steps_per_rollout_batch(cfg) == 8
+    a = grpo_args(cfg, {"trl_micro_batch": 4}, tmp_path / "trl", cuda=False, eos_id=2, max_steps=5)
+    # 4 tasks x 8 samples = 32 per batch, 8 per optimizer step, micro-batches of 4
+    assert (a.per_device_train_batch_size, a.gradient_accumulation_steps, a.steps_per_generation) == (4, 2, 8)
+    assert a.generation_batch_size == 32 and a.num_iterations == 2 and a.max_steps == 40
+    bad = W.run_config(_spec(tmp_path, overrides=["loop.batch_size=4", "trainer.mini_batches=3"]))
+    with pytest.raises(ValueError, match="mini_batches=3 must divide"):
+        grpo_args(bad, {}, tmp_path / "trl", cuda=False, eos_id=2, max_steps=1)
