@@ -121,6 +121,8 @@ class Producer:
 
     def request(self, prompts: list[list[int]], params, engine_id: int = 0) -> Future:
         """Generate outside the schedule (evaluation); the future holds the completions."""
+        if self.error is not None:
+            raise RoleError(f"rollouts have stopped: {self.error}") from self.error
         fut: Future = Future()
         key, self._next_direct = self._next_direct, self._next_direct - 1
         self._direct[key] = fut

@@ -184,6 +184,7 @@ def _run(c: Components, cfg: RunConfig, run_dir: Path, base: str, start_path: st
         c.cursor.load_state_dict(extra["cursor"])
         c.trainer.publish(start_step)
         c.logger.message(f"resumed from {ckpt} at step {start_step}")
+    c.timer.lap()  # step 1's times must not include the evaluations and start-up before it
     t_rl = time.perf_counter()
     last = loop.rl_loop(c, start_step, summary)
     rl_seconds = time.perf_counter() - t_rl
