@@ -130,3 +130,21 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release the model and any cache; the engine is unusable afterwards."""
         ...
+
+
+def capped_budgets(prompts: list[list[int]], params: SamplingParams, context_limit: int,
+                   vocab_size: int | None) -> list[int]:
+    """``max_new_tokens`` capped so prompt + completion fits the context; raise on a bad prompt.
+
+    The one prompt check every engine applies, so all engines reject the same input the same way."""
+    budgets = []
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"generate: prompt {i} is empty; give at least one token (e.g. BOS)")
+        if len(prompt) >= context_limit:
+            raise ValueError(f"generate: prompt {i} has {len(prompt)} tokens but the model context is "
+                             f"{context_limit}; shorten the prompt to at most {context_limit - 1} tokens")
+        if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
+            raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab_size}); check the tokenizer")
+        budgets.append(min(params.max_new_tokens, context_limit - len(prompt)))
+    return budgets

@@ -57,8 +57,8 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from conveyor.rollout.api import Completion, SamplingParams
-from conveyor.rollout.vllm_params import (capped_budgets, eos_logit_bias, finish_reason, sample_seed,
+from conveyor.rollout.api import Completion, SamplingParams, capped_budgets
+from conveyor.rollout.vllm_params import (eos_logit_bias, finish_reason, sample_seed,
                                           versions_from_spans, warn_if_truncated)
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -1,9 +1,8 @@
 """How conveyor's sampling contract maps onto vLLM-style engines (in-process and over HTTP).
 
 Contract: pure functions shared by ``rollout.vllm`` and ``rollout.remote``:
-- ``capped_budgets`` checks prompts (non-empty, shorter than the context, ids in
-  the vocabulary) and returns each prompt's completion budget, exactly as the
-  native engine caps it.
+(prompt checks and completion budgets are ``rollout.api.capped_budgets``,
+shared with the native engine)
 - ``sample_seed`` gives each prompt its own seed so that vLLM's per-child
   ``seed + index`` never repeats a stream across the prompts of one call.
 - ``versions_from_spans`` expands vLLM's weight-version spans into one int per
@@ -24,22 +23,6 @@ from conveyor.rollout.api import FinishReason, SamplingParams
 
 log = logging.getLogger("conveyor")
 _warned_truncation = False
-
-
-def capped_budgets(prompts: list[list[int]], params: SamplingParams, context_limit: int,
-                   vocab_size: int | None) -> list[int]:
-    """``max_new_tokens`` capped so prompt + completion fits the context; raise on a bad prompt."""
-    budgets = []
-    for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
-            raise ValueError(f"generate: prompt {i} is empty; give at least one token (e.g. BOS)")
-        if len(prompt) >= context_limit:
-            raise ValueError(f"generate: prompt {i} has {len(prompt)} tokens but the model context is "
-                             f"{context_limit}; shorten the prompt to at most {context_limit - 1} tokens")
-        if vocab_size is not None and (min(prompt) < 0 or max(prompt) >= vocab_size):
-            raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab_size}); check the tokenizer")
-        budgets.append(min(params.max_new_tokens, context_limit - len(prompt)))
-    return budgets
 
 
 def sample_seed(seed: int | None, prompt_index: int, n: int) -> int | None:

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping
 
 import torch
 
-from conveyor.rollout.api import Completion, SamplingParams
+from conveyor.rollout.api import Completion, SamplingParams, capped_budgets
 from conveyor.rollout.native.fast_model import unsupported_reason
 from conveyor.rollout.native.fast_runner import FastRunner
 from conveyor.rollout.native.paged_loop import PagedLoop, check_fits_pool
@@ -200,19 +200,10 @@ class NativeEngine:
 
     # ----- generation ---------------------------------------------------------------
     def _capped_requests(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
-        limit, vocab = self.runner.context_limit, self.model.config.get_text_config(decoder=True).vocab_size
-        requests = []
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"generate: prompt {i} is empty; give at least one token (e.g. BOS)")
-            if len(prompt) >= limit:
-                raise ValueError(f"generate: prompt {i} has {len(prompt)} tokens but the model context is {limit}; "
-                                 f"shorten the prompt to at most {limit - 1} tokens")
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab}); check the tokenizer")
-            budget = min(params.max_new_tokens, limit - len(prompt))
-            requests += [Request(i, j, list(prompt), budget) for j in range(params.n)]
-        return requests
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        budgets = capped_budgets(prompts, params, self.runner.context_limit, vocab)
+        return [Request(i, j, list(prompt), budget)
+                for i, (prompt, budget) in enumerate(zip(prompts, budgets)) for j in range(params.n)]
 
     def _generator(self, seed: int | None) -> torch.Generator:
         gen = torch.Generator(device=self.runner.device)
