@@ -81,6 +81,10 @@ def parse_args(argv=None):
     p.add_argument("--deadline-s", type=float, default=3600.0, help="kill a configuration after this long")
     p.add_argument("--model-seed", type=int, default=0)
     p.add_argument("--override", action="append", default=[], help="conveyor key=value for every run")
+    p.add_argument("--sync-override", action="append", default=[],
+                   help="conveyor key=value for the synchronous run only (e.g. its placement)")
+    p.add_argument("--async-override", action="append", default=[],
+                   help="conveyor key=value for the asynchronous runs only (e.g. launch.placement=disaggregated)")
     p.add_argument("--table", default=None)
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="intra-op threads of every child (OMP/MKL); on a shared CPU, 1 keeps timings sane")
@@ -118,8 +122,11 @@ def configurations(args) -> list[tuple[str, dict, list[str]]]:
         for k in [int(s) for s in args.staleness.split(",")]:
             for pr in partial if k > 0 else [True]:
                 label = "sync" if k == 0 else f"async s={k}{'' if pr else ' no-partial'}"
-                out.append((system, {"label": label, "max_staleness": k, "partial_rollouts": pr},
-                            [f"loop.max_staleness={k}", f"loop.partial_rollouts={str(pr).lower()}"]))
+                launch = args.async_override if k > 0 else args.sync_override
+                if launch:
+                    label += " [" + " ".join(o.split(".", 1)[-1] for o in launch) + "]"
+                out.append((system, {"label": label, "max_staleness": k, "partial_rollouts": pr, "launch": launch},
+                            [f"loop.max_staleness={k}", f"loop.partial_rollouts={str(pr).lower()}", *launch]))
     return out
 
 

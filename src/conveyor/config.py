@@ -203,12 +203,25 @@ class LoopConfig(_Section):
 class LaunchConfig(_Section):
     """Where the roles run (see docs/architecture.md, Launch)."""
     placement: Literal["colocated", "disaggregated"] = Field("colocated", description=(
-        "colocated: all roles in this process, sharing its devices; "
-        "disaggregated: trainer and each engine in processes of their own"))
-    engines: int = Field(1, ge=1, description="rollout engine workers")
+        "colocated: trainer rank i and engine i share device i (one trainer rank and one engine run in "
+        "this process); disaggregated: trainer ranks and engines on devices of their own, in processes"))
+    trainer_ranks: int = Field(1, ge=1, description=(
+        "data-parallel trainer processes (one per GPU); more than 1 shards the model with FSDP2"))
+    engines: int = Field(1, ge=1, description="rollout engine workers (one per GPU)")
+    weight_sync: Literal["auto", "shm", "ipc", "broadcast"] = Field("auto", description=(
+        "auto: broadcast (NCCL) to engines on GPUs of their own, ipc to an engine on a trainer's GPU, "
+        "shm on CPU; broadcast on CPU uses gloo"))
+    weight_bucket_mb: float = Field(512.0, gt=0, description="broadcast: MiB per bucket")
     engine_threads: int = Field(1, ge=1, description="CPU threads of each engine process (disaggregated)")
-    trainer_threads: int = Field(1, ge=1, description="CPU threads of the trainer process (disaggregated)")
+    trainer_threads: int = Field(1, ge=1, description="CPU threads of each trainer process (disaggregated)")
     timeout_s: float = Field(600.0, gt=0, description="deadline of every cross-role wait")
+    collective_timeout_s: float = Field(120.0, gt=0, description=(
+        "deadline of one collective (trainer ranks, weight broadcast): a dead rank stops the run after this"))
+
+    @property
+    def in_process(self) -> bool:
+        """One trainer and one engine, both in the controller's process."""
+        return self.placement == "colocated" and self.trainer_ranks == 1 and self.engines == 1
 
 
 class ObserveConfig(_Section):
@@ -237,8 +250,11 @@ class RunConfig(_Section):
             raise ValueError("algo.kl_coef > 0 needs a reference model: set trainer.reference=true")
         if self.algo.advantage == "gae" and not self.trainer.critic:
             raise ValueError("algo.advantage=gae needs a value model: set trainer.critic=true")
-        if self.launch.engines > 1 and self.launch.placement == "colocated":
-            raise ValueError("launch.engines > 1 needs launch.placement=disaggregated (one process per engine)")
+        la = self.launch
+        if la.placement == "colocated" and not la.in_process and la.engines != la.trainer_ranks:
+            raise ValueError(f"launch.placement=colocated puts engine i beside trainer rank i, so launch.engines "
+                             f"({la.engines}) must equal launch.trainer_ranks ({la.trainer_ranks}); "
+                             "or use launch.placement=disaggregated")
         return self
 
 

@@ -7,15 +7,23 @@ import sys
 import time
 
 
-def test_killed_engine_stops_the_run(tmp_path):
+import pytest
+
+
+@pytest.mark.parametrize("role, extra", [
+    ("engine0", []),
+    # One of two FSDP ranks dies: its peer is blocked in a collective, the controller must not be.
+    ("trainer1", ["launch.trainer_ranks=2", "launch.weight_sync=broadcast"]),
+])
+def test_killed_role_stops_the_run(tmp_path, role, extra):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run_dir}", "sft.steps=0",
            "loop.steps=100000", "loop.batch_size=4", "rollout.n=4", "data.eval_size=8",
            "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
            "loop.time_limit_s=null", "observe.tensorboard=false", "observe.progress=false",
-           "launch.placement=disaggregated", "launch.timeout_s=120"]
+           "launch.placement=disaggregated", "launch.timeout_s=120", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = run_dir / "logs" / "engine0.log"
+    log = run_dir / "logs" / f"{role}.log"
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:  # wait until training steps are running
@@ -23,7 +31,7 @@ def test_killed_engine_stops_the_run(tmp_path):
             break
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.5)
-    pid = int(re.search(r"\[engine0\] started pid=(\d+)", log.read_text()).group(1))
+    pid = int(re.search(rf"\[{role}\] started pid=(\d+)", log.read_text()).group(1))
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     try:
@@ -32,5 +40,5 @@ def test_killed_engine_stops_the_run(tmp_path):
         proc.kill()
     assert time.monotonic() - t0 < 30, "the controller took too long to notice"
     assert proc.returncode == 1
-    assert "conveyor: run stopped: engine0 process exited with code -9" in err, err[-3000:]
-    assert "last lines of" in err and "engine0.log" in err
+    assert f"conveyor: run stopped: {role} process exited with code -9" in err, err[-3000:]
+    assert "last lines of" in err and f"{role}.log" in err

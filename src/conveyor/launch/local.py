@@ -41,9 +41,11 @@ class Components:
     timer: Any
     buffer: Any
     add_special_tokens: bool
-    trainer: Any = None      # TrainerHost (colocated) or TrainerProxy (disaggregated)
+    trainer: Any = None      # TrainerHost (in-process) or TrainerProxy (trainer rank processes)
     producer: Any = None
-    weights: Any = None
+    weights: Any = None      # where the controller publishes warm-start weights
+    placement: Any = None
+    routes: Any = None
     max_prompt_tokens: int = 0
     stats: dict = field(default_factory=dict)
 
@@ -130,10 +132,16 @@ def build(cfg: RunConfig, run_dir: Path, path: str) -> Components:
 
 
 def start_rollouts(c: Components, path: str, start_step: int) -> None:
-    from conveyor.launch import roles
+    from conveyor.launch import placement, roles
     from conveyor.producer import Producer
-    c.weights = roles.make_weights(c.cfg, path)
-    engines, outbox, context_limit = roles.start_engines(c.cfg, path, c.tokenizer, c.weights, c.run_dir)
+    try:
+        c.placement = placement.plan(c.cfg)
+    except placement.PlacementError as e:
+        raise SetupError(str(e)) from None
+    c.routes = placement.make_routes(c.cfg, c.placement, path, roles.mp_context())
+    c.weights = c.routes.controller
+    engines, outbox, context_limit = roles.start_engines(c.cfg, path, c.tokenizer, c.routes, c.placement,
+                                                         c.run_dir)
     c.max_prompt_tokens = max(1, context_limit - 1)
     c.producer = Producer(c, engines, outbox, lambda seed: loop.sampling(c.cfg, seed=seed),
                           start_issued=start_step * c.cfg.loop.batch_size, version=start_step)
@@ -178,7 +186,7 @@ def _run(c: Components, cfg: RunConfig, run_dir: Path, base: str, start_path: st
         _record(summary, loop.evaluate(c, 0), "warmstart")
         c.logger.message(f"held-out reward: initial {summary['eval_reward_initial']:.3f}, "
                          f"after warm-start {summary['eval_reward_warmstart']:.3f}")
-    c.trainer = start_trainer(cfg, start_path, c.tokenizer, c.weights, run_dir)
+    c.trainer = start_trainer(cfg, start_path, c.tokenizer, c.routes, c.placement, run_dir)
     if ckpt is not None:
         extra = c.trainer.load_checkpoint(ckpt)
         c.cursor.load_state_dict(extra["cursor"])

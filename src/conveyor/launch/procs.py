@@ -12,6 +12,11 @@ Contract
   ``serve_rpc(obj, conn)`` in the child: every call has a deadline, and an
   exception in the child comes back as ``RoleError`` carrying the child's
   traceback. ``stop()`` asks politely, then terminates, then kills.
+- ``call_all(clients, method, args, kwargs, timeout)`` calls the same method
+  on several children at once (ranks that run a collective together) and
+  returns their answers in order; the first child that raises or dies ends
+  the call with its error, without waiting for the others (which may be
+  blocked in a collective with it).
 
 It knows nothing of what the roles do.
 """
@@ -105,7 +110,7 @@ class RpcClient:
             if time.monotonic() > deadline:
                 raise RoleError(f"{self.proc.role}.{method} did not answer within {timeout:.0f}s; "
                                 f"last lines of its log:\n{self.proc.last_lines()}")
-        status, value = self.conn.recv()
+        status, value = _receive(self.conn, self.proc, method)
         if status == "err":
             raise RoleError(f"{self.proc.role}.{method} raised in the {self.proc.role} process:\n{value}")
         return value
@@ -117,3 +122,40 @@ class RpcClient:
         except (RoleError, OSError, EOFError):
             pass
         self.proc.stop()
+
+
+def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+    if len(clients) == 1:
+        return [clients[0].call(method, *args, timeout=timeout, **kwargs)]
+    for c in clients:
+        c.proc.check()
+        c.conn.send((method, args, kwargs))
+    answers: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(answers) < len(clients):
+        for i, c in enumerate(clients):
+            if i in answers:
+                continue
+            if c.conn.poll(0.01):
+                status, value = _receive(c.conn, c.proc, method)
+                if status == "err":
+                    raise RoleError(f"{c.proc.role}.{method} raised in the {c.proc.role} process:\n{value}")
+                answers[i] = value
+            else:
+                c.proc.check()
+        if len(answers) < len(clients) and time.monotonic() > deadline:
+            late = [clients[i].proc.role for i in range(len(clients)) if i not in answers]
+            raise RoleError(f"{', '.join(late)}.{method} did not answer within {timeout:.0f}s; last lines of "
+                            f"{late[0]}'s log:\n{clients[[c.proc.role for c in clients].index(late[0])].proc.last_lines()}")
+    return [answers[i] for i in range(len(clients))]
+
+
+def _receive(conn, proc: RoleProcess, method: str):
+    """The answer; a pipe that breaks means the child died: report that, with its exit code."""
+    try:
+        return conn.recv()
+    except (EOFError, OSError) as e:
+        proc.proc.join(5.0)  # let the death be reaped so the exit code is known
+        proc.check()
+        raise RoleError(f"{proc.role}.{method}: lost the connection to the {proc.role} process ({e}); "
+                        f"last lines of {proc.log_path}:\n{proc.last_lines()}") from None

@@ -1,18 +1,21 @@
-"""Start the trainer and the engine workers where ``launch.placement`` says.
+"""Start the trainer ranks and the engine workers where ``launch.placement`` says.
 
 Contract
-- ``start_engines(cfg, path, tokenizer, weights, run_dir)`` returns the engine
-  handles and the shared outbox. Colocated: one engine in a thread of this
-  process. Disaggregated: ``launch.engines`` child processes, each with
-  ``launch.engine_threads`` CPU threads, reading weights from shared memory.
-- ``start_trainer(cfg, path, tokenizer, weights, run_dir)`` returns an object
-  with the ``TrainerHost`` methods (train, logprobs, ref_logprobs, values,
-  publish, step, save_checkpoint, load_checkpoint, export_hf, named_weights):
-  the host itself (colocated) or a proxy that calls it in a child process
-  with ``launch.trainer_threads`` threads (disaggregated).
-- ``make_weights(cfg, named)``: the weight transport matching the placement.
-Every start waits for the child to report ready, with the launch deadline,
-and a child that dies while starting is reported with its log.
+- ``start_engines(cfg, path, tokenizer, routes, placement, run_dir)`` returns the
+  engine handles, the shared outbox and the context limit. In-process: one
+  engine in a thread of this process. Otherwise ``launch.engines`` child
+  processes, engine i on ``placement.engine_devices[i]`` with
+  ``launch.engine_threads`` CPU threads, polling ``routes.readers[i]``.
+- ``start_trainer(cfg, path, tokenizer, routes, placement, run_dir)`` returns an
+  object with the ``TrainerHost`` methods (train, logprobs, ref_logprobs,
+  values, publish, step, save_checkpoint, load_checkpoint, export_hf): the
+  host itself (in-process) or a proxy that calls every trainer rank process
+  (``launch.trainer_ranks`` of them; more than one form a torch.distributed
+  group and train with FSDP2) and returns rank 0's answer. A rank that raises
+  or dies stops the call at once with its name; the others are stopped.
+- ``make_routes`` / ``plan`` (placement.py) decide devices and transports.
+Every start waits for the children to report ready, with the launch
+deadline, and a child that dies while starting is reported with its log.
 
 It knows nothing of the loop's schedule or of the formulas.
 """
@@ -24,27 +27,15 @@ import time
 from pathlib import Path
 
 from conveyor.config import RunConfig
-from conveyor.launch.procs import RoleError, RoleProcess, RpcClient
+from conveyor.launch.placement import Placement, free_port
+from conveyor.launch.procs import RoleError, RoleProcess, RpcClient, call_all
 from conveyor.launch.workers import TrainerHost, engine_loop, engine_process, trainer_process
 from conveyor.producer import EngineHandle
-from conveyor.transport.weights import StagedWeights, weight_specs
 
 
 def mp_context():
     import torch.multiprocessing as tmp
     return tmp.get_context("spawn")
-
-
-def disaggregated(cfg: RunConfig) -> bool:
-    return cfg.launch.placement == "disaggregated"
-
-
-def make_weights(cfg: RunConfig, path: str) -> StagedWeights:
-    from conveyor.trainer.local import resolve_device
-    specs = weight_specs(path, cfg.model.trust_remote_code)
-    if disaggregated(cfg):
-        return StagedWeights(specs, mp_context())
-    return StagedWeights(specs, None, device=resolve_device(cfg.trainer.device))
 
 
 def make_trainer(cfg: RunConfig, path: str, tokenizer):
@@ -60,50 +51,69 @@ def trainer_kwargs(cfg: RunConfig, tokenizer) -> dict:
 
 
 class TrainerProxy:
-    """The trainer in its own process, called like the in-process TrainerHost."""
+    """The trainer ranks in their own processes, called like the in-process TrainerHost:
+    every call goes to every rank (they run it together) and rank 0's answer is returned."""
 
-    def __init__(self, rpc: RpcClient, timeout: float):
-        self._rpc, self._timeout = rpc, timeout
+    def __init__(self, rpcs: list[RpcClient], timeout: float):
+        self._rpcs, self._timeout = rpcs, timeout
 
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
-        return lambda *a, **k: self._rpc.call(name, *a, timeout=self._timeout, **k)
+        return lambda *a, **k: call_all(self._rpcs, name, a, k, self._timeout)[0]
 
     def close(self) -> None:
-        self._rpc.stop()
+        for rpc in self._rpcs:
+            rpc.stop()
 
 
-def start_trainer(cfg: RunConfig, path: str, tokenizer, weights: StagedWeights, run_dir: Path):
-    if not disaggregated(cfg):
-        return TrainerHost(make_trainer(cfg, path, tokenizer), weights)
+def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement, run_dir: Path):
+    if placement.sync == "inprocess":
+        return TrainerHost(make_trainer(cfg, path, tokenizer), routes.writers[0])
     ctx = mp_context()
-    parent, child = ctx.Pipe()
-    spec = {"path": path, "trainer": cfg.trainer.model_dump(mode="json"), **trainer_kwargs(cfg, tokenizer)}
-    proc = RoleProcess("trainer", trainer_process, (spec, child, weights), run_dir / "logs", ctx,
-                       threads=cfg.launch.trainer_threads)
-    _await(lambda: parent.poll(0.1), proc, cfg.launch.timeout_s, "trainer")
-    parent.recv()
-    return TrainerProxy(RpcClient(parent, proc), cfg.launch.timeout_s)
+    n = cfg.launch.trainer_ranks
+    port = free_port()
+    rpcs: list[RpcClient] = []
+    try:
+        for r in range(n):
+            parent, child = ctx.Pipe()
+            dev = placement.trainer_devices[r]
+            tcfg = cfg.trainer.model_copy(update={"device": dev}) if dev != "cpu" else cfg.trainer
+            spec = {"path": path, "trainer": tcfg.model_dump(mode="json"), **trainer_kwargs(cfg, tokenizer),
+                    "rank": r, "world": n, "port": port, "device": placement.trainer_devices[r],
+                    "collective_timeout_s": cfg.launch.collective_timeout_s}
+            proc = RoleProcess("trainer" if n == 1 else f"trainer{r}", trainer_process,
+                               (spec, child, routes.writers.get(r, [])), run_dir / "logs", ctx,
+                               threads=cfg.launch.trainer_threads)
+            rpcs.append(RpcClient(parent, proc))
+        for rpc in rpcs:
+            _await(lambda: rpc.conn.poll(0.1), rpc.proc, cfg.launch.timeout_s, rpc.proc.role, rpcs)
+            rpc.conn.recv()
+    except BaseException:
+        for rpc in rpcs:
+            rpc.proc.stop(timeout=1)
+        raise
+    return TrainerProxy(rpcs, cfg.launch.timeout_s)
 
 
-def start_engines(cfg: RunConfig, path: str, tokenizer, weights: StagedWeights, run_dir: Path):
+def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement, run_dir: Path):
     partial = cfg.loop.partial_rollouts
-    if not disaggregated(cfg):
+    if placement.sync == "inprocess":
         from conveyor.rollout.factory import make_engine
         engine = make_engine(cfg.rollout, path, tokenizer)
         inbox, outbox = queue.Queue(), queue.Queue()
-        t = threading.Thread(target=engine_loop, args=(engine, inbox, outbox, weights, 0, partial),
+        t = threading.Thread(target=engine_loop, args=(engine, inbox, outbox, routes.readers[0], 0, partial),
                              name="engine0", daemon=True)
         t.start()
         return [EngineHandle(0, inbox, thread=t)], outbox, engine.context_limit
     ctx = mp_context()
     outbox = ctx.Queue()
-    spec = {"path": path, "rollout": cfg.rollout.model_dump(mode="json")}
     handles = []
-    for i in range(cfg.launch.engines):
+    for i, device in enumerate(placement.engine_devices):
+        rollout = cfg.rollout.model_copy(update={"device": device}) if device != "cpu" else cfg.rollout
+        spec = {"path": path, "rollout": rollout.model_dump(mode="json"), "device": device}
         inbox = ctx.Queue()
-        proc = RoleProcess(f"engine{i}", engine_process, (spec, inbox, outbox, weights, i, partial),
+        proc = RoleProcess(f"engine{i}", engine_process, (spec, inbox, outbox, routes.readers[i], i, partial),
                            run_dir / "logs", ctx, threads=cfg.launch.engine_threads)
         handles.append(EngineHandle(i, inbox, process=proc))
     context_limit, ready = None, set()
@@ -126,10 +136,12 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, weights: StagedWeights, 
     return handles, outbox, context_limit
 
 
-def _await(ready, proc: RoleProcess, timeout: float, what: str) -> None:
+def _await(ready, proc: RoleProcess, timeout: float, what: str, peers=()) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         proc.check()
+        for rpc in peers:  # a rank that dies while starting leaves the others waiting for it
+            rpc.proc.check()
         if time.monotonic() > deadline:
             raise RoleError(f"{what} did not start within {timeout:.0f}s; last lines of its log:\n"
                             f"{proc.last_lines()}")

@@ -13,8 +13,13 @@ Contract
   reported as ``("error", engine_id, traceback)`` before the loop ends.
   The same function runs in a thread (in-process roles) or as the main of a
   child process (``engine_process``), so both launch modes share one code path.
-- ``TrainerHost`` wraps a trainer for ``serve_rpc`` in a child process and adds
-  ``publish(version)`` (copy the weights into the shared transport).
+- ``TrainerHost(trainer, transports)`` wraps a trainer (one rank of it) for
+  ``serve_rpc`` and adds ``publish(version)``: one pass over the trainer's
+  weights (collective for a sharded trainer: every rank runs it) feeding the
+  transports this rank writes to (possibly none).
+- ``trainer_process`` / ``engine_process`` are the mains of the child
+  processes: they bind the process to its device, join the trainer ranks'
+  process group (``world`` > 1), build the role and serve.
 
 It knows nothing of tasks, rewards or the admission rule.
 """
@@ -32,7 +37,7 @@ def engine_loop(engine, inbox, outbox, weights, engine_id: int, partial: bool) -
 
     def take_weights() -> None:
         t0 = time.perf_counter()
-        v = weights.poll(engine)
+        v = weights.poll(engine, engine_id)
         if v is not None:
             outbox.put(("weights", engine_id, v, time.time(), time.perf_counter() - t0))
 
@@ -116,17 +121,25 @@ def engine_process(spec: dict, inbox, outbox, weights, engine_id: int, partial: 
     """Main of an engine child process: build the engine, then serve."""
     from conveyor.config import RolloutConfig
     from conveyor.rollout.factory import make_engine
+    _bind_device(spec["device"])
     engine = make_engine(RolloutConfig.model_validate(spec["rollout"]), spec["path"])
-    weights.poll(engine)
+    weights.poll(engine, engine_id)
     outbox.put(("ready", engine_id, engine.context_limit))
     engine_loop(engine, inbox, outbox, weights, engine_id, partial)
+
+
+def _bind_device(device: str) -> None:
+    import torch
+    if device.startswith("cuda"):
+        # "cuda" (rollout.device / trainer.device auto) now means this GPU.
+        torch.cuda.set_device(torch.device(device))
 
 
 class TrainerHost:
     """The trainer's object in its own process: the Trainer protocol plus publish()."""
 
-    def __init__(self, trainer, weights):
-        self.trainer, self.weights = trainer, weights
+    def __init__(self, trainer, transports: list):
+        self.trainer, self.transports = trainer, list(transports)
 
     def __getattr__(self, name):  # train, logprobs, ref_logprobs, values, export_hf, ...
         return getattr(self.trainer, name)
@@ -135,26 +148,37 @@ class TrainerHost:
         return self.trainer.step
 
     def publish(self, version: int) -> float:
+        from conveyor.transport.weights import publish_all
         t0 = time.perf_counter()
-        self.weights.publish(self.trainer.named_weights(), version)
+        publish_all(self.transports, self.trainer.named_weights(), version)
         return time.perf_counter() - t0
 
     def save_checkpoint(self, path, extra):
-        from conveyor.trainer.checkpoint import save_checkpoint
-        save_checkpoint(self.trainer, path, extra)
+        self.trainer.save(path, extra)
 
     def load_checkpoint(self, path):
-        from conveyor.trainer.checkpoint import load_checkpoint
-        return load_checkpoint(self.trainer, path)
+        return self.trainer.load(path)
 
 
-def trainer_process(spec: dict, conn, weights) -> None:
-    """Main of the trainer child process: build the trainer, then answer calls."""
+def trainer_process(spec: dict, conn, transports: list) -> None:
+    """Main of a trainer rank's process: bind the device, join the ranks, build, serve."""
+    from datetime import timedelta
+
     from conveyor.config import TrainerConfig
     from conveyor.launch.procs import serve_rpc
-    from conveyor.trainer.local import LocalTrainer
-    trainer = LocalTrainer(spec["path"], TrainerConfig.model_validate(spec["trainer"]),
-                           total_steps=spec["total_steps"], temperature=spec["temperature"],
-                           pad_token_id=spec["pad_token_id"])
+    _bind_device(spec["device"])
+    cfg = TrainerConfig.model_validate(spec["trainer"])
+    kwargs = {k: spec[k] for k in ("total_steps", "temperature", "pad_token_id")}
+    if spec["world"] == 1:
+        from conveyor.trainer.local import LocalTrainer
+        trainer = LocalTrainer(spec["path"], cfg, **kwargs)
+    else:
+        import torch.distributed as dist
+
+        from conveyor.trainer.fsdp import FSDPTrainer
+        backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec['port']}", rank=spec["rank"],
+                                world_size=spec["world"], timeout=timedelta(seconds=spec["collective_timeout_s"]))
+        trainer = FSDPTrainer(spec["path"], cfg, **kwargs)
     conn.send(("ok", "ready"))
-    serve_rpc(TrainerHost(trainer, weights), conn)
+    serve_rpc(TrainerHost(trainer, transports), conn)

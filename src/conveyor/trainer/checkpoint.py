@@ -22,6 +22,12 @@ Contract
 - ``export_hf(dir, out)`` copies ``dir/policy`` to ``out``: a plain HF
   checkpoint any ``from_pretrained`` reads. ``export_policy(trainer, out)``
   writes the trainer's current policy the same way.
+- Sharded checkpoints (written by ``FSDPTrainer.save``, see trainer/fsdp.py)
+  are recognised by ``dir/fsdp.json`` (``SHARDED_MARKER``): their weights
+  live in ``dir/dcp`` (torch.distributed.checkpoint) and ``dir/policy`` holds
+  only config and tokenizer files. ``export_hf`` turns one into a plain HF
+  checkpoint in a single process, without a process group, reading only the
+  policy weights (not the optimizer state); ``load_checkpoint`` refuses one.
 
 The trainer is duck-typed: it needs ``model`` (a ``PreTrainedModel``),
 ``critic`` (an ``nn.Module`` or None), ``source_dir`` (a path or None),
@@ -49,19 +55,35 @@ TOKENIZER_FILES = (
 )
 
 
-@contextlib.contextmanager
-def _atomic_dir(final: str | Path) -> Iterator[Path]:
+# Marks a sharded (FSDP) checkpoint directory; its content names the format.
+SHARDED_MARKER = "fsdp.json"
+
+
+def _prepare_tmp(final: str | Path) -> Path:
+    """Create the empty temporary sibling that ``_commit`` later renames to ``final``."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    return tmp
+
+
+@contextlib.contextmanager
+def _atomic_dir(final: str | Path) -> Iterator[Path]:
+    tmp = _prepare_tmp(final)
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _commit(tmp, final)
+
+
+def _commit(tmp: Path, final: str | Path) -> None:
+    """Rename ``tmp`` to ``final``, replacing (and then deleting) an older ``final``."""
+    final = Path(final)
     old = None
     if final.exists():
         old = final.parent / f".{final.name}.old-{os.getpid()}"
@@ -178,6 +200,9 @@ def load_policy_weights(model: torch.nn.Module, policy_dir: str | Path) -> None:
 def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
     """Restore weights, optimizer/scheduler/step and RNG state; returns the saved ``extra``."""
     path = Path(path)
+    if (path / SHARDED_MARKER).is_file():
+        raise ValueError(f"{path} is a sharded (FSDP) checkpoint; resume it with the FSDP trainer, "
+                         "or turn it into a plain HF checkpoint with `conveyor export` first")
     if not (path / "policy").is_dir() or not (path / "training_state.pt").is_file():
         raise FileNotFoundError(f"{path} is not a conveyor checkpoint (needs policy/ and training_state.pt); "
                                 "pass a directory written by save_checkpoint")
@@ -195,15 +220,47 @@ def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
     return json.loads((path / "extra.json").read_text())
 
 
+def save_hf_weights(state: dict[str, torch.Tensor], out_dir: Path) -> None:
+    """Write a full state dict as HF safetensors (sharded with an index past 5 GB)."""
+    from huggingface_hub import save_torch_state_dict
+
+    # A tensor viewing part of a larger buffer (e.g. an all-gathered, padded
+    # shard) is refused by safetensors as possibly shared; give it its own storage.
+    state = {k: v if v.untyped_storage().nbytes() == v.nbytes else v.clone() for k, v in state.items()}
+    save_torch_state_dict(state, out_dir)
+
+
+def read_sharded_policy(path: str | Path) -> dict[str, torch.Tensor]:
+    """Full policy tensors of a sharded checkpoint, on CPU, in this process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(Path(path) / "dcp"))
+    # Allocating from the metadata reads only the "model" entries; the
+    # optimizer state (twice the weights for AdamW) is never touched.
+    prefix = "model."
+    state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in reader.read_metadata().state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    if not state:
+        raise ValueError(f"{path}/dcp holds no policy weights; the sharded checkpoint is incomplete")
+    dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    return state
+
+
 def export_hf(path: str | Path, out: str | Path) -> Path:
-    """Copy ``path/policy`` (weights, config, tokenizer files) to ``out`` as a plain HF checkpoint."""
+    """Write ``path``'s policy (weights, config, tokenizer files) to ``out`` as a plain HF checkpoint."""
     policy = Path(path) / "policy"
     if not policy.is_dir():
         raise FileNotFoundError(f"{policy} does not exist; pass a checkpoint directory written by save_checkpoint")
+    sharded = (Path(path) / SHARDED_MARKER).is_file()
+    state = read_sharded_policy(path) if sharded else None
     with _atomic_dir(out) as tmp:
         for item in policy.iterdir():
             if item.is_file():
                 shutil.copy2(item, tmp / item.name)
+        if state is not None:
+            save_hf_weights(state, tmp)
     return Path(out)
 
 

@@ -1,23 +1,33 @@
 """Versioned weight transports from the trainer to the rollout engines.
 
-Contract: a transport has a writer side, ``publish(named_tensors, version)``,
-called by whoever owns the trainer after an optimizer step, and a reader
-side, ``poll(engine) -> int | None``, called by an engine's worker between
-generation steps: if a newer version than the engine serves is published, it
-copies the weights into the engine (``engine.update_weights``) and returns
-the new version. Every lock wait has a deadline and raises
-``WeightSyncTimeout`` naming the side, the version and the wait.
+Contract: a transport has a writer side, called by whoever owns the trainer
+after an optimizer step, either ``publish(named_tensors, version)`` or the
+streaming form ``begin(version)``, ``put(name, tensor)`` for every tensor,
+``commit()`` (so a sharded trainer can hand over one gathered tensor at a
+time and several transports can be fed from one pass). The reader side,
+``poll(engine)``, is called by an engine's worker between generation steps:
+if a newer version than the engine serves is published, it copies the
+weights into the engine (``engine.update_weights``) and returns the new
+version. Every lock wait has a deadline and raises ``WeightSyncTimeout``
+naming the side, the version and the wait.
 
 ``StagedWeights`` keeps one staging copy of the weights, allocated once: the
 writer copies into it under a lock and then bumps the version; readers copy
 out under the same lock. The staging copy is what lets the trainer start its
 next optimizer step while engines are still picking up the last version.
-- ``StagedWeights(named, ctx=None)``: trainer and engines in one process;
-  staging tensors on the trainer's device (a same-device copy), a thread lock.
-- ``StagedWeights(named, ctx)``: trainer and engines in different processes
+- ``StagedWeights(specs, ctx=None, device)``: trainer and engines in one
+  process; staging tensors on the trainer's device, a thread lock.
+- ``StagedWeights(specs, ctx)``: trainer and engines in different processes
   of one machine; the staging tensors live in shared memory (CPU), the lock
   and the version counter are inter-process. Nothing crosses a pipe per
   update and no tensor is pickled.
+- ``StagedWeights(specs, ctx, device="cuda:i")``: a trainer rank and an engine
+  in different processes on the same GPU: the staging tensors are on that
+  GPU and reach the other process as CUDA IPC handles when pickled, so an
+  update is two device-local copies.
+``broadcast.BroadcastWeights`` serves engines on GPUs of their own (NCCL).
+``Fanin(transports)`` is what an engine polls when more than one writer
+feeds it (the controller's warm-start weights, then the trainer's).
 
 It knows nothing of optimizers, schedules or the admission rule.
 """
@@ -33,15 +43,32 @@ class WeightSyncTimeout(TimeoutError):
     pass
 
 
-def weight_specs(path: str, trust_remote_code: bool = False) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """Names, shapes and dtypes of a checkpoint's state dict as the trainer holds it (float32
-    master weights), read by building the model on the meta device: nothing is loaded."""
+def weight_specs(path: str, trust_remote_code: bool = False,
+                 dtype: torch.dtype = torch.float32, dedupe_tied: bool = True) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Names, shapes of a checkpoint's state dict with ``dtype`` (default: the trainer's float32
+    master weights), read by building the model on the meta device: nothing is loaded.
+    A tensor tied to an earlier one (an output embedding shared with the input embedding)
+    is listed once: engines tie it the same way, and it would double the bytes sent."""
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
                                                  dtype=torch.float32)
-    return [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
+    seen: set[int] = set()
+    out = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if dedupe_tied and id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append((name, tuple(t.shape), dtype))
+    return out
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for this thread's queued copies on ``device``: another process or thread reads
+    the memory next, and on CUDA a returned copy_ may still be running."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _acquire(lock, timeout: float, what: str) -> None:
@@ -67,10 +94,12 @@ class StagedWeights:
         self.tensors: list[torch.Tensor] = []
         for name, shape, dtype in specs:
             self.names.append(name)
-            if ctx is None:
-                self.tensors.append(torch.empty(shape, dtype=dtype, device=device))
-            else:
-                self.tensors.append(torch.empty(shape, dtype=dtype, device="cpu").share_memory_())
+            t = torch.empty(shape, dtype=dtype, device=device)
+            # CPU tensors go to shared memory; CUDA tensors travel as IPC handles.
+            self.tensors.append(t.share_memory_() if ctx is not None and t.device.type == "cpu" else t)
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self._filled: set[str] = set()
+        self._pending: int | None = None
         # ``serial`` counts publishes; ``version`` is the policy version they carry.
         # Readers follow the serial, so re-publishing a version (the warm-started
         # policy is version 0 like the initial one) still reaches every engine.
@@ -87,6 +116,7 @@ class StagedWeights:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_seen"] = {}  # a new process has applied nothing yet
+        state["_filled"], state["_pending"] = set(), None
         return state
 
     @property
@@ -97,24 +127,50 @@ class StagedWeights:
     def published_at(self) -> float:
         return float(self._published_at.value)
 
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                timeout: float = 60.0) -> None:
-        src = dict(named_tensors)
-        missing = [n for n in self.names if n not in src]
-        if missing:
-            raise KeyError(f"weight publish of version {version}: missing tensors {missing[:3]}")
+    def begin(self, version: int, timeout: float = 60.0) -> None:
         _acquire(self._lock, timeout, f"publisher of version {version}")
+        self._filled, self._pending = set(), int(version)
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        i = self._index.get(name)
+        if i is None:
+            return  # not staged (a tied duplicate)
+        with torch.no_grad():
+            self.tensors[i].copy_(tensor.detach())
+        self._filled.add(name)
+
+    def commit(self) -> None:
         try:
-            with torch.no_grad():
-                for name, dst in zip(self.names, self.tensors):
-                    dst.copy_(src[name])
-            self._version.value = int(version)
+            missing = [n for n in self.names if n not in self._filled]
+            if missing:
+                raise KeyError(f"weight publish of version {self._pending}: missing tensors {missing[:3]}")
+            if self.tensors:
+                synchronize(self.tensors[0].device)
+            self._version.value = self._pending
             self._published_at.value = time.time()
             self._serial.value += 1
         finally:
+            self._pending = None
             self._lock.release()
 
-    def poll(self, engine, timeout: float = 60.0) -> int | None:
+    def abort(self) -> None:
+        """Give up a begun publish (the writer failed mid-way): readers keep the last version."""
+        if self._pending is not None:
+            self._pending = None  # nothing announced
+            self._lock.release()
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                timeout: float = 60.0) -> None:
+        self.begin(version, timeout)
+        try:
+            for name, t in named_tensors:
+                self.put(name, t)
+        except BaseException:
+            self.abort()
+            raise
+        self.commit()
+
+    def poll(self, engine, engine_id: int = 0, timeout: float = 60.0) -> int | None:
         """Copy the newest published weights into ``engine`` if it has not applied them yet."""
         key = id(engine)
         if self._serial.value <= self._seen.get(key, 0):
@@ -123,7 +179,43 @@ class StagedWeights:
         try:
             serial, version = self._serial.value, self.version  # the newest, if it advanced meanwhile
             engine.update_weights(zip(self.names, self.tensors), version)
+            if self.tensors:
+                synchronize(self.tensors[0].device)
             self._seen[key] = serial
             return version
         finally:
             self._lock.release()
+
+
+class Fanin:
+    """An engine fed by several writers: poll each; the last one with news wins."""
+
+    def __init__(self, transports: list):
+        self.transports = list(transports)
+
+    @property
+    def version(self) -> int:
+        return max(t.version for t in self.transports)
+
+    def poll(self, engine, engine_id: int = 0) -> int | None:
+        got = None
+        for t in self.transports:
+            v = t.poll(engine, engine_id)
+            got = v if v is not None else got
+        return got
+
+
+def publish_all(transports: list, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    """One pass over ``named_tensors`` (a sharded trainer gathers each once) feeding every transport."""
+    for t in transports:
+        t.begin(version)
+    try:
+        for name, tensor in named_tensors:
+            for t in transports:
+                t.put(name, tensor)
+    except BaseException:
+        for t in transports:
+            getattr(t, "abort", lambda: None)()
+        raise
+    for t in transports:
+        t.commit()

@@ -1,0 +1,166 @@
+"""Trainer throughput on W1's batch shape: tokens/s and MFU of one RL step, 1 or N ranks.
+
+    python benchmarks/trainer_gpu.py --model qwen2.5-0.5b --ranks 1 --out runs/trainer   # LocalTrainer
+    python benchmarks/trainer_gpu.py --model qwen2.5-0.5b --ranks 2 --out runs/trainer   # FSDP2, 2 GPUs
+    python benchmarks/trainer_gpu.py --model tiny --ranks 2 --steps 2 --out runs/t-cpu   # CPU smoke (gloo)
+
+Contract: builds W1's random-init model (``models.build_w1_model``), one
+batch of ``--prompts x --group`` sequences (``--prompt-len`` prompt tokens
+plus a completion drawn from W1's heavy-tailed length law: geometric with
+mean ``--target-mean``, capped at ``--max-new-tokens``), and times
+``--steps`` ``train()`` calls with W1's loss (token-mean PPO-clip) after one
+warm-up call. ``--ranks 1`` times ``LocalTrainer``; more ranks spawn that
+many processes (one GPU each) running ``FSDPTrainer`` together. Writes
+``<out>/trainer-<model>-r<ranks>.json`` with seconds per step, trained
+tokens/s, MFU against the card's dense bf16 peak (6 * params FLOP per
+token, attention excluded) and peak memory; ``--profile`` adds the top
+CUDA kernels of one step.
+
+It measures the trainer alone: no engine, no weight sync.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _batch(args, vocab: int):
+    import torch
+
+    from conveyor.types import Batch
+    gen = torch.Generator().manual_seed(0)
+    p = 1.0 / args.target_mean
+    ids, masks, lens = [], [], []
+    for _ in range(args.prompts * args.group):
+        u = float(torch.rand((), generator=gen))
+        n = min(args.max_new_tokens, 1 + int(torch.log(torch.tensor(1 - u)) / torch.log(torch.tensor(1 - p))))
+        ids.append(torch.randint(100, vocab, (args.prompt_len + n,), generator=gen))
+        masks.append(torch.cat([torch.zeros(args.prompt_len), torch.ones(n)]))
+        lens.append(n)
+    fields = {"advantages": [torch.randn(()).expand(len(x)).clone() * m for x, m in zip(ids, masks)],
+              "behaviour_logprobs": [-torch.rand(len(x), generator=gen) * m for x, m in zip(ids, masks)]}
+    return Batch(input_ids=ids, loss_mask=masks, fields=fields), lens
+
+
+def _trainer(args, path: str, rank: int, world: int):
+    from conveyor.config import TrainerConfig
+    over = {"micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.checkpointing,
+            "lr": 1e-6}
+    cfg = TrainerConfig(**over)
+    if world == 1:
+        from conveyor.trainer.local import LocalTrainer
+        return LocalTrainer(path, cfg, total_steps=100)
+    from conveyor.trainer.fsdp import FSDPTrainer
+    return FSDPTrainer(path, cfg, total_steps=100)
+
+
+def _run(rank: int, world: int, args, path: str, port: int, q) -> None:
+    import torch
+
+    from conveyor.config import AlgoConfig
+    from conveyor.objective import PolicyLoss
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    if world > 1:
+        import datetime
+
+        import torch.distributed as dist
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=300))
+    trainer = _trainer(args, path, rank, world)
+    vocab = trainer.model.config.vocab_size
+    batch, lens = _batch(args, vocab)
+    loss = PolicyLoss(AlgoConfig(advantage="grpo", loss="ppo", clip_low=0.2, clip_high=0.2))
+    trainer.train(batch, loss)  # warm-up: allocator, kernels
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        trainer.train(batch, loss)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    prof = None
+    if args.profile and cuda and rank == 0:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as pr:
+            trainer.train(batch, loss)
+            torch.cuda.synchronize()
+        prof = pr.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile)
+    elif args.profile and world > 1:
+        trainer.train(batch, loss)  # the other ranks join rank 0's profiled step
+    res = {"rank": rank, "times": times,
+           "completion_tokens": sum(lens), "sequences": len(lens),
+           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "profile": prof}
+    q.put(res)
+    if world > 1:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.multiprocessing as mp
+
+    from benchmarks.bounds import SHAPES, device_spec, param_count
+    from benchmarks.models import build_w1_model
+    from conveyor.launch.placement import free_port
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--out", default="runs/trainer")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--target-mean", type=float, default=256.0)
+    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0, help="rows of the kernel table (0: no profile)")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = "float32" if args.model == "tiny" else "bfloat16"
+    path = str(build_w1_model(out / f"model-{args.model}", args.model, seed=0, dtype=dtype))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_run, args=(r, args.ranks, args, path, port, q)) for r in range(args.ranks)]
+    for pr in procs:
+        pr.start()
+    results = sorted((q.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
+    for pr in procs:
+        pr.join(60)
+    r0 = results[0]
+    step_s = sum(r0["times"]) / len(r0["times"])
+    shape = SHAPES[args.model]
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    peak = device_spec(name)["peak_flops"]
+    total_tokens = args.prompts * args.group * args.prompt_len + r0["completion_tokens"]
+    tok_s = total_tokens / step_s
+    record = {"model": args.model, "ranks": args.ranks, "device": name, "step_s": step_s, "times": r0["times"],
+              "tokens_per_step": total_tokens, "tokens_per_s": tok_s,
+              "mfu": 6 * param_count(shape) * tok_s / (peak * args.ranks) if peak else None,
+              "micro_batch_tokens": args.micro_batch_tokens, "checkpointing": args.checkpointing,
+              "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
+    (out / f"trainer-{args.model}-r{args.ranks}.json").write_text(json.dumps(record, indent=2))
+    print(json.dumps(record))
+    if r0["profile"]:
+        print(r0["profile"])
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())

@@ -1,0 +1,439 @@
+"""Data-parallel, fully sharded trainer: LocalTrainer's contract over N ranks with FSDP2.
+
+Contract (see ``trainer/api.py`` and ``trainer/local.py``; only differences here)
+- ``FSDPTrainer(model_path_or_model, cfg, total_steps, temperature, pad_token_id)``
+  needs ``torch.distributed`` initialised by the caller: the default process
+  group is the set of trainer ranks. Device: CUDA's current device (the
+  caller has called ``torch.cuda.set_device``) or "cpu" (gloo) when
+  ``cfg.device`` resolves to cpu. Every decoder layer (``_no_split_modules``)
+  and then the root are ``fully_shard``-ed, as are the frozen reference and
+  the critic. On CUDA with ``cfg.autocast_bf16`` parameters are gathered in
+  bf16 and gradients reduced in fp32 (fp32 master weights and AdamW state);
+  on CPU everything is fp32, so CPU runs match LocalTrainer to rounding.
+- Every public method is COLLECTIVE: call it on every rank with identical
+  arguments (the full Batch); every rank returns the same result.
+- ``train``: LocalTrainer's epochs, mini-batches and LR schedule. Each
+  mini-batch's samples are dealt to ranks by tokens (longest first onto the
+  least-loaded rank) and each rank plans micro-batches of its share; ranks
+  with fewer micro-batches run zero-weighted dummy passes so that every rank
+  runs the same number of (collective) forwards and backwards. Gradients are
+  summed, not averaged, over ranks, and the loss still gets the mini-batch's
+  GLOBAL ``num_tokens``/``num_seqs``, so the update equals the single-device
+  one. Metrics are reduced over ranks: ``microbatches`` counts real
+  micro-batches on all ranks; ``time_s`` is the slowest rank's.
+- A non-finite loss, or a loss_fn error, on ANY rank raises on EVERY rank
+  before backward (the flag is all-reduced), and that mini-batch takes no
+  optimizer step.
+- ``logprobs``/``ref_logprobs``/``values``: token-balanced shares, gathered
+  back into the batch's order on every rank.
+- ``named_weights(dtype=None)``: collective generator of full (unsharded)
+  tensors on the trainer's device; iterate it to the end on every rank.
+- ``save``/``load``: a sharded checkpoint directory (see checkpoint.py):
+  ``dcp/`` (model + optimizer, and critic + its optimizer, via
+  torch.distributed.checkpoint), ``training_state.pt`` (schedulers, step),
+  ``rng/rank{r}.pt``, ``extra.json``, ``policy/`` (config + tokenizer files)
+  and the ``fsdp.json`` marker; rank 0 renames it into place atomically.
+  The ranks must share a filesystem. ``export_hf`` writes a plain HF
+  checkpoint from rank 0.
+
+It does not start processes, pick ranks or set devices: the launcher does.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from conveyor.config import TrainerConfig
+from conveyor.trainer import checkpoint
+from conveyor.trainer.api import LossFn
+from conveyor.trainer.local import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
+                                    _load_policy, _MetricMean, resolve_device)
+from conveyor.trainer.microbatch import _check_aligned, collate, plan_microbatches
+from conveyor.types import Batch
+
+
+def balance(lengths: list[int], world: int) -> list[list[int]]:
+    """Deal sample indices to ``world`` ranks by tokens: longest first onto the least-loaded rank.
+
+    Deterministic (ties go to the lower index and rank), so every rank computes
+    every rank's share without communicating.
+    """
+    loads, shares = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        shares[r].append(i)
+        loads[r] += lengths[i]
+    return shares
+
+
+def _shard(module: nn.Module, mesh, mp_policy) -> nn.Module:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    # One FSDP unit per decoder layer bounds the gathered weights to a layer
+    # at a time; a model without _no_split_modules is sharded as one unit.
+    names = set().union(*(getattr(m, "_no_split_modules", None) or () for m in module.modules()))
+    for layer in [m for m in module.modules() if m is not module and type(m).__name__ in names]:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            # The loss is already normalised by GLOBAL totals, so rank gradients
+            # must be summed, not averaged. Plain SUM (no pre/post scaling op)
+            # also works on gloo, which lacks AVG and PREMUL_SUM.
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return module
+
+
+class FSDPTrainer(LocalTrainer):
+    """Policy (+ optional reference and critic) sharded over the default process group."""
+
+    def __init__(self, model_path_or_model: Any, cfg: TrainerConfig, total_steps: int,
+                 temperature: float = 1.0, pad_token_id: int = 0):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("FSDPTrainer needs torch.distributed initialised (init_process_group on every "
+                               "trainer rank, after torch.cuda.set_device on GPU) before it is constructed")
+        if temperature <= 0:
+            raise ValueError(f"FSDPTrainer: temperature must be > 0 (got {temperature})")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        self.cfg, self.total_steps = cfg, int(total_steps)
+        self.temperature, self.pad_token_id = float(temperature), int(pad_token_id)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        dev = resolve_device(cfg.device)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
+        if self.device.type == "cpu" and "gloo" not in str(dist.get_backend()):
+            raise ValueError(f"FSDPTrainer on cpu needs a gloo process group, got {dist.get_backend()!r}")
+        model, self.source_dir = _load_policy(model_path_or_model)
+        # save_pretrained would record the class name; FSDP renames the class
+        # (FSDPLlamaForCausalLM), so fix the architecture name before sharding.
+        model.config.architectures = [type(model).__name__]
+        # Copies are taken before training or sharding touches the weights.
+        reference = copy.deepcopy(model).requires_grad_(False) if cfg.reference else None
+        critic = ValueModel(copy.deepcopy(model.base_model), model.config.hidden_size) if cfg.critic else None
+        if cfg.gradient_checkpointing:
+            _enable_checkpointing(model)
+            if critic is not None:
+                _enable_checkpointing(critic.backbone)
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        mp = MixedPrecisionPolicy()
+        if self.device.type == "cuda" and cfg.autocast_bf16:
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        self.model = _shard(model, mesh, mp).eval()
+        self.reference = _shard(reference, mesh, mp).eval() if reference is not None else None
+        self.critic = _shard(critic, mesh, mp) if critic is not None else None
+        self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), cfg.lr)
+        self.critic_optimizer = self.critic_scheduler = None
+        if self.critic is not None:
+            self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic.parameters(), cfg.critic_lr)
+        self._step = 0
+
+    # ----------------------------------------------------------- collectives
+    def _autocast(self):
+        return contextlib.nullcontext()  # MixedPrecisionPolicy casts instead
+
+    def _agree(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn`` here; if it raised on ANY rank, raise on every rank (nobody waits in a collective)."""
+        err, result = None, None
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            err = e
+        flags = torch.zeros(self.world, device=self.device)
+        flags[self.rank] = float(err is not None)
+        dist.all_reduce(flags)
+        bad = [r for r in range(self.world) if flags[r] > 0]
+        if err is not None:
+            raise err
+        if bad:
+            raise RuntimeError(f"{what} failed on rank(s) {bad}; see the error there")
+        return result
+
+    def _broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _plans(self, lengths: list[int]) -> list[list[list[int]]]:
+        """Per rank, its micro-batches as lists of indices into ``lengths``."""
+        return [[[share[k] for k in mb] for mb in plan_microbatches([lengths[i] for i in share],
+                                                                    self.cfg.micro_batch_tokens)]
+                for share in balance(lengths, self.world)]
+
+    def _dummy(self) -> dict[str, torch.Tensor]:
+        # A real 2-token forward (attention_mask 1: a fully masked row can give
+        # NaN in attention, and NaN * 0 is still NaN).
+        ids = torch.full((1, 2), self.pad_token_id, dtype=torch.long)
+        return self._to_device({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                "loss_mask": torch.zeros(1, 2)})
+
+    # ----------------------------------------------------------------- forward
+    @torch.no_grad()
+    def _per_sample(self, batch: Batch, fn) -> list[torch.Tensor]:
+        _check_aligned(batch, list(range(len(batch))))  # on every rank: collate would fail on one rank only
+        lengths = [int(x.numel()) for x in batch.input_ids]
+        plans = self._plans(lengths)
+        mine, passes = plans[self.rank], max(map(len, plans), default=0)
+        local = []
+        for j in range(passes):
+            if j >= len(mine):
+                fn(self._dummy())  # FSDP forwards are collective: match the busiest rank
+                continue
+            values = fn(self._to_device(collate(batch, mine[j], self.pad_token_id))).float().cpu()
+            local += [(i, values[row, : lengths[i]].clone()) for row, i in enumerate(mine[j])]
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, local)
+        result: list[torch.Tensor | None] = [None] * len(batch)
+        for part in parts:
+            for i, t in part:
+                result[i] = t
+        return result  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------- train
+    def train(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        metrics = super().train(batch, loss_fn)
+        t = torch.tensor([metrics["time_s"]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        metrics["time_s"] = float(t)
+        return metrics
+
+    def _trained(self) -> list[nn.Module]:
+        return [self.model] + ([self.critic] if self.critic is not None else [])
+
+    def _pass(self, mb: dict[str, torch.Tensor], with_entropy: bool) -> tuple[dict, torch.Tensor]:
+        """Forward both trained models; returns ``out`` and a zero-weighted anchor loss.
+
+        The anchor puts every parameter of both models into every rank's graph
+        whatever loss_fn uses, so FSDP reduce-scatters the same parameters
+        on every rank (a mismatch would hang or misalign the collective).
+        """
+        out = self._policy_out(self.model, mb, with_entropy)
+        anchor = 0.0 * out["logprobs"].sum()
+        if self.critic is not None:
+            out["values"] = self._values_out(mb)
+            anchor = anchor + 0.0 * out["values"].sum()
+        return out, anchor
+
+    def _drain(self) -> None:
+        # After a failure mid-mini-batch, gradients of earlier no-sync passes sit
+        # in FSDP's unsharded buffers, which zero_grad does not clear; one
+        # zero-weighted synced pass flushes them into .grad (zeroed afterwards).
+        for m in self._trained():
+            m.set_requires_gradient_sync(True)
+        self._pass(self._dummy(), False)[1].backward()
+
+    def _update(self, mini: Batch, loss_fn: LossFn, means: _MetricMean, totals: dict, where: str) -> None:
+        """One optimizer step on one mini-batch, its micro-batches spread over the ranks."""
+        self._zero_grad()
+        num_tokens = max(float(mini.num_tokens), 1.0)
+        needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        _check_aligned(mini, list(range(len(mini))))  # on every rank: collate would fail on one rank only
+        plans = self._plans([int(x.numel()) for x in mini.input_ids])
+        mine, passes = plans[self.rank], max(map(len, plans))
+        local = _MetricMean()
+        for j in range(passes):
+            for m in self._trained():
+                # Reduce-scatter once, after the last backward. Until then each rank
+                # holds UNSHARDED gradients (full model size, fp32): comms traded for memory.
+                m.set_requires_gradient_sync(j == passes - 1)
+            real = j < len(mine)
+            mb = self._to_device(collate(mini, mine[j], self.pad_token_id)) if real else self._dummy()
+            out, loss = self._pass(mb, needs_entropy and real)
+            value, err, metrics, loss_j = 0.0, None, {}, None
+            if real:
+                try:
+                    loss_j, metrics = loss_fn(out, mb, num_tokens, len(mini))
+                    value = self._check_loss(loss_j, f"{where}, micro-batch {j}")
+                    loss = loss + loss_j
+                except NonFiniteLossError:
+                    value = float(loss_j.detach()) if isinstance(loss_j, torch.Tensor) else math.nan
+                except Exception as e:  # noqa: BLE001 - raised below, after telling the other ranks
+                    err = e
+            rows = self._exchange(value, err is not None)
+            failed = [r for r, (_, flag) in enumerate(rows) if flag > 0]
+            bad = [r for r, (v, _) in enumerate(rows) if not math.isfinite(v)]
+            if failed or bad:
+                self._drain()
+                if err is not None:
+                    raise err
+                if failed:
+                    raise RuntimeError(f"trainer step {self._step}, {where}, micro-batch {j}: loss_fn failed "
+                                       f"on rank(s) {failed}; see the error there")
+                raise NonFiniteLossError(
+                    f"trainer step {self._step}, {where}, micro-batch {j}: loss is {rows[bad[0]][0]} on "
+                    f"rank(s) {bad}; no optimizer step was taken (check the loss inputs, e.g. advantages "
+                    "and logprob ratios, and the learning rate)")
+            loss.backward()
+            totals["loss"] += sum(v for v, _ in rows)
+            if real:
+                local.add(metrics, float(mb["loss_mask"].sum()))
+        totals["microbatches"] += sum(map(len, plans))
+        self._merge_means(means, local)
+        totals["grad_norm"] += self._clip(self.model.parameters(), f"{where} (policy)")
+        if self.critic is not None:
+            totals["critic_grad_norm"] += self._clip(self.critic.parameters(), f"{where} (critic)")
+            self.critic_optimizer.step()
+        self.optimizer.step()
+
+    def _exchange(self, value: float, failed: bool) -> list[list[float]]:
+        """Every rank's ``[loss value, failed flag]``, in rank order."""
+        t = torch.zeros(self.world, 2, dtype=torch.float64, device=self.device)
+        t[self.rank, 0], t[self.rank, 1] = value, float(failed)
+        dist.all_reduce(t)  # NaN/inf survive the sum of zeros, in their own row
+        return t.tolist()
+
+    def _merge_means(self, means: _MetricMean, local: _MetricMean) -> None:
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, (local.wsum, local.plain, local.weight, local.count))
+        for wsum, plain, weight, count in parts:  # rank order: the same sums on every rank
+            for k, v in wsum.items():
+                means.wsum[k] = means.wsum.get(k, 0.0) + v
+            for k, v in plain.items():
+                means.plain[k] = means.plain.get(k, 0.0) + v
+            means.weight += weight
+            means.count += count
+
+    def _clip(self, params, where: str) -> float:
+        params = [p for p in params if p.grad is not None]
+        if not params:
+            return 0.0
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        # Each rank holds a partial norm of its shards; full_tensor() all-reduces it.
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+        norm = float(total)
+        if not math.isfinite(norm):
+            raise NonFiniteLossError(
+                f"trainer step {self._step}, {where}: gradient norm is {norm}; no optimizer step was taken "
+                "(the loss is finite but its gradient is not; check for log(0) or division by ~0 in the loss)")
+        if self.cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, total)
+        return norm
+
+    # ----------------------------------------------------- weights and files
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full policy tensors (float32, or ``dtype``) named as in ``state_dict()``; COLLECTIVE per tensor."""
+        for name, t in self.model.state_dict().items():
+            if isinstance(t, DTensor):
+                t = t.full_tensor()  # all-gather: every rank must reach this line
+            yield name, t.to(dtype or torch.float32)
+
+    def _dcp_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        state = {"model": model, "optim": optim}
+        if self.critic is not None:
+            state["critic"], state["critic_optim"] = get_state_dict(self.critic, self.critic_optimizer)
+        return state
+
+    def _forget_optimizer_state(self) -> None:
+        # get_state_dict fills an empty AdamW state with a fake step (lr 0,
+        # step count 1), which would change the next real update's bias correction.
+        for opt in (self.optimizer, self.critic_optimizer):
+            if opt is not None:
+                opt.state.clear()
+
+    def _write_config(self, out: Path) -> None:
+        self.model.config.save_pretrained(out)
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.save_pretrained(out)
+        checkpoint.copy_tokenizer_files(self.source_dir, out)
+
+    def _write_shards(self, tmp: Path, extra_text: str, fresh: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._dcp_state(), checkpoint_id=str(tmp / "dcp"))
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(checkpoint._rng_state(), tmp / "rng" / f"rank{self.rank}.pt")
+        if self.rank != 0:
+            return
+        (tmp / "policy").mkdir()
+        self._write_config(tmp / "policy")
+        state = {"step": self._step, "scheduler": self.scheduler.state_dict(), "optimizer_fresh": fresh}
+        if self.critic_scheduler is not None:
+            state["critic_scheduler"] = self.critic_scheduler.state_dict()
+        torch.save(state, tmp / "training_state.pt")
+        (tmp / "extra.json").write_text(extra_text)
+        marker = {"format": "torch.distributed.checkpoint", "world_size": self.world,
+                  "critic": self.critic is not None}
+        (tmp / checkpoint.SHARDED_MARKER).write_text(json.dumps(marker, indent=2))
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        try:
+            text = json.dumps(extra or {}, indent=2, sort_keys=True)
+        except TypeError as e:
+            raise TypeError(f"checkpoint extra must be JSON-serialisable ({e}); pass plain numbers/strings/lists") from None
+        fresh = not self.optimizer.state
+        tmp = self._agree(lambda: checkpoint._prepare_tmp(path) if self.rank == 0 else None, f"creating {path}")
+        tmp = Path(self._broadcast(str(tmp)))
+        try:
+            self._agree(lambda: self._write_shards(tmp, text, fresh), f"writing checkpoint {path}")
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            if fresh:
+                self._forget_optimizer_state()
+        self._agree(lambda: checkpoint._commit(tmp, path) if self.rank == 0 else None, f"renaming into {path}")
+
+    def _read_marker(self, path: Path) -> None:
+        marker = path / checkpoint.SHARDED_MARKER
+        if not marker.is_file():
+            raise FileNotFoundError(f"{path} is not a sharded conveyor checkpoint (no {marker.name}); "
+                                    "pass a directory written by FSDPTrainer.save")
+        has_critic = bool(json.loads(marker.read_text())["critic"])
+        if has_critic != (self.critic is not None):
+            raise ValueError(
+                f"checkpoint {'has' if has_critic else 'has no'} critic but this trainer "
+                f"{'has none' if has_critic else 'has one'}; set trainer.critic={str(has_critic).lower()}")
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        path = Path(path)
+        self._agree(lambda: self._read_marker(path), f"reading {path}")
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.critic is not None:
+            set_state_dict(self.critic, self.critic_optimizer, model_state_dict=state["critic"],
+                           optim_state_dict=state["critic_optim"])
+        training = torch.load(path / "training_state.pt", weights_only=True)
+        self.scheduler.load_state_dict(training["scheduler"])
+        if self.critic_scheduler is not None:
+            self.critic_scheduler.load_state_dict(training["critic_scheduler"])
+        self._step = int(training["step"])
+        if training["optimizer_fresh"]:
+            self._forget_optimizer_state()
+        rng = path / "rng" / f"rank{self.rank}.pt"
+        # Resuming on more ranks than saved: the extra ranks start from rank 0's RNG.
+        checkpoint._set_rng_state(torch.load(rng if rng.is_file() else path / "rng" / "rank0.pt",
+                                             weights_only=True))
+        return json.loads((path / "extra.json").read_text())
+
+    def export_hf(self, path: str | Path) -> None:
+        state = {}
+        for name, t in self.named_weights():
+            if self.rank == 0:
+                state[name] = t.cpu()
+
+        def write() -> None:
+            if self.rank == 0:
+                with checkpoint._atomic_dir(path) as tmp:
+                    self._write_config(tmp)
+                    checkpoint.save_hf_weights(state, tmp)
+
+        self._agree(write, f"exporting {path}")

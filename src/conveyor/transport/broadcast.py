@@ -1,0 +1,284 @@
+"""Weights from trainer rank 0 to engine processes by a collective broadcast (NCCL or gloo).
+
+Contract
+- ``BroadcastWeights(specs, ctx, engines, backend, dtype, port, bucket_mb, timeout_s)``
+  is made by the controller and handed (pickled) to trainer rank 0, the only
+  writer, and to every engine process (readers, engine ids 0..engines-1).
+  ``backend`` is "nccl" (CUDA tensors; each engine on a GPU of its own) or
+  "gloo" (CPU tensors; what CPU tests run). Every tensor travels in ``dtype``
+  (the engines' dtype: bf16 halves the bytes of float32 master weights),
+  packed into flat buckets of at most ``bucket_mb`` MiB.
+- Writer: ``begin(version)``, ``put(name, tensor)`` for every name,
+  ``commit()`` (or ``publish(named, version)``). ``begin`` waits, with the
+  deadline, until every engine has received the previous version, so a
+  bucket is never overwritten while a reader still receives it. ``commit``
+  announces serial and version in shared memory and broadcasts a header
+  ``[serial, version, tensors, numel]`` and then each bucket. The first
+  publish opens the group: a TCPStore on ``port`` hosted by the writer
+  (rank 0), engines join as ranks 1..engines.
+- Reader: ``poll(engine)``, called by the engine's worker between decode
+  steps or requests, starts the receiver thread on its first call and
+  applies the newest fully received version to the engine (a device-local
+  copy from the staging buckets) and returns it, or None. The receiver
+  thread receives into the staging buckets whenever a version is announced,
+  so the trainer never waits for a generation to finish; the engine decides
+  when to swap (the admission rule and partial rollouts are unchanged).
+  The header is checked against the announcement and the layout: a
+  mismatch raises ``WeightSyncError`` naming both versions.
+- Never hang: the writer's wait for receivers, the reader's wait for the
+  staging lock and the store rendezvous have ``timeout_s``; the collectives
+  run on a group with the same timeout. An error in the receiver thread is
+  raised by the engine's next ``poll``, naming the engine.
+
+It knows nothing of optimizers, models or the admission rule.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+
+from conveyor.transport.weights import WeightSyncTimeout, _acquire, synchronize
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+def _layout(specs, dtype: torch.dtype, bucket_mb: float) -> list[tuple[str, tuple[int, ...], int, int]]:
+    """(name, shape, bucket, offset) for every tensor; buckets hold at most bucket_mb MiB
+    (a tensor larger than that gets a bucket of its own)."""
+    cap = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
+    out, bucket, used = [], 0, 0
+    for name, shape, _ in specs:
+        n = 1
+        for s in shape:
+            n *= int(s)
+        if used and used + n > cap:
+            bucket, used = bucket + 1, 0
+        out.append((name, tuple(shape), bucket, used))
+        used += n
+    return out
+
+
+class BroadcastWeights:
+    """See the module docstring."""
+
+    def __init__(self, specs, ctx, engines: int, backend: str = "gloo", dtype: torch.dtype = torch.float32,
+                 port: int = 0, bucket_mb: float = 512.0, timeout_s: float = 120.0, host: str = "127.0.0.1"):
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"BroadcastWeights backend {backend!r}: use nccl (GPUs) or gloo (CPU)")
+        self.layout = _layout(list(specs), dtype, bucket_mb)
+        self.names = [n for n, *_ in self.layout]
+        self.sizes = [0] * (1 + max((b for *_, b, _ in self.layout), default=0))
+        for _, shape, b, off in self.layout:
+            n = 1
+            for s in shape:
+                n *= int(s)
+            self.sizes[b] = max(self.sizes[b], off + n)
+        self.engines, self.backend, self.dtype = int(engines), backend, dtype
+        self.host, self.port, self.timeout_s = host, int(port), float(timeout_s)
+        self._serial = ctx.Value("q", 0, lock=False)      # announced publishes
+        self._version = ctx.Value("q", -1, lock=False)    # policy version of the announced publish
+        self._published_at = ctx.Value("d", 0.0, lock=False)
+        self._opened = ctx.Value("b", 0, lock=False)      # the writer hosts the store from now on
+        self._acks = ctx.Array("q", self.engines, lock=False)  # per engine: last serial received
+        self._local()
+
+    def _local(self) -> None:
+        self._group = self._store = None
+        self._buckets: list[torch.Tensor] | None = None
+        self._slots: dict[str, torch.Tensor] = {}
+        self._filled: set[str] = set()
+        self._pending_version: int | None = None
+        # reader side
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._received = (0, -1)   # (serial, version) in the staging buckets
+        self._applied = 0          # serial applied to the engine
+        self._error: str | None = None
+
+    def __getstate__(self):
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_group", "_store", "_buckets", "_slots", "_filled", "_pending_version",
+                              "_thread", "_stop", "_lock", "_received", "_applied", "_error")}
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._local()
+
+    @property
+    def version(self) -> int:
+        return int(self._version.value)
+
+    @property
+    def published_at(self) -> float:
+        return float(self._published_at.value)
+
+    # ------------------------------------------------------------- the group
+    def _device(self) -> torch.device:
+        if self.backend == "nccl":
+            # The device is per thread: the receiver thread inherits it from poll's caller.
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _open(self, rank: int):
+        import torch.distributed as dist
+        timeout = timedelta(seconds=self.timeout_s)
+        try:
+            store = dist.TCPStore(self.host, self.port, self.engines + 1, rank == 0, timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - turned into a message that names the rendezvous
+            side = "trainer (rank 0)" if rank == 0 else f"engine {rank - 1}"
+            raise WeightSyncError(f"weight broadcast: {side} could not join the group at "
+                                  f"{self.host}:{self.port} within {self.timeout_s:.0f}s ({e}); "
+                                  "an engine or the trainer did not start") from None
+        prefix = dist.PrefixStore("conveyor-weights", store)
+        if self.backend == "gloo":
+            group = dist.ProcessGroupGloo(prefix, rank, self.engines + 1, timeout)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            group = dist.ProcessGroupNCCL(prefix, rank, self.engines + 1, opts)
+        self._store, self._group = store, group
+        return group
+
+    def _broadcast(self, tensors: list[torch.Tensor], stream) -> None:
+        # One work per tensor, then wait for all; on CUDA the dedicated stream is
+        # synchronised so that completion is real (and timed) on the host.
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            works = [self._group.broadcast(t, 0) for t in tensors]
+            for w in works:
+                w.wait()
+        if stream is not None:
+            stream.synchronize()
+
+    def _alloc(self) -> list[torch.Tensor]:
+        dev = self._device()
+        return [torch.empty(n, dtype=self.dtype, device=dev) for n in self.sizes]
+
+    def _views(self, buckets: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for name, shape, b, off in self.layout:
+            n = 1
+            for s in shape:
+                n *= int(s)
+            out.append((name, buckets[b][off:off + n].view(shape)))
+        return out
+
+    # ---------------------------------------------------------------- writer
+    def begin(self, version: int) -> None:
+        if self._group is None:
+            self._opened.value = 1
+            self._open(0)
+            self._buckets = self._alloc()
+            self._slots = dict(self._views(self._buckets))
+            self._stream = torch.cuda.Stream() if self.backend == "nccl" else None
+        serial = int(self._serial.value)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            late = [i for i in range(self.engines) if self._acks[i] < serial]
+            if not late:
+                break
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(
+                    f"weight broadcast of version {version}: engine {late[0]} has not received the previous "
+                    f"version (serial {serial}) within {self.timeout_s:.0f}s; its receiver is stalled or dead")
+            time.sleep(0.0005)
+        self._filled, self._pending_version = set(), int(version)
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        slot = self._slots.get(name)
+        if slot is None:
+            return  # not sent (e.g. an output embedding tied to the input one)
+        with torch.no_grad():
+            slot.copy_(tensor.detach())
+        self._filled.add(name)
+
+    def commit(self) -> None:
+        version = self._pending_version
+        missing = [n for n in self.names if n not in self._filled]
+        if missing:
+            raise KeyError(f"weight publish of version {version}: missing tensors {missing[:3]}")
+        synchronize(self._buckets[0].device)
+        serial = int(self._serial.value) + 1
+        numel = sum(self.sizes)
+        header = torch.tensor([serial, version, len(self.names), numel], dtype=torch.long, device=self._device())
+        self._version.value = version
+        self._published_at.value = time.time()
+        self._serial.value = serial  # announce: receivers post their receives now
+        self._broadcast([header] + self._buckets, self._stream)
+        self._pending_version = None
+
+    def abort(self) -> None:
+        self._pending_version = None  # nothing was announced; receivers keep the last version
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.begin(version)
+        for name, t in named_tensors:
+            self.put(name, t)
+        self.commit()
+
+    # ---------------------------------------------------------------- reader
+    def poll(self, engine, engine_id: int = 0) -> int | None:
+        """Apply the newest received version to ``engine`` (see the module docstring)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._receive_loop, args=(engine_id, self._device()),
+                                            name=f"engine{engine_id}-broadcast", daemon=True)
+            self._thread.start()
+        if self._error is not None:
+            raise WeightSyncError(f"engine {engine_id} weight receiver failed:\n{self._error}")
+        if self._received[0] <= self._applied:
+            return None
+        _acquire(self._lock, self.timeout_s, f"engine {engine_id} applying weights")
+        try:
+            serial, version = self._received
+            engine.update_weights(self._views(self._staging), version)
+            synchronize(self._staging[0].device)  # the copy must finish before the next receive
+            self._applied = serial
+            return version
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _receive_loop(self, engine_id: int, device: torch.device) -> None:
+        import traceback
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            while not self._opened.value:
+                if self._stop.wait(0.01):
+                    return
+            self._open(engine_id + 1)
+            self._staging = self._alloc()
+            stream = torch.cuda.Stream() if self.backend == "nccl" else None
+            header = torch.zeros(4, dtype=torch.long, device=self._device())
+            seen = 0
+            while not self._stop.is_set():
+                announced = int(self._serial.value)
+                if announced <= seen:
+                    time.sleep(0.0005)
+                    continue
+                _acquire(self._lock, self.timeout_s, f"engine {engine_id} receiving weights")
+                try:
+                    self._broadcast([header] + self._staging, stream)
+                    serial, version, count, numel = (int(x) for x in header.tolist())
+                    if serial != seen + 1 or count != len(self.names) or numel != sum(self.sizes):
+                        raise WeightSyncError(
+                            f"engine {engine_id} received serial {serial} version {version} ({count} tensors, "
+                            f"{numel} elements) but expected serial {seen + 1} with {len(self.names)} tensors "
+                            f"and {sum(self.sizes)} elements; trainer and engine disagree on the weight layout")
+                    self._received, seen = (serial, version), serial
+                finally:
+                    self._lock.release()
+                self._acks[engine_id] = serial
+        except Exception:  # noqa: BLE001 - raised by the engine's next poll
+            self._error = traceback.format_exc()

@@ -1,0 +1,256 @@
+"""FSDPTrainer on 2 CPU ranks (gloo) against LocalTrainer on one device.
+
+One job does all the distributed work: this file, run as a script, is each
+rank's worker (pytest's importlib mode leaves test modules unimportable by
+name, so a torch.multiprocessing target here could not be unpickled in a
+child). The ranks rendezvous through a file store (no port to race for),
+every collective has the process group's 60 s deadline and the job a 240 s
+one, after which it is killed and the test fails with the ranks' logs. The
+tests compare the saved results with LocalTrainer in the pytest process.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conveyor.config import AlgoConfig, TrainerConfig
+from conveyor.objective import PolicyLoss
+from conveyor.types import Batch
+
+WORLD = 2
+TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+            max_position_embeddings=64)
+# mini_batches=2 cuts this into [20, 3, 4, 5] and [9, 8, 2, 6]. With a 10-token
+# budget rank 0 gets [20] (1 micro-batch) and rank 1 [5, 4] + [3] (2), so rank
+# 0 runs a dummy pass; LocalTrainer plans 3 and 4 micro-batches, as the ranks do together.
+LENGTHS = [20, 3, 4, 5, 9, 8, 2, 6]
+CFG = dict(device="cpu", lr=1e-4, critic_lr=1e-4, warmup_steps=1, lr_schedule="linear", max_grad_norm=0.5,
+           mini_batches=2, micro_batch_tokens=10, reference=True, critic=True)
+ALGO = dict(advantage="gae", entropy_coef=0.01, loss_agg="seq-mean-token-mean")  # uses num_seqs, entropy, values
+POISON = 1  # sample 1 (3 tokens) is rank 1's second micro-batch of mini-batch 0
+DEADLINE_S = 240
+
+
+class Loss(PolicyLoss):
+    """The real RL objective (PPO + value loss + entropy), NaN on micro-batches holding a poisoned sample."""
+
+    def __call__(self, out, mb, num_tokens, num_seqs):
+        loss, metrics = super().__call__(out, mb, num_tokens, num_seqs)
+        return (loss * float("nan") if float(mb["poison"].sum()) > 0 else loss), metrics
+
+
+def make_batch(seed: int, behaviour: list[torch.Tensor], poison: bool = False) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    ids, masks, fields = [], [], {k: [] for k in ("advantages", "behaviour_logprobs", "old_values", "returns",
+                                                   "poison")}
+    for i, n in enumerate(LENGTHS):
+        ids.append(torch.randint(7, 90, (n,), generator=gen))
+        mask = torch.zeros(n)
+        mask[max(1, n // 2):] = 1.0
+        masks.append(mask)
+        fields["advantages"].append(torch.randn(n, generator=gen) * mask)
+        # Near the current policy, so the PPO ratio is near 1 and mostly unclipped.
+        fields["behaviour_logprobs"].append((behaviour[i] + 0.05 * torch.randn(n, generator=gen)) * mask)
+        fields["old_values"].append(0.1 * torch.randn(n, generator=gen) * mask)
+        fields["returns"].append(torch.randn(n, generator=gen) * mask)
+        fields["poison"].append(torch.full((n,), float(poison and i == POISON)))
+    return Batch(ids, masks, fields)
+
+
+def full_weights(trainer) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    out = {f"policy.{k}": v.detach().cpu().clone() for k, v in trainer.named_weights()}
+    for k, v in trainer.critic.state_dict().items():
+        out[f"critic.{k}"] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+    return out
+
+
+# ------------------------------------------------------------------ worker
+def worker(rank: int, work: Path) -> None:
+    import torch.distributed as dist
+
+    from conveyor.trainer.fsdp import FSDPTrainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{work / 'rendezvous'}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    inputs = torch.load(work / "inputs.pt", weights_only=False)
+    b, loss, tiny = inputs["batches"], Loss(AlgoConfig(**ALGO)), inputs["tiny_dir"]
+    # gradient checkpointing is on here only: the comparison also covers it.
+    cfg = TrainerConfig(**CFG, gradient_checkpointing=True)
+    res = {}
+    tr = FSDPTrainer(tiny, cfg, total_steps=6)
+    res["lp0"], res["ref0"], res["v0"] = tr.logprobs(b[0]), tr.ref_logprobs(b[0]), tr.values(b[0])
+    res["metrics"] = [tr.train(b[0], loss), tr.train(b[1], loss)]
+    res["w2"], res["lp2"] = full_weights(tr), tr.logprobs(b[0])
+    res["bf16"] = sorted({str(v.dtype) for _, v in tr.named_weights(torch.bfloat16)})
+    tr.save(work / "ckpt", {"cursor": 2})
+    tr.save(work / "ckpt", {"cursor": 2, "again": True})  # overwriting works
+    tr.export_hf(work / "hf")
+    res["m3"] = tr.train(b[2], loss)
+    res["w3"] = full_weights(tr)
+    tr.train(b[3], loss)
+    res["w4"] = full_weights(tr)
+
+    resumed = FSDPTrainer(tiny, cfg, total_steps=6)
+    res["extra"], res["step_loaded"] = resumed.load(work / "ckpt"), resumed.step
+    res["m3b"] = resumed.train(b[2], loss)
+    res["w3b"] = full_weights(resumed)
+    try:
+        resumed.train(b[4], loss)  # poisoned on rank 1 only
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        res["nan_error"] = (type(e).__name__, str(e))
+    res["w_after_nan"], res["step_after_nan"] = full_weights(resumed), resumed.step
+    resumed.train(b[3], loss)
+    res["w4b"] = full_weights(resumed)
+    torch.save(res, work / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------- pytest side
+def run_job(work: Path) -> list[dict]:
+    procs, logs = [], []
+    for rank in range(WORLD):
+        logs.append(open(work / f"rank{rank}.log", "w"))
+        procs.append(subprocess.Popen([sys.executable, __file__, str(rank), str(work)],
+                                      stdout=logs[-1], stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    if any(p.returncode != 0 for p in procs):
+        tails = "\n".join(f"--- rank {r} (rc {p.returncode})\n" + (work / f"rank{r}.log").read_text()[-3000:]
+                          for r, p in enumerate(procs))
+        pytest.fail(f"FSDP job failed or passed its {DEADLINE_S} s deadline:\n{tails}")
+    return [torch.load(work / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def job(tiny_dir, tmp_path_factory):
+    from conveyor.trainer.local import LocalTrainer
+
+    work = tmp_path_factory.mktemp("fsdp")
+    initial = LocalTrainer(tiny_dir, TrainerConfig(device="cpu"), total_steps=1)
+    probe = make_batch(0, [torch.zeros(n) for n in LENGTHS])
+    behaviour = initial.logprobs(probe)
+    batches = [make_batch(s, behaviour) for s in range(4)] + [make_batch(3, behaviour, poison=True)]
+    torch.save({"batches": batches, "tiny_dir": str(tiny_dir)}, work / "inputs.pt")
+    ranks = run_job(work)
+
+    loss = Loss(AlgoConfig(**ALGO))
+    local = LocalTrainer(tiny_dir, TrainerConfig(**CFG), total_steps=6)
+    ref = {"lp0": local.logprobs(batches[0]), "ref0": local.ref_logprobs(batches[0]),
+           "v0": local.values(batches[0])}
+    ref["metrics"] = [local.train(batches[0], loss), local.train(batches[1], loss)]
+    ref["w2"], ref["lp2"] = full_weights(local), local.logprobs(batches[0])
+    local.train(batches[2], loss)
+    ref["w3"] = full_weights(local)
+    return work, ranks, ref
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_train_matches_local_trainer(job):
+    _, ranks, ref = job
+    assert max_diff(ranks[0]["w2"], ranks[1]["w2"]) == 0.0
+    assert max_diff(ranks[0]["w2"], ref["w2"]) <= 1e-6
+    assert max_diff(ranks[0]["w2"], ranks[0]["w3"]) > 1e-5  # the third step moved the weights
+    for got0, got1, want in zip(ranks[0]["metrics"], ranks[1]["metrics"], ref["metrics"]):
+        assert got0 == got1  # identical on every rank, time_s included
+        assert got0.keys() == want.keys()
+        assert got0["microbatches"] == want["microbatches"] == 7.0
+        assert (got0["num_tokens"], got0["num_seqs"], got0["lr"]) == (want["num_tokens"], 8.0, want["lr"])
+        for key in sorted(set(want) - {"microbatches", "num_tokens", "num_seqs", "lr", "time_s"}):
+            assert got0[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    assert ref["metrics"][0]["grad_norm"] > CFG["max_grad_norm"]  # so clipping is exercised
+    assert max_diff(ranks[0]["w3"], ref["w3"]) <= 1e-6
+
+
+def test_per_sample_outputs_match_local_trainer(job):
+    _, ranks, ref = job
+    for key in ("lp0", "ref0", "v0", "lp2"):
+        for got0, got1, want in zip(ranks[0][key], ranks[1][key], ref[key]):
+            assert torch.equal(got0, got1)
+            assert got0.dtype == torch.float32 and got0.shape == want.shape
+            torch.testing.assert_close(got0, want, atol=1e-5, rtol=0)
+    assert ranks[0]["bf16"] == ["torch.bfloat16"]
+
+
+def test_resume_continues_exactly(job):
+    _, ranks, _ = job
+    for res in ranks:
+        assert res["extra"] == {"again": True, "cursor": 2} and res["step_loaded"] == 2
+        assert res["m3b"]["loss"] == res["m3"]["loss"] and res["m3b"]["lr"] == res["m3"]["lr"]
+        assert max_diff(res["w3b"], res["w3"]) == 0.0
+
+
+def test_nan_on_one_rank_raises_on_every_rank_and_takes_no_step(job):
+    _, ranks, _ = job
+    for res in ranks:
+        kind, message = res["nan_error"]
+        assert kind == "NonFiniteLossError"
+        assert "trainer step 3, epoch 0, mini-batch 0, micro-batch 1: loss is nan on rank(s) [1]" in message
+        assert res["step_after_nan"] == 3
+        assert max_diff(res["w_after_nan"], res["w3b"]) == 0.0
+        # No gradient of the failed mini-batch lingers: the next step is the undisturbed one.
+        assert max_diff(res["w4b"], res["w4"]) == 0.0
+
+
+def test_checkpoint_layout_and_both_exports(job, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conveyor.trainer import checkpoint
+    from conveyor.trainer.local import LocalTrainer
+
+    work, ranks, _ = job
+    ckpt = work / "ckpt"
+    assert not [p.name for p in work.iterdir() if p.name.startswith(".")]  # no temp dir left behind
+    assert {"dcp", "rng", "policy", "training_state.pt", "extra.json", "fsdp.json"} <= {p.name for p in ckpt.iterdir()}
+    assert sorted(p.name for p in (ckpt / "rng").iterdir()) == ["rank0.pt", "rank1.pt"]
+    assert json.loads((ckpt / "fsdp.json").read_text())["world_size"] == 2
+    assert (ckpt / "policy" / "tokenizer.json").is_file()
+
+    policy = {k[len("policy."):]: v for k, v in ranks[0]["w2"].items() if k.startswith("policy.")}
+    # export_hf here runs in the pytest process, where no process group exists.
+    offline = checkpoint.export_hf(ckpt, tmp_path / "offline")
+    for out in (work / "hf", offline):
+        model = AutoModelForCausalLM.from_pretrained(out)
+        assert type(model).__name__ == "LlamaForCausalLM"
+        assert max_diff(model.state_dict(), policy) == 0.0
+        tok = AutoTokenizer.from_pretrained(out)
+        assert tok.decode(tok("12+3=")["input_ids"]) == "12+3="
+    with pytest.raises(ValueError, match="sharded"):
+        LocalTrainer(offline, TrainerConfig(device="cpu"), total_steps=1).load(ckpt)
+
+
+def test_needs_a_process_group(tiny_dir):
+    from conveyor.trainer.fsdp import FSDPTrainer, balance
+
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialised"):
+        FSDPTrainer(tiny_dir, TrainerConfig(device="cpu"), total_steps=1)
+    assert balance([20, 3, 4, 5], 2) == [[0], [3, 2, 1]]
+    assert balance([3], 2) == [[0], []]
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), Path(sys.argv[2]))

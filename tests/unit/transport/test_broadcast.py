@@ -1,0 +1,87 @@
+"""The broadcast weight transport over gloo: versions arrive whole and in order, and nothing hangs."""
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conveyor.launch.placement import free_port
+from conveyor.transport.broadcast import BroadcastWeights, WeightSyncError, _layout
+
+SPECS = [("a", (3, 4), torch.float32), ("b", (1000,), torch.float32), ("c", (5,), torch.float32)]
+
+
+class _Engine:
+    def __init__(self):
+        self.w, self.version = {}, -1
+
+    def update_weights(self, items, version):
+        for name, t in items:
+            self.w[name] = t.clone()
+        self.version = version
+
+
+def _reader(bw, engine_id, versions, out):
+    engine, got = _Engine(), []
+    deadline = time.monotonic() + 60
+    while len(got) < versions and time.monotonic() < deadline:
+        v = bw.poll(engine, engine_id)
+        if v is not None:
+            got.append((v, {k: t.tolist() for k, t in engine.w.items()}))
+        time.sleep(0.001)
+    out.put((engine_id, got))
+
+
+def test_layout_packs_buckets_up_to_the_cap():
+    # 2 KiB of float32 = 512 elements per bucket; "b" is larger and gets its own.
+    lay = _layout(SPECS, torch.float32, 2 / 1024)
+    assert [(n, b, off) for n, _, b, off in lay] == [("a", 0, 0), ("b", 1, 0), ("c", 2, 0)]
+    lay = _layout(SPECS, torch.float32, 1.0)
+    assert [(n, b, off) for n, _, b, off in lay] == [("a", 0, 0), ("b", 0, 12), ("c", 0, 1012)]
+
+
+def test_every_engine_receives_every_version_exactly(monkeypatch):
+    # Spawned children import this module to find _reader.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
+    ctx = mp.get_context("spawn")
+    bw = BroadcastWeights(SPECS, ctx, engines=2, backend="gloo", port=free_port(), bucket_mb=2 / 1024,
+                          timeout_s=60)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_reader, args=(bw, i, 3, out), daemon=True) for i in range(2)]
+    for p in procs:
+        p.start()
+    for v in range(3):
+        bw.publish([("a", torch.full((3, 4), float(v))), ("b", torch.arange(1000.0) + v),
+                    ("c", torch.full((5,), -v, dtype=torch.float64)), ("ignored", torch.zeros(1))], v)
+        time.sleep(0.2)  # let the engines apply each version before the next
+    results = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    for i in range(2):
+        assert [v for v, _ in results[i]] == [0, 1, 2]
+        for v, w in results[i]:
+            assert w["a"] == [[float(v)] * 4] * 3
+            assert w["b"] == [float(x + v) for x in range(1000)]
+            assert w["c"] == [float(-v)] * 5
+    assert bw.version == 2
+
+
+def test_a_missing_tensor_is_named():
+    bw = BroadcastWeights(SPECS, mp.get_context("spawn"), engines=1, backend="gloo", port=free_port())
+    bw._group = object()  # skip the rendezvous: the check comes before any collective
+    bw._buckets = bw._alloc()
+    bw._slots = dict(bw._views(bw._buckets))
+    bw.begin(7)
+    bw.put("a", torch.zeros(3, 4))
+    with pytest.raises(KeyError, match="version 7: missing tensors .'b', 'c'."):
+        bw.commit()
+
+
+def test_an_engine_that_never_joins_stops_the_writer_with_a_named_error():
+    bw = BroadcastWeights(SPECS, mp.get_context("spawn"), engines=1, backend="gloo", port=free_port(),
+                          timeout_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="trainer .rank 0. could not join the group"):
+        bw.publish([(n, torch.zeros(s)) for n, s, _ in SPECS], 0)
+    assert time.monotonic() - t0 < 30
