@@ -44,6 +44,11 @@ CONFIGS = {
     "async-s2-nopartial": ["loop.max_staleness=2", "launch.placement=disaggregated",
                            "loop.partial_rollouts=false"],
     "async-s4": ["loop.max_staleness=4", "launch.placement=disaggregated"],
+    # The multi-GPU code paths on CPU: two FSDP2 ranks (gloo), weights by gloo broadcast.
+    "sync-fsdp2": ["loop.max_staleness=0", "launch.placement=disaggregated", "launch.trainer_ranks=2",
+                   "launch.weight_sync=broadcast"],
+    "async-s2-broadcast": ["loop.max_staleness=2", "launch.placement=disaggregated",
+                           "launch.weight_sync=broadcast"],
 }
 COMMON = ["observe.progress=false", "observe.tensorboard=false", "loop.eval_every=0",
           "launch.engine_threads=1", "launch.trainer_threads=1", "loop.time_limit_s=null"]
@@ -116,7 +121,7 @@ def throughput(args) -> list[dict]:
 def learning(args) -> list[dict]:
     rows = []
     for seed in args.seeds:
-        for name in ("sync", "async-s2"):
+        for name in args.configs if args.configs != list(CONFIGS) else ("sync", "async-s2"):
             out = args.out / f"learn-{name}-seed{seed}"
             extra = ["loop.eval_sampled=true", f"loop.seed={seed}", f"data.seed={seed}"]
             res = run([*COMMON, *CONFIGS[name], *extra], out, args.deadline)

@@ -59,6 +59,7 @@ def step_view(rec: dict) -> dict:
     return {"step_s": step_s, "engine_busy_s": busy, "train_s": float(rec.get("time/train") or 0.0),
             "trainer_busy_s": float(rec.get("time/prepare") or 0.0) + float(rec.get("time/train") or 0.0),
             "weight_sync_ms": rec.get("weight_sync_ms"), "staleness_hist": hist,
+            "weight_publish_ms": rec.get("weight_publish_ms"), "weight_pause_ms": rec.get("weight_pause_ms"),
             "num_seqs": float(rec.get("num_seqs") or 0.0), "clip_frac": rec.get("clip_frac")}
 
 
@@ -116,6 +117,8 @@ def throughput(steps: list[dict], chunks: list[list[dict]], samples_per_step: in
     train_tps = all_tok / train_s if train_s > 0 and win_chunks else None
     flops = (8 if recompute else 6) * n_params if n_params else None
     sync = [v["weight_sync_ms"] for v in win if v["weight_sync_ms"] is not None]
+    publish = [v["weight_publish_ms"] for v in win if v.get("weight_publish_ms") is not None]
+    pause = [v["weight_pause_ms"] for v in win if v.get("weight_pause_ms") is not None]
     clip = [v["clip_frac"] for v in win if v["clip_frac"] is not None]
     return {
         "steps": len(steps), "steady": steady, "window": [lo + 1, n] if n else None,
@@ -130,6 +133,8 @@ def throughput(steps: list[dict], chunks: list[list[dict]], samples_per_step: in
         "seconds": {"step": step_s, "engine_busy": gen_s, "train": train_s,
                     "trainer_busy": sum(v["trainer_busy_s"] for v in win)},
         "weight_sync_ms": statistics.median(sync) if sync else None,
+        "weight_publish_ms": statistics.median(publish) if publish else None,
+        "weight_pause_ms": statistics.median(pause) if pause else None,
         "clip_frac": statistics.mean(clip) if clip else None,
     }
 

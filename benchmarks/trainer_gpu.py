@@ -52,7 +52,7 @@ def _batch(args, vocab: int):
 def _trainer(args, path: str, rank: int, world: int):
     from conveyor.config import TrainerConfig
     over = {"micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.checkpointing,
-            "lr": 1e-6}
+            "lr": 1e-6, "compile": args.compile}
     cfg = TrainerConfig(**over)
     if world == 1:
         from conveyor.trainer.local import LocalTrainer
@@ -79,7 +79,9 @@ def _run(rank: int, world: int, args, path: str, port: int, q) -> None:
     vocab = trainer.model.config.vocab_size
     batch, lens = _batch(args, vocab)
     loss = PolicyLoss(AlgoConfig(advantage="grpo", loss="ppo", clip_low=0.2, clip_high=0.2))
-    trainer.train(batch, loss)  # warm-up: allocator, kernels
+    t0 = time.perf_counter()
+    trainer.train(batch, loss)  # warm-up: allocator, kernels, compilation
+    warmup_s = time.perf_counter() - t0
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -99,7 +101,7 @@ def _run(rank: int, world: int, args, path: str, port: int, q) -> None:
         prof = pr.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile)
     elif args.profile and world > 1:
         trainer.train(batch, loss)  # the other ranks join rank 0's profiled step
-    res = {"rank": rank, "times": times,
+    res = {"rank": rank, "times": times, "warmup_s": warmup_s,
            "completion_tokens": sum(lens), "sequences": len(lens),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "profile": prof}
     q.put(res)
@@ -126,6 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--target-mean", type=float, default=256.0)
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true", help="trainer.compile=true")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, help="rows of the kernel table (0: no profile)")
     args = p.parse_args(argv)
@@ -150,10 +153,11 @@ def main(argv=None) -> int:
     total_tokens = args.prompts * args.group * args.prompt_len + r0["completion_tokens"]
     tok_s = total_tokens / step_s
     record = {"model": args.model, "ranks": args.ranks, "device": name, "step_s": step_s, "times": r0["times"],
+              "warmup_s": r0["warmup_s"],
               "tokens_per_step": total_tokens, "tokens_per_s": tok_s,
               "mfu": 6 * param_count(shape) * tok_s / (peak * args.ranks) if peak else None,
               "micro_batch_tokens": args.micro_batch_tokens, "checkpointing": args.checkpointing,
-              "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
+              "compile": args.compile, "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
     (out / f"trainer-{args.model}-r{args.ranks}.json").write_text(json.dumps(record, indent=2))
     print(json.dumps(record))
     if r0["profile"]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -51,6 +52,8 @@ COLUMNS = [
     ("engine idle", lambda r: H.fmt(r["metrics"]["engine_idle_frac"], pct=True)),
     ("trainer idle", lambda r: H.fmt(r["metrics"]["trainer_idle_frac"], pct=True)),
     ("sync ms", lambda r: H.fmt(r["metrics"]["weight_sync_ms"])),
+    ("publish ms", lambda r: H.fmt(r["metrics"].get("weight_publish_ms"))),
+    ("pause ms", lambda r: H.fmt(r["metrics"].get("weight_pause_ms"))),
     ("staleness", _hist),
     ("len p50/p99/max", lambda r: "/".join(H.fmt(r["lengths"][k]) for k in ("p50", "p99", "max"))),
     ("tau", lambda r: H.fmt(r["lengths"]["tau"])),
@@ -165,7 +168,8 @@ def main(argv=None) -> int:
     records = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for system, setting, extra in configurations(args):
-            tag = setting["label"].replace(" ", "-").replace("=", "")
+            # Run names become directory names: letters, digits, "._-" only.
+            tag = re.sub(r"[^A-Za-z0-9._-]+", "-", setting["label"].replace("=", "")).strip("-")
             name = f"w1-{args.model}-{system}-{tag}-seed{seed}"
             spec = {"workload": "w1", "system": system, "name": name, "run_dir": str(out / name),
                     "model_path": str(model), "prompts_path": str(prompts), "seed": seed, "lr": args.lr,

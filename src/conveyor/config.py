@@ -116,6 +116,9 @@ class TrainerConfig(_Section):
     max_grad_norm: float | None = Field(1.0, description="None disables clipping")
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch (padded)")
     gradient_checkpointing: bool = False
+    compile: bool = Field(False, description=(
+        "experimental: torch.compile each decoder layer and the logprob head, fusing the small memory-bound "
+        "ops of norms, rotary and activations; the first steps pay for compilation (minutes on a GPU)"))
     autocast_bf16: bool = Field(True, description="bf16 autocast on GPU (ignored on CPU)")
     reference: bool = Field(False, description="keep a frozen reference model (needed for a KL term)")
     critic: bool = Field(False, description="train a value head (needed for GAE / PPO with a critic)")

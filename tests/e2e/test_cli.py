@@ -26,6 +26,9 @@ def _run(args):
     (["train", "model.path=/does/not/exist"], "model.path '/does/not/exist' is not a Hugging Face checkpoint"),
     (["train", "data.source=jsonl", "data.path=/no/such.jsonl"], "/no/such.jsonl"),
     (["train", "reward.fn=nowhere.module:fn"], "cannot import module 'nowhere.module'"),
+    (["train", "launch.placement=disaggregated", "launch.weight_sync=ipc"], "launch.weight_sync=ipc needs GPUs"),
+    (["train", "launch.trainer_ranks=2", "launch.engines=3"],
+     "launch.engines (3) must equal launch.trainer_ranks (2)"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, needle):
     r = _run([*args, f"--output-dir={tmp_path / 'run'}", *FAST])

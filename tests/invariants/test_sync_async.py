@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conveyor.config import load_config
+from conveyor.trainer.checkpoint import export_hf
 from conveyor.launch.local import run_local
 from conveyor.observe.report import read_metrics
 
@@ -38,7 +39,8 @@ def test_staleness_zero_processes_equal_in_process(tmp_path):
     wa = load_file(str(a / "final" / "model.safetensors"))
     runs = {"shm": ["launch.placement=disaggregated"],
             "broadcast": ["launch.placement=disaggregated", "launch.weight_sync=broadcast"],
-            "fsdp2": ["launch.placement=disaggregated", "launch.weight_sync=broadcast", "launch.trainer_ranks=2"]}
+            "fsdp2": ["launch.placement=disaggregated", "launch.weight_sync=broadcast", "launch.trainer_ranks=2",
+                      "loop.checkpoint_every=3"]}
     for name, over in runs.items():
         b = _run(tmp_path, name, ["loop.steps=3"] + over)
         wb = load_file(str(b / "final" / "model.safetensors"))
@@ -50,6 +52,10 @@ def test_staleness_zero_processes_equal_in_process(tmp_path):
                 assert torch.equal(wa[k], wb[k]), (name, k)
         train = read_metrics(b, kind="train")
         assert [m["reward"] for m in train] == ra, name
+        if name == "fsdp2":  # its sharded checkpoint exports to the same plain HF weights
+            export_hf(b / "checkpoints" / "step_000003", tmp_path / "exported")
+            we = load_file(str(tmp_path / "exported" / "model.safetensors"))
+            assert all(torch.equal(we[k], wb[k]) for k in wb)
         assert all(m["staleness_max"] == 0 for m in train), name
 
 

@@ -57,7 +57,8 @@ from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.local import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
-                                    _load_policy, _MetricMean, resolve_device)
+                                    _load_policy, _MetricMean, compile_layers, decoder_layers, logprob_fn,
+                                    resolve_device)
 from conveyor.trainer.microbatch import _check_aligned, collate, plan_microbatches
 from conveyor.types import Batch
 
@@ -81,8 +82,7 @@ def _shard(module: nn.Module, mesh, mp_policy) -> nn.Module:
 
     # One FSDP unit per decoder layer bounds the gathered weights to a layer
     # at a time; a model without _no_split_modules is sharded as one unit.
-    names = set().union(*(getattr(m, "_no_split_modules", None) or () for m in module.modules()))
-    for layer in [m for m in module.modules() if m is not module and type(m).__name__ in names]:
+    for layer in decoder_layers(module):
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(module, mesh=mesh, mp_policy=mp_policy)
     for m in module.modules():
@@ -126,6 +126,9 @@ class FSDPTrainer(LocalTrainer):
             _enable_checkpointing(model)
             if critic is not None:
                 _enable_checkpointing(critic.backbone)
+        if cfg.compile:  # before sharding, as FSDP2 expects
+            compile_layers(model)
+        self._token_logprobs = logprob_fn(cfg)
         mesh = init_device_mesh(self.device.type, (self.world,))
         mp = MixedPrecisionPolicy()
         if self.device.type == "cuda" and cfg.autocast_bf16:

@@ -155,6 +155,24 @@ def _load_policy(src: Any) -> tuple[nn.Module, Path | None]:
     return src, Path(name) if name and Path(name).is_dir() else None
 
 
+def decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of an HF model (its ``_no_split_modules`` classes), outermost first."""
+    names = set().union(*(getattr(m, "_no_split_modules", None) or () for m in module.modules()))
+    return [m for m in module.modules() if m is not module and type(m).__name__ in names]
+
+
+def compile_layers(model: nn.Module) -> None:
+    """Compile every decoder layer in place (names and state_dict unchanged). The layers share
+    their code, so one compiled graph serves them all; dynamic shapes avoid a recompile per
+    micro-batch shape."""
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
+
+
+def logprob_fn(cfg: TrainerConfig):
+    return torch.compile(token_logprobs, dynamic=True) if cfg.compile else token_logprobs
+
+
 def _enable_checkpointing(model: nn.Module) -> None:
     kwargs = {"use_reentrant": False}  # the non-reentrant form needs no input that requires grad
     if hasattr(model, "activation_checkpointing_enable"):
@@ -226,6 +244,9 @@ class LocalTrainer:
             _enable_checkpointing(self.model)
             if self.critic is not None:
                 _enable_checkpointing(self.critic.backbone)
+        if cfg.compile:
+            compile_layers(self.model)
+        self._token_logprobs = logprob_fn(cfg)
         self.model.eval()
         self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), cfg.lr)
         self.critic_optimizer = self.critic_scheduler = None
@@ -260,7 +281,7 @@ class LocalTrainer:
         with self._autocast():
             logits = model(input_ids=ids, attention_mask=am, position_ids=position_ids(am),
                            use_cache=False).logits
-        lp, ent = token_logprobs(logits, ids, am, self.temperature, with_entropy)
+        lp, ent = self._token_logprobs(logits, ids, am, self.temperature, with_entropy)
         out = {"logprobs": lp}
         if ent is not None:
             out["entropy"] = ent

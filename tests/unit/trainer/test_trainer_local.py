@@ -197,3 +197,17 @@ def test_gradient_checkpointing_gives_the_same_update(make_model, make_batch, pg
     assert max_diff(plain.model, ckpt.model) <= 1e-6
     assert max_diff(plain.critic, ckpt.critic) <= 1e-6
     assert ckpt.model.model.gradient_checkpointing and not plain.model.model.gradient_checkpointing
+
+
+def test_compiled_layers_give_the_same_logprobs_and_update(make_model, make_batch, pg_loss):
+    batch = make_batch(LENGTHS)
+    plain = LocalTrainer(make_model(), cfg(lr=1e-4), total_steps=1)
+    comp = LocalTrainer(make_model(), cfg(lr=1e-4, compile=True), total_steps=1)
+    assert all(hasattr(layer, "_compiled_call_impl") and layer._compiled_call_impl is not None
+               for layer in comp.model.model.layers)
+    for a, b in zip(plain.logprobs(batch), comp.logprobs(batch)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    m1, m2 = plain.train(batch, pg_loss), comp.train(batch, pg_loss)
+    assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-5)
+    assert max_diff(plain.model, comp.model) <= 1e-5
+    assert list(comp.model.state_dict()) == list(plain.model.state_dict())  # names unchanged for export
