@@ -12,6 +12,8 @@ import pytest
 
 @pytest.mark.parametrize("role, extra", [
     ("engine0", []),
+    # The engine dies while its receiver thread is in the broadcast group.
+    ("engine0", ["launch.weight_sync=broadcast"]),
     # One of two FSDP ranks dies: its peer is blocked in a collective, the controller must not be.
     ("trainer1", ["launch.trainer_ranks=2", "launch.weight_sync=broadcast"]),
 ])

@@ -167,8 +167,30 @@ def run_local(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
     c = build(cfg, run_dir, start_path)
     try:
         return _run(c, cfg, run_dir, base, start_path, ckpt, t0)
+    except Exception as e:
+        _blame_dead_engine(c, e)
+        raise
     finally:
         c.close()
+
+
+def _blame_dead_engine(c: Components, error: Exception) -> None:
+    """A trainer call that fails because an engine died (a broken broadcast) reports the engine:
+    the root cause, with its exit code and log, rather than the peer's symptom."""
+    from conveyor.launch.procs import RoleError
+    if c.producer is None:
+        return
+    deadline = time.monotonic() + 3.0  # a death is reaped a moment after the peer notices it
+    while time.monotonic() < deadline:
+        for h in c.producer.engines:
+            try:
+                h.check()
+            except RoleError as dead:
+                first = str(error).splitlines()[0] if str(error) else type(error).__name__
+                raise RoleError(f"{dead}\n(the run noticed it as: {first})") from error
+        if not isinstance(error, RoleError):
+            return
+        time.sleep(0.1)
 
 
 def _run(c: Components, cfg: RunConfig, run_dir: Path, base: str, start_path: str, ckpt, t0: float) -> dict:

@@ -73,6 +73,8 @@ def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
     ctx = mp_context()
     n = cfg.launch.trainer_ranks
     port = free_port()
+    dtypes = {t.dtype for ws in routes.writers.values() for t in ws}
+    publish_dtype = dtypes.pop() if len(dtypes) == 1 else None
     rpcs: list[RpcClient] = []
     try:
         for r in range(n):
@@ -81,7 +83,7 @@ def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
             tcfg = cfg.trainer.model_copy(update={"device": dev}) if dev != "cpu" else cfg.trainer
             spec = {"path": path, "trainer": tcfg.model_dump(mode="json"), **trainer_kwargs(cfg, tokenizer),
                     "rank": r, "world": n, "port": port, "device": placement.trainer_devices[r],
-                    "collective_timeout_s": cfg.launch.collective_timeout_s}
+                    "collective_timeout_s": cfg.launch.collective_timeout_s, "publish_dtype": publish_dtype}
             proc = RoleProcess("trainer" if n == 1 else f"trainer{r}", trainer_process,
                                (spec, child, routes.writers.get(r, [])), run_dir / "logs", ctx,
                                threads=cfg.launch.trainer_threads)

@@ -138,8 +138,9 @@ def _bind_device(device: str) -> None:
 class TrainerHost:
     """The trainer's object in its own process: the Trainer protocol plus publish()."""
 
-    def __init__(self, trainer, transports: list):
-        self.trainer, self.transports = trainer, list(transports)
+    def __init__(self, trainer, transports: list, publish_dtype=None):
+        # publish_dtype: the same on every rank (the gathers are collective), None = float32.
+        self.trainer, self.transports, self.publish_dtype = trainer, list(transports), publish_dtype
 
     def __getattr__(self, name):  # train, logprobs, ref_logprobs, values, export_hf, ...
         return getattr(self.trainer, name)
@@ -150,7 +151,10 @@ class TrainerHost:
     def publish(self, version: int) -> float:
         from conveyor.transport.weights import publish_all
         t0 = time.perf_counter()
-        publish_all(self.transports, self.trainer.named_weights(), version)
+        named = self.trainer.named_weights()
+        if getattr(self.trainer, "gathers_weights", False) and self.publish_dtype is not None:
+            named = self.trainer.named_weights(self.publish_dtype)  # gather in the engines' dtype
+        publish_all(self.transports, named, version)
         return time.perf_counter() - t0
 
     def save_checkpoint(self, path, extra):
@@ -181,4 +185,4 @@ def trainer_process(spec: dict, conn, transports: list) -> None:
                                 world_size=spec["world"], timeout=timedelta(seconds=spec["collective_timeout_s"]))
         trainer = FSDPTrainer(spec["path"], cfg, **kwargs)
     conn.send(("ok", "ready"))
-    serve_rpc(TrainerHost(trainer, transports), conn)
+    serve_rpc(TrainerHost(trainer, transports, spec.get("publish_dtype")), conn)

@@ -98,6 +98,9 @@ def _shard(module: nn.Module, mesh, mp_policy) -> nn.Module:
 class FSDPTrainer(LocalTrainer):
     """Policy (+ optional reference and critic) sharded over the default process group."""
 
+    # named_weights(dtype) gathers in that dtype: publishers pass the engines' dtype.
+    gathers_weights = True
+
     def __init__(self, model_path_or_model: Any, cfg: TrainerConfig, total_steps: int,
                  temperature: float = 1.0, pad_token_id: int = 0):
         if not (dist.is_available() and dist.is_initialized()):
@@ -325,11 +328,19 @@ class FSDPTrainer(LocalTrainer):
 
     # ----------------------------------------------------- weights and files
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full policy tensors (float32, or ``dtype``) named as in ``state_dict()``; COLLECTIVE per tensor."""
-        for name, t in self.model.state_dict().items():
-            if isinstance(t, DTensor):
-                t = t.full_tensor()  # all-gather: every rank must reach this line
-            yield name, t.to(dtype or torch.float32)
+        """Full policy tensors (float32, or ``dtype``) named as in ``state_dict()``; COLLECTIVE per tensor.
+
+        Shards are cast before the all-gather (bf16 halves the bytes), and a tensor tied
+        to an earlier one (output = input embedding) is gathered once and yielded under
+        both names."""
+        gathered: dict[int, torch.Tensor] = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) not in gathered:
+                full = t.detach().to(dtype or torch.float32)
+                if isinstance(full, DTensor):
+                    full = full.full_tensor()  # all-gather: every rank must reach this line
+                gathered[id(t)] = full
+            yield name, gathered[id(t)]
 
     def _dcp_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict

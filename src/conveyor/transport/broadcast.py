@@ -213,7 +213,11 @@ class BroadcastWeights:
         self._version.value = version
         self._published_at.value = time.time()
         self._serial.value = serial  # announce: receivers post their receives now
-        self._broadcast([header] + self._buckets, self._stream)
+        try:
+            self._broadcast([header] + self._buckets, self._stream)
+        except RuntimeError as e:
+            raise WeightSyncError(f"weight broadcast of version {version} to {self.engines} engine(s) failed: "
+                                  f"{str(e).splitlines()[0][:300]}; an engine process died or stalled") from None
         self._pending_version = None
 
     def abort(self) -> None:

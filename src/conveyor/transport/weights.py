@@ -124,6 +124,10 @@ class StagedWeights:
         return int(self._version.value)
 
     @property
+    def dtype(self) -> torch.dtype | None:
+        return self.tensors[0].dtype if self.tensors else None
+
+    @property
     def published_at(self) -> float:
         return float(self._published_at.value)
 
