@@ -42,8 +42,13 @@ def _weights(run_dir: Path):
     return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
-def test_resume_matches_uninterrupted_run(tmp_path):
-    common = [*FAST, "loop.checkpoint_every=2", "observe.progress=false"]
+@pytest.mark.parametrize("launch", [
+    [],
+    # two FSDP2 ranks: sharded checkpoints, resumed and exported
+    ["launch.placement=disaggregated", "launch.trainer_ranks=2", "launch.weight_sync=broadcast"],
+], ids=["in-process", "fsdp2"])
+def test_resume_matches_uninterrupted_run(tmp_path, launch):
+    common = [*FAST, "loop.checkpoint_every=2", "observe.progress=false", *launch]
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(["train", "loop.steps=4", f"--output-dir={full}", *common]) == 0
     assert main(["train", "loop.steps=2", f"--output-dir={part}", *common]) == 0

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ from torch import nn
 from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
+from conveyor.trainer.logprobs import token_logprobs
 from conveyor.trainer.microbatch import collate, plan_microbatches
 from conveyor.types import Batch
 
@@ -87,33 +89,6 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     # Counting real tokens gives arange for right padding (and would also be
     # right for left padding); padding positions get 0, they are masked anyway.
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-    temperature: float = 1.0, with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[b, L, V] logits -> [b, L] logprob of each token given its prefix (and entropy).
-
-    Position t holds log_softmax(logits[t-1] / temperature)[x_t]; position 0
-    and padding hold 0.0. Only the target's logprob is gathered (logsumexp
-    minus the target score) instead of keeping a full log_softmax tensor.
-    """
-    # The float32 copy of [b, L-1, V] is the peak memory of the step for large
-    # vocabularies; chunking over the sequence (or fusing with the lm_head) is
-    # the remedy when that matters.
-    scores = logits[:, :-1].float()
-    if temperature != 1.0:
-        scores = scores / temperature
-    lse = torch.logsumexp(scores, dim=-1)
-    target = scores.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    mask = attention_mask[:, 1:].to(lse.dtype)
-    logprobs = F.pad((target - lse) * mask, (1, 0))
-    entropy = None
-    if with_entropy:
-        probs = torch.softmax(scores, dim=-1)
-        entropy = F.pad((lse - (probs * scores).sum(-1)) * mask, (1, 0))
-    return logprobs, entropy
 
 
 def shift_right(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -170,7 +145,9 @@ def compile_layers(model: nn.Module) -> None:
 
 
 def logprob_fn(cfg: TrainerConfig):
-    return torch.compile(token_logprobs, dynamic=True) if cfg.compile else token_logprobs
+    if cfg.compile:  # the compiler fuses the plain form; the chunked loop would only get in its way
+        return torch.compile(functools.partial(token_logprobs, chunk_rows=None), dynamic=True)
+    return token_logprobs
 
 
 def _enable_checkpointing(model: nn.Module) -> None:

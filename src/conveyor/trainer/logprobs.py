@@ -1,0 +1,86 @@
+"""Per-token logprobs from logits, without a float32 copy of the whole vocabulary.
+
+Contract
+- ``token_logprobs(logits, input_ids, attention_mask, temperature, with_entropy,
+  chunk_rows)``: ``[b, L, V]`` logits -> ``[b, L]`` where position t holds
+  ``log_softmax(logits[t-1] / temperature)[x_t]``; position 0 and padding hold
+  0.0. With ``with_entropy`` also the entropy of the same distributions.
+- With ``chunk_rows`` (default) and no entropy, ``TargetLogprob`` computes the
+  result ``chunk_rows`` positions at a time in float32 and keeps only the
+  logits (in their own dtype) and one logsumexp per position for backward,
+  which it also does chunk by chunk: the float32 ``[b, L, V]`` copy, its
+  softmax and its gradient (three vocabulary-sized float32 tensors, the
+  largest memory of an RL step at a 150k vocabulary) never exist. Values and
+  gradients equal the plain form to float rounding (tested).
+- ``chunk_rows=None`` (or ``with_entropy``) is the plain autograd form.
+
+It knows nothing of models, losses or devices.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TargetLogprob(torch.autograd.Function):
+    """``[N, V]`` logits, ``[N]`` targets -> ``[N]`` float32 ``log_softmax(logits / T)[target]``.
+
+    Backward: d out_i / d logits_ij = ([j == t_i] - p_ij) / T with p = softmax(logits_i / T).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, chunk: int):
+        n = logits.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, chunk):
+            x = _scaled(logits[s:s + chunk], temperature)
+            lse[s:s + chunk] = torch.logsumexp(x, dim=-1)
+            out[s:s + chunk] = x.gather(-1, target[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+        ctx.save_for_backward(logits, target, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, target, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.chunk):
+            g = grad_out[s:s + ctx.chunk, None].float()
+            p = _scaled(logits[s:s + ctx.chunk], ctx.temperature).sub_(lse[s:s + ctx.chunk, None]).exp_()
+            p.mul_(-g).scatter_add_(-1, target[s:s + ctx.chunk, None], g)
+            if ctx.temperature != 1.0:
+                p.div_(ctx.temperature)
+            grad[s:s + ctx.chunk] = p
+        return grad, None, None, None
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    x = x.float() if x.dtype != torch.float32 else x.clone()  # a fresh float32 chunk, safe to edit in place
+    return x.div_(temperature) if temperature != 1.0 else x
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    temperature: float = 1.0, with_entropy: bool = False, chunk_rows: int | None = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """See the module docstring."""
+    mask = attention_mask[:, 1:].float()
+    if chunk_rows and not with_entropy:
+        b, length, vocab = logits.shape
+        # Every position predicts the next id; the last one predicts nothing (target 0,
+        # dropped below), which keeps the logits a free [b * L, V] view instead of a copy.
+        target = F.pad(input_ids[:, 1:], (0, 1)).reshape(-1)
+        lp = TargetLogprob.apply(logits.reshape(b * length, vocab), target, float(temperature), int(chunk_rows))
+        return F.pad(lp.view(b, length)[:, :-1] * mask, (1, 0)), None
+    scores = logits[:, :-1].float()
+    if temperature != 1.0:
+        scores = scores / temperature
+    lse = torch.logsumexp(scores, dim=-1)
+    target = scores.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logprobs = F.pad((target - lse) * mask, (1, 0))
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(scores, dim=-1)
+        entropy = F.pad((lse - (probs * scores).sum(-1)) * mask, (1, 0))
+    return logprobs, entropy
