@@ -65,3 +65,16 @@ def test_w2_harness_runs_both_systems_and_records_rows(tmp_path):
     assert [l.split("|")[1].strip() for l in table[2:4]] == ["conveyor", "trl"]
     assert all("| ok |" in l for l in table[2:4])
     assert not math.isnan(conv["rl_seconds"]) and conv["rl_seconds"] > 0
+
+
+def test_trainer_benchmark_runs_two_fsdp_ranks_on_cpu(tmp_path):
+    import subprocess
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trainer_gpu.py"), "--model", "tiny",
+                        "--ranks", "2", "--steps", "1", "--prompts", "4", "--group", "2", "--prompt-len", "8",
+                        "--max-new-tokens", "16", "--target-mean", "4", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads((tmp_path / "trainer-tiny-r2.json").read_text())
+    assert rec["ranks"] == 2 and rec["device"] == "cpu" and len(rec["times"]) == 1
+    assert rec["step_s"] > 0 and rec["tokens_per_s"] == pytest.approx(rec["tokens_per_step"] / rec["step_s"])
+    assert 8 * 8 < rec["tokens_per_step"] <= 8 * (8 + 16) and rec["mfu"] is None
