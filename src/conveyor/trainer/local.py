@@ -332,6 +332,12 @@ class LocalTrainer:
         for key, value in means.result().items():
             metrics[f"loss_fn/{key}" if key in metrics else key] = value
         metrics["time_s"] = time.perf_counter() - start
+        if self.device.type == "cuda":
+            # Allocator retries (a cudaFree/cudaMalloc storm when varying shapes fragment the
+            # cache) and the peak are what to look at when a step is slower than its kernels.
+            stats = torch.cuda.memory_stats(self.device)
+            metrics["cuda_alloc_retries"] = float(stats.get("num_alloc_retries", 0))
+            metrics["cuda_peak_gib"] = stats.get("allocated_bytes.all.peak", 0) / 2**30
         return metrics
 
     def _zero_grad(self) -> None:
