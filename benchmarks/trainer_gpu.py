@@ -52,7 +52,7 @@ def _batch(args, vocab: int):
 def _trainer(args, path: str, rank: int, world: int):
     from conveyor.config import TrainerConfig
     over = {"micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.checkpointing,
-            "lr": 1e-6, "compile": args.compile}
+            "lr": 1e-6, "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows or None}
     cfg = TrainerConfig(**over)
     if world == 1:
         from conveyor.trainer.local import LocalTrainer
@@ -129,6 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true", help="trainer.compile=true")
+    p.add_argument("--logprob-chunk-rows", type=int, default=1024, help="0: the plain logprob head")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, help="rows of the kernel table (0: no profile)")
     args = p.parse_args(argv)
@@ -157,8 +158,9 @@ def main(argv=None) -> int:
               "tokens_per_step": total_tokens, "tokens_per_s": tok_s,
               "mfu": 6 * param_count(shape) * tok_s / (peak * args.ranks) if peak else None,
               "micro_batch_tokens": args.micro_batch_tokens, "checkpointing": args.checkpointing,
-              "compile": args.compile, "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
-    (out / f"trainer-{args.model}-r{args.ranks}.json").write_text(json.dumps(record, indent=2))
+              "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows, "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
+    tag = "" if args.logprob_chunk_rows == 1024 else f"-chunk{args.logprob_chunk_rows}"
+    (out / f"trainer-{args.model}-r{args.ranks}{tag}.json").write_text(json.dumps(record, indent=2))
     print(json.dumps(record))
     if r0["profile"]:
         print(r0["profile"])

@@ -116,6 +116,9 @@ class TrainerConfig(_Section):
     max_grad_norm: float | None = Field(1.0, description="None disables clipping")
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch (padded)")
     gradient_checkpointing: bool = False
+    logprob_chunk_rows: int | None = Field(1024, ge=1, description=(
+        "positions per chunk of the logprob head (no float32 copy of the vocabulary logits); "
+        "null = the plain autograd form"))
     compile: bool = Field(False, description=(
         "experimental: torch.compile each decoder layer and the logprob head, fusing the small memory-bound "
         "ops of norms, rotary and activations; the first steps pay for compilation (minutes on a GPU)"))

@@ -147,7 +147,7 @@ def compile_layers(model: nn.Module) -> None:
 def logprob_fn(cfg: TrainerConfig):
     if cfg.compile:  # the compiler fuses the plain form; the chunked loop would only get in its way
         return torch.compile(functools.partial(token_logprobs, chunk_rows=None), dynamic=True)
-    return token_logprobs
+    return functools.partial(token_logprobs, chunk_rows=cfg.logprob_chunk_rows)
 
 
 def _enable_checkpointing(model: nn.Module) -> None:
