@@ -102,18 +102,7 @@ class RpcClient:
         self.conn, self.proc, self.poll_s = conn, proc, poll_s
 
     def call(self, method: str, *args, timeout: float = 600.0, **kwargs) -> Any:
-        self.proc.check()
-        self.conn.send((method, args, kwargs))
-        deadline = time.monotonic() + timeout
-        while not self.conn.poll(self.poll_s):
-            self.proc.check()
-            if time.monotonic() > deadline:
-                raise RoleError(f"{self.proc.role}.{method} did not answer within {timeout:.0f}s; "
-                                f"last lines of its log:\n{self.proc.last_lines()}")
-        status, value = _receive(self.conn, self.proc, method)
-        if status == "err":
-            raise RoleError(f"{self.proc.role}.{method} raised in the {self.proc.role} process:\n{value}")
-        return value
+        return call_all([self], method, args, kwargs, timeout)[0]
 
     def stop(self) -> None:
         try:
@@ -125,28 +114,28 @@ class RpcClient:
 
 
 def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
-    if len(clients) == 1:
-        return [clients[0].call(method, *args, timeout=timeout, **kwargs)]
     for c in clients:
         c.proc.check()
         c.conn.send((method, args, kwargs))
     answers: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    # One client can block in poll; several are polled in turn so that any one's failure is seen.
+    wait = clients[0].poll_s if len(clients) == 1 else 0.01
     while len(answers) < len(clients):
         for i, c in enumerate(clients):
             if i in answers:
                 continue
-            if c.conn.poll(0.01):
-                status, value = _receive(c.conn, c.proc, method)
-                if status == "err":
-                    raise RoleError(f"{c.proc.role}.{method} raised in the {c.proc.role} process:\n{value}")
-                answers[i] = value
-            else:
+            if not c.conn.poll(wait):
                 c.proc.check()
-        if len(answers) < len(clients) and time.monotonic() > deadline:
-            late = [clients[i].proc.role for i in range(len(clients)) if i not in answers]
-            raise RoleError(f"{', '.join(late)}.{method} did not answer within {timeout:.0f}s; last lines of "
-                            f"{late[0]}'s log:\n{clients[[c.proc.role for c in clients].index(late[0])].proc.last_lines()}")
+                continue
+            status, value = _receive(c.conn, c.proc, method)
+            if status == "err":
+                raise RoleError(f"{c.proc.role}.{method} raised in the {c.proc.role} process:\n{value}")
+            answers[i] = value
+        late = [c for i, c in enumerate(clients) if i not in answers]
+        if late and time.monotonic() > deadline:
+            raise RoleError(f"{', '.join(c.proc.role for c in late)}.{method} did not answer within "
+                            f"{timeout:.0f}s; last lines of {late[0].proc.role}'s log:\n{late[0].proc.last_lines()}")
     return [answers[i] for i in range(len(clients))]
 
 

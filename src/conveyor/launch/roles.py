@@ -82,7 +82,7 @@ def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
             dev = placement.trainer_devices[r]
             tcfg = cfg.trainer.model_copy(update={"device": dev}) if dev != "cpu" else cfg.trainer
             spec = {"path": path, "trainer": tcfg.model_dump(mode="json"), **trainer_kwargs(cfg, tokenizer),
-                    "rank": r, "world": n, "port": port, "device": placement.trainer_devices[r],
+                    "rank": r, "world": n, "port": port, "device": dev,
                     "collective_timeout_s": cfg.launch.collective_timeout_s, "publish_dtype": publish_dtype}
             proc = RoleProcess("trainer" if n == 1 else f"trainer{r}", trainer_process,
                                (spec, child, routes.writers.get(r, [])), run_dir / "logs", ctx,

@@ -151,9 +151,9 @@ class TrainerHost:
     def publish(self, version: int) -> float:
         from conveyor.transport.weights import publish_all
         t0 = time.perf_counter()
-        named = self.trainer.named_weights()
-        if getattr(self.trainer, "gathers_weights", False) and self.publish_dtype is not None:
-            named = self.trainer.named_weights(self.publish_dtype)  # gather in the engines' dtype
+        gather_dtype = getattr(self.trainer, "gathers_weights", False) and self.publish_dtype
+        # A sharded trainer gathers in the engines' dtype (half the bytes for bf16 engines).
+        named = self.trainer.named_weights(gather_dtype) if gather_dtype else self.trainer.named_weights()
         publish_all(self.transports, named, version)
         return time.perf_counter() - t0
 
@@ -185,4 +185,4 @@ def trainer_process(spec: dict, conn, transports: list) -> None:
                                 world_size=spec["world"], timeout=timedelta(seconds=spec["collective_timeout_s"]))
         trainer = FSDPTrainer(spec["path"], cfg, **kwargs)
     conn.send(("ok", "ready"))
-    serve_rpc(TrainerHost(trainer, transports, spec.get("publish_dtype")), conn)
+    serve_rpc(TrainerHost(trainer, transports, spec["publish_dtype"]), conn)

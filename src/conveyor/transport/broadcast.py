@@ -35,6 +35,7 @@ It knows nothing of optimizers, models or the admission rule.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from datetime import timedelta
@@ -42,7 +43,7 @@ from typing import Iterable
 
 import torch
 
-from conveyor.transport.weights import WeightSyncTimeout, _acquire, synchronize
+from conveyor.transport.weights import WeightSyncTimeout, _acquire, publish_all, synchronize
 
 
 class WeightSyncError(RuntimeError):
@@ -55,9 +56,7 @@ def _layout(specs, dtype: torch.dtype, bucket_mb: float) -> list[tuple[str, tupl
     cap = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
     out, bucket, used = [], 0, 0
     for name, shape, _ in specs:
-        n = 1
-        for s in shape:
-            n *= int(s)
+        n = math.prod(shape)
         if used and used + n > cap:
             bucket, used = bucket + 1, 0
         out.append((name, tuple(shape), bucket, used))
@@ -75,11 +74,8 @@ class BroadcastWeights:
         self.layout = _layout(list(specs), dtype, bucket_mb)
         self.names = [n for n, *_ in self.layout]
         self.sizes = [0] * (1 + max((b for *_, b, _ in self.layout), default=0))
-        for _, shape, b, off in self.layout:
-            n = 1
-            for s in shape:
-                n *= int(s)
-            self.sizes[b] = max(self.sizes[b], off + n)
+        for _, shape, b, off in self.layout:  # a bucket ends where its last tensor does
+            self.sizes[b] = off + math.prod(shape)
         self.engines, self.backend, self.dtype = int(engines), backend, dtype
         self.host, self.port, self.timeout_s = host, int(port), float(timeout_s)
         self._serial = ctx.Value("q", 0, lock=False)      # announced publishes
@@ -87,6 +83,7 @@ class BroadcastWeights:
         self._published_at = ctx.Value("d", 0.0, lock=False)
         self._opened = ctx.Value("b", 0, lock=False)      # the writer hosts the store from now on
         self._acks = ctx.Array("q", self.engines, lock=False)  # per engine: last serial received
+        self._shared = set(self.__dict__) | {"_shared"}  # what travels to other processes
         self._local()
 
     def _local(self) -> None:
@@ -104,10 +101,7 @@ class BroadcastWeights:
         self._error: str | None = None
 
     def __getstate__(self):
-        state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_group", "_store", "_buckets", "_slots", "_filled", "_pending_version",
-                              "_thread", "_stop", "_lock", "_received", "_applied", "_error")}
-        return state
+        return {k: v for k, v in self.__dict__.items() if k in self._shared}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -164,13 +158,7 @@ class BroadcastWeights:
         return [torch.empty(n, dtype=self.dtype, device=dev) for n in self.sizes]
 
     def _views(self, buckets: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        out = []
-        for name, shape, b, off in self.layout:
-            n = 1
-            for s in shape:
-                n *= int(s)
-            out.append((name, buckets[b][off:off + n].view(shape)))
-        return out
+        return [(name, buckets[b][off:off + math.prod(shape)].view(shape)) for name, shape, b, off in self.layout]
 
     # ---------------------------------------------------------------- writer
     def begin(self, version: int) -> None:
@@ -224,10 +212,7 @@ class BroadcastWeights:
         self._pending_version = None  # nothing was announced; receivers keep the last version
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self.begin(version)
-        for name, t in named_tensors:
-            self.put(name, t)
-        self.commit()
+        publish_all([self], named_tensors, version)
 
     # ---------------------------------------------------------------- reader
     def poll(self, engine, engine_id: int = 0) -> int | None:

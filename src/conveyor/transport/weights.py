@@ -44,8 +44,8 @@ class WeightSyncTimeout(TimeoutError):
 
 
 def weight_specs(path: str, trust_remote_code: bool = False,
-                 dtype: torch.dtype = torch.float32, dedupe_tied: bool = True) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """Names, shapes of a checkpoint's state dict with ``dtype`` (default: the trainer's float32
+                 dedupe_tied: bool = True) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """Names, shapes and dtypes of a checkpoint's state dict as the trainer holds it (float32
     master weights), read by building the model on the meta device: nothing is loaded.
     A tensor tied to an earlier one (an output embedding shared with the input embedding)
     is listed once: engines tie it the same way, and it would double the bytes sent."""
@@ -60,7 +60,7 @@ def weight_specs(path: str, trust_remote_code: bool = False,
         if dedupe_tied and id(t) in seen:
             continue
         seen.add(id(t))
-        out.append((name, tuple(t.shape), dtype))
+        out.append((name, tuple(t.shape), t.dtype))
     return out
 
 
@@ -163,16 +163,8 @@ class StagedWeights:
             self._pending = None  # nothing announced
             self._lock.release()
 
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                timeout: float = 60.0) -> None:
-        self.begin(version, timeout)
-        try:
-            for name, t in named_tensors:
-                self.put(name, t)
-        except BaseException:
-            self.abort()
-            raise
-        self.commit()
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        publish_all([self], named_tensors, version)
 
     def poll(self, engine, engine_id: int = 0, timeout: float = 60.0) -> int | None:
         """Copy the newest published weights into ``engine`` if it has not applied them yet."""
@@ -219,7 +211,7 @@ def publish_all(transports: list, named_tensors: Iterable[tuple[str, torch.Tenso
                 t.put(name, tensor)
     except BaseException:
         for t in transports:
-            getattr(t, "abort", lambda: None)()
+            t.abort()
         raise
     for t in transports:
         t.commit()
