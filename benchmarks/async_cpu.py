@@ -49,6 +49,10 @@ CONFIGS = {
                    "launch.weight_sync=broadcast"],
     "async-s2-broadcast": ["loop.max_staleness=2", "launch.placement=disaggregated",
                            "launch.weight_sync=broadcast"],
+    # The same comparison on a two-GPU machine: data parallel on both cards against one
+    # trainer card plus one engine card (NCCL broadcast).
+    "sync-2gpu": ["loop.max_staleness=0", "launch.trainer_ranks=2", "launch.engines=2"],
+    "async-s2-2gpu": ["loop.max_staleness=2", "launch.placement=disaggregated"],
 }
 COMMON = ["observe.progress=false", "observe.tensorboard=false", "loop.eval_every=0",
           "launch.engine_threads=1", "launch.trainer_threads=1", "loop.time_limit_s=null"]

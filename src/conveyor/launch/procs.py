@@ -17,12 +17,19 @@ Contract
   returns their answers in order; the first child that raises or dies ends
   the call with its error, without waiting for the others (which may be
   blocked in a collective with it).
+- Messages travel as ``dumps``/``loads`` bytes: CPU tensors are pickled as
+  their raw bytes. (The default reduction of a torch tensor over a pipe puts
+  each one in its own shared-memory file; a batch of 256 samples carries
+  about a thousand tensors and took 0.4-1.7 s per call that way, against
+  about 25 ms as bytes.)
 
 It knows nothing of what the roles do.
 """
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import sys
 import time
 import traceback
@@ -32,6 +39,32 @@ from typing import Any, Callable
 
 class RoleError(RuntimeError):
     """A role failed; the message names the role and says what happened."""
+
+
+def _tensor(raw: bytes, dtype, shape: tuple) -> Any:
+    import torch
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.requires_grad:
+            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            return _tensor, (raw, obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+
+def dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def loads(data: bytes) -> Any:
+    return pickle.loads(data)
 
 
 def _bootstrap(role: str, log_path: str, threads: int, target: Callable, args: tuple) -> None:
@@ -87,14 +120,15 @@ class RoleProcess:
 def serve_rpc(obj: Any, conn) -> None:
     """Child side: answer ``(method, args, kwargs)`` messages until ``("__stop__", ...)``."""
     while True:
-        method, args, kwargs = conn.recv()
+        method, args, kwargs = loads(conn.recv_bytes())
         if method == "__stop__":
-            conn.send(("ok", None))
+            conn.send_bytes(dumps(("ok", None)))
             return
         try:
-            conn.send(("ok", getattr(obj, method)(*args, **kwargs)))
+            answer = dumps(("ok", getattr(obj, method)(*args, **kwargs)))
         except Exception:  # noqa: BLE001 - sent back to the caller with the traceback
-            conn.send(("err", traceback.format_exc()))
+            answer = dumps(("err", traceback.format_exc()))
+        conn.send_bytes(answer)
 
 
 class RpcClient:
@@ -114,9 +148,10 @@ class RpcClient:
 
 
 def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+    message = dumps((method, args, kwargs))
     for c in clients:
         c.proc.check()
-        c.conn.send((method, args, kwargs))
+        c.conn.send_bytes(message)
     answers: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     # One client can block in poll; several are polled in turn so that any one's failure is seen.
@@ -142,7 +177,7 @@ def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, t
 def _receive(conn, proc: RoleProcess, method: str):
     """The answer; a pipe that breaks means the child died: report that, with its exit code."""
     try:
-        return conn.recv()
+        return loads(conn.recv_bytes())
     except (EOFError, OSError) as e:
         proc.proc.join(5.0)  # let the death be reaped so the exit code is known
         proc.check()

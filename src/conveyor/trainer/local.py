@@ -170,6 +170,19 @@ def _split(n: int, parts: int) -> list[list[int]]:
     return out
 
 
+def _to_host(rows: list[tuple[torch.Tensor, dict[str, Any], torch.Tensor]], device: torch.device):
+    """``(loss, metrics, weight)`` rows with tensor entries -> the same rows as floats, in one transfer."""
+    flat = [t for loss, metrics, weight in rows
+            for t in (loss, weight, *(v for v in metrics.values() if isinstance(v, torch.Tensor)))]
+    values = iter(torch.stack([t.detach().float().reshape(()).to(device) for t in flat]).tolist() if flat else [])
+    out = []
+    for _, metrics, _ in rows:
+        loss, weight = next(values), next(values)
+        out.append((loss, {k: next(values) if isinstance(v, torch.Tensor) else float(v)
+                           for k, v in metrics.items()}, weight))
+    return out
+
+
 class _MetricMean:
     """Loss-function metrics averaged over micro-batches, weighted by their loss tokens."""
 
@@ -232,8 +245,11 @@ class LocalTrainer:
         self._step = 0
 
     def _optimizer(self, params, lr: float):
-        opt = torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr,
-                                betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
+        params = [p for p in params if p.requires_grad]
+        # On a GPU one fused kernel updates every tensor; the default launches several per tensor.
+        fused = bool(params) and all(p.device.type == "cuda" for p in params)
+        opt = torch.optim.AdamW(params, lr=lr, betas=tuple(self.cfg.betas),
+                                weight_decay=self.cfg.weight_decay, fused=fused or None)
         cfg, total = self.cfg, self.total_steps
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: lr_multiplier(s, cfg.warmup_steps, total, cfg.lr_schedule))
@@ -351,17 +367,22 @@ class LocalTrainer:
         num_tokens = max(float(mini.num_tokens), 1.0)
         needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         plan = plan_microbatches([int(x.numel()) for x in mini.input_ids], self.cfg.micro_batch_tokens)
+        pending = []  # per micro-batch: loss, metrics, loss tokens, still on the device
         for j, idx in enumerate(plan):
             mb = self._to_device(collate(mini, idx, self.pad_token_id))
             out = self._policy_out(self.model, mb, needs_entropy)
             if self.critic is not None:
                 out["values"] = self._values_out(mb)
             loss, metrics = loss_fn(out, mb, num_tokens, len(mini))
-            value = self._check_loss(loss, f"{where}, micro-batch {j}")
+            self._check_loss_type(loss, f"{where}, micro-batch {j}")
             loss.backward()
-            totals["loss"] += value
+            pending.append((loss.detach(), metrics, mb["loss_mask"].sum()))
+        # Values reach the host once per mini-batch: a read per micro-batch would stall the
+        # GPU queue each time (the CPU waits, then the GPU waits for the next launches).
+        for j, (value, metrics, weight) in enumerate(_to_host(pending, self.device)):
+            totals["loss"] += self._check_finite(value, f"{where}, micro-batch {j}")
             totals["microbatches"] += 1
-            means.add(metrics, float(mb["loss_mask"].sum()))
+            means.add(metrics, weight)
         totals["grad_norm"] += self._clip(self.model.parameters(), f"{where} (policy)")
         if self.critic is not None:
             totals["critic_grad_norm"] += self._clip(self.critic.parameters(), f"{where} (critic)")
@@ -369,12 +390,18 @@ class LocalTrainer:
         self.optimizer.step()
 
     def _check_loss(self, loss: Any, where: str) -> float:
+        self._check_loss_type(loss, where)
+        return self._check_finite(float(loss.detach()), where)
+
+    @staticmethod
+    def _check_loss_type(loss: Any, where: str) -> None:
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             raise TypeError(f"loss_fn must return a scalar tensor as its loss ({where}); "
                             f"got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
         if not loss.requires_grad:
             raise TypeError(f"loss_fn returned a loss without gradient ({where}); build it from out['logprobs']")
-        value = float(loss.detach())
+
+    def _check_finite(self, value: float, where: str) -> float:
         if not math.isfinite(value):
             raise NonFiniteLossError(
                 f"trainer step {self._step}, {where}: loss is {value}; no optimizer step was taken "
