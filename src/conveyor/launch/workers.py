@@ -4,13 +4,33 @@ Contract
 - ``engine_loop(engine, inbox, outbox, weights, engine_id, partial)`` serves
   generation requests ``("generate", chunk_id, prompts, params)`` from
   ``inbox`` and answers ``("done", engine_id, chunk_id, completions, stats)``
-  on ``outbox`` until ``("stop",)``. New weights are taken from the transport
-  ``weights``: with ``partial`` (interruptible rollouts) a watcher thread
-  swaps them between decode steps of a running generation (tokens after the
-  swap carry the new version, the KV cache of earlier tokens is kept); without
-  it, only between requests. Each swap is reported as
+  on ``outbox`` until ``("stop",)``; ``stats`` holds ``busy_s`` (seconds
+  inside generation calls so far) and ``idle_s`` (the rest). Negative chunk
+  ids are evaluation requests: never merged with other chunks. New weights
+  are taken from the transport ``weights``; each swap is reported as
   ``("weights", engine_id, version, applied_at, pause_s)``. An exception is
   reported as ``("error", engine_id, traceback)`` before the loop ends.
+  Two ways of serving:
+  - Streaming (``partial`` and an engine with ``streams``, the native fast
+    runner): continuous batching through ``engine.generate_stream``. Between
+    decode steps the generating thread takes newly arrived chunks whose
+    sampling params equal the running call's except the seed, and they join
+    the running batch; each chunk is reported as soon as its own samples end,
+    so no chunk waits for another chunk's longest sample. The first message
+    that cannot join (an evaluation request, other params, "stop") is held
+    and nothing more is read: the call drains, then the held message is
+    served ("stop" ends the loop). The same thread applies weights between
+    steps, polling at most every 2 ms and always right before new chunks
+    enter the engine, so a chunk admitted after version v was published never
+    decodes a token with older weights (the admission rule's staleness bound
+    stays exact); tokens after a swap carry the new version, the KV cache of
+    earlier tokens is kept.
+  - Waves (no ``partial``, or an engine that cannot stream): the first
+    request plus every waiting one with the same params (but seed) is one
+    ``engine.generate`` call; its chunks are reported when it returns. With
+    ``partial`` a watcher thread swaps weights between decode steps;
+    without it only between calls, so every token of a sample comes from
+    one version.
   The same function runs in a thread (in-process roles) or as the main of a
   child process (``engine_process``), so both launch modes share one code path.
 - ``TrainerHost(trainer, transports)`` wraps a trainer (one rank of it) for
@@ -30,62 +50,145 @@ import threading
 import time
 import traceback
 
+# How often the streaming loop polls the weight transport between decode steps.
+WEIGHT_POLL_S = 0.002
+
 
 def engine_loop(engine, inbox, outbox, weights, engine_id: int, partial: bool) -> None:
-    stop = threading.Event()
-    busy_s = idle_s = 0.0
-
-    def take_weights() -> None:
-        t0 = time.perf_counter()
-        v = weights.poll(engine, engine_id)
-        if v is not None:
-            outbox.put(("weights", engine_id, v, time.time(), time.perf_counter() - t0))
-
-    def watch() -> None:
-        try:
-            while not stop.is_set():
-                take_weights()
-                time.sleep(0.002)
-        except Exception:  # noqa: BLE001 - reported to the controller, which stops the run
-            outbox.put(("error", engine_id, traceback.format_exc()))
-
-    watcher = threading.Thread(target=watch, name=f"engine{engine_id}-weights", daemon=True) if partial else None
-    if watcher is not None:
-        watcher.start()
+    server = _EngineServer(engine, inbox, outbox, weights, engine_id)
     try:
-        while True:
-            if watcher is None:
-                take_weights()
-            t0 = time.perf_counter()
-            try:
-                msg = inbox.get(timeout=0.01)
-            except queue.Empty:
-                idle_s += time.perf_counter() - t0
-                continue
-            idle_s += time.perf_counter() - t0
-            if msg[0] == "stop":
-                break
-            chunks, stop_after = _merge_waiting(msg, inbox)
-            # Weights published before these requests were admitted must be in place
-            # before they start: that is what bounds staleness by the admission rule.
-            take_weights()
-            t0 = time.perf_counter()
-            prompts = [p for _, ps, _ in chunks for p in ps]
-            outs = engine.generate(prompts, chunks[0][2])
-            busy_s += time.perf_counter() - t0
-            i = 0
-            for chunk_id, ps, _ in chunks:
-                outbox.put(("done", engine_id, chunk_id, outs[i:i + len(ps)], {"busy_s": busy_s, "idle_s": idle_s}))
-                i += len(ps)
-            if stop_after:
-                break
+        if partial and getattr(engine, "streams", False):
+            server.serve_stream()
+        else:
+            server.serve_waves(partial)
     except Exception:  # noqa: BLE001 - reported to the controller, which stops the run
         outbox.put(("error", engine_id, traceback.format_exc()))
-    finally:
-        stop.set()
+
+
+class _EngineServer:
+    """One engine's serve loop state: its queues, weight transport and busy / idle clocks."""
+
+    def __init__(self, engine, inbox, outbox, weights, engine_id: int):
+        self.engine, self.inbox, self.outbox, self.weights = engine, inbox, outbox, weights
+        self.engine_id = engine_id
+        self.busy_s = self.idle_s = 0.0
+        self.held = None  # a message read while streaming that could not join the running call
+
+    def take_weights(self) -> None:
+        t0 = time.perf_counter()
+        v = self.weights.poll(self.engine, self.engine_id)
+        if v is not None:
+            self.outbox.put(("weights", self.engine_id, v, time.time(), time.perf_counter() - t0))
+
+    def next_message(self):
+        """The held message, else the next one from the inbox (None after a short idle wait)."""
+        if self.held is not None:
+            msg, self.held = self.held, None
+            return msg
+        t0 = time.perf_counter()
+        try:
+            return self.inbox.get(timeout=0.01)
+        except queue.Empty:
+            return None
+        finally:
+            self.idle_s += time.perf_counter() - t0
+
+    def report(self, chunk_id, completions, busy_s: float) -> None:
+        self.outbox.put(("done", self.engine_id, chunk_id, completions, {"busy_s": busy_s, "idle_s": self.idle_s}))
+
+    # ----- waves ----------------------------------------------------------------------
+    def serve_waves(self, partial: bool) -> None:
+        stop = threading.Event()
+
+        def watch() -> None:
+            try:
+                while not stop.is_set():
+                    self.take_weights()
+                    time.sleep(WEIGHT_POLL_S)
+            except Exception:  # noqa: BLE001 - reported to the controller, which stops the run
+                self.outbox.put(("error", self.engine_id, traceback.format_exc()))
+
+        watcher = threading.Thread(target=watch, name=f"engine{self.engine_id}-weights", daemon=True) \
+            if partial else None
         if watcher is not None:
-            # A watcher still copying weights on the GPU at interpreter exit aborts the process.
-            watcher.join(timeout=10)
+            watcher.start()
+        try:
+            while True:
+                if watcher is None:
+                    self.take_weights()
+                msg = self.next_message()
+                if msg is None:
+                    continue
+                if msg[0] == "stop":
+                    break
+                chunks, stop_after = _merge_waiting(msg, self.inbox)
+                # Weights published before these requests were admitted must be in place
+                # before they start: that is what bounds staleness by the admission rule.
+                self.take_weights()
+                t0 = time.perf_counter()
+                outs = self.engine.generate([p for _, ps, _ in chunks for p in ps], chunks[0][2])
+                self.busy_s += time.perf_counter() - t0
+                i = 0
+                for chunk_id, ps, _ in chunks:
+                    self.report(chunk_id, outs[i:i + len(ps)], self.busy_s)
+                    i += len(ps)
+                if stop_after:
+                    break
+        except Exception:  # noqa: BLE001 - reported before waiting for the watcher below
+            self.outbox.put(("error", self.engine_id, traceback.format_exc()))
+        finally:
+            stop.set()
+            if watcher is not None:
+                # A watcher still copying weights on the GPU at interpreter exit aborts the process.
+                watcher.join(timeout=10)
+
+    # ----- streaming ------------------------------------------------------------------
+    def serve_stream(self) -> None:
+        while True:
+            msg = self.next_message()
+            if msg is None:
+                self.take_weights()  # idle: keep the engine current
+                continue
+            if msg[0] == "stop":
+                break
+            self.stream_call(msg)
+
+    def stream_call(self, first) -> None:
+        """One ``generate_stream`` call that starts with ``first`` and takes compatible chunks as they come."""
+        _, first_id, prompts, params = first
+        pending = [(first_id, prompts)]
+        last_poll = float("-inf")
+        t0 = time.perf_counter()
+
+        def intake() -> list:
+            nonlocal last_poll
+            new, pending[:] = pending[:], []
+            # An evaluation call takes nothing else; otherwise read until the first message
+            # that cannot join, then stop reading so the call drains and that message is next.
+            while first_id >= 0 and self.held is None:
+                try:
+                    msg = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if msg[0] == "generate" and msg[1] >= 0 and _same_but_seed(msg[3], params):
+                    new.append((msg[1], msg[2]))
+                else:
+                    self.held = msg
+            now = time.perf_counter()
+            # Always right before chunks enter the engine: they were admitted for the newest
+            # published version, so none of their tokens may come from an older one.
+            if new or now - last_poll >= WEIGHT_POLL_S:
+                self.take_weights()
+                last_poll = now
+            return new
+
+        def on_done(chunk_id, completions) -> None:
+            self.report(chunk_id, completions, self.busy_s + time.perf_counter() - t0)
+
+        try:
+            self.engine.generate_stream(params, intake, on_done)
+        finally:
+            self.busy_s += time.perf_counter() - t0
 
 
 def _merge_waiting(first, inbox) -> tuple[list[tuple], bool]:

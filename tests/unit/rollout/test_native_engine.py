@@ -1,6 +1,8 @@
 """NativeEngine on CPU fp32 with a tiny random Llama: logprob parity with a plain HF
 forward, greedy parity with ``model.generate``, group sampling, stop rules, weight
-updates, EOS bias and scheduling with more requests than batch slots."""
+updates, EOS bias and scheduling with more requests than batch slots; continuous batching
+(``generate_stream`` on the fast runner): chunks joining a running batch, per-chunk reports,
+prompt indices across chunks, seeding, validation and abort."""
 from __future__ import annotations
 
 import copy
@@ -242,3 +244,112 @@ def test_sampler_top_p_keeps_nucleus():
     assert drawn == {0, 1}
     tokens, lps = sample(logits.repeat(3, 1), temperature=1.0, top_p=0.7, generator=gen)
     assert torch.allclose(lps, torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[tokens])
+
+
+# ----- continuous batching (generate_stream, fast runner) ----------------------------------
+STREAM_TEXTS = ["a", "b", "ok", "c", "no", "The quick brown fox", "hi there", "1+2="]
+
+
+def fast_engine(model, tok, **kw):
+    kw.setdefault("kv_blocks", 64)
+    return engine(model, tok, runner="fast", **kw)
+
+
+def short_and_long(eng, tok, params):
+    """Two prompts whose greedy completions under ``params`` are the shortest and a full-budget one."""
+    ps = [tok.encode(t) for t in STREAM_TEXTS]
+    lengths = [len(g[0].token_ids) for g in eng.generate(ps, params)]
+    long_i = lengths.index(params.max_new_tokens)
+    short_i = lengths.index(min(lengths))
+    assert lengths[short_i] <= 3, lengths  # the tiny model's greedy text hits a stop token early
+    return ps[short_i], ps[long_i]
+
+
+class Script:
+    """intake() returns the chunk scheduled for each call number; on_done records when each chunk ended."""
+
+    def __init__(self, schedule: dict[int, list]):
+        self.schedule, self.calls, self.done = schedule, 0, {}
+
+    def intake(self):
+        self.calls += 1
+        return self.schedule.pop(self.calls, [])
+
+    def on_done(self, tag, completions):
+        assert tag not in self.done, f"chunk {tag} reported twice"
+        self.done[tag] = (self.calls, completions)
+
+
+def test_stream_admits_chunks_mid_generation_and_reports_each_when_done(model, tok):
+    eng = fast_engine(model, tok, max_batch=8, refill=1)
+    assert eng.streams and not engine(model, tok).streams  # the HF runner cannot stream
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=frequent_stops(tok))
+    short, long = short_and_long(eng, tok, params)
+    script = Script({1: [("A", [long, short])], 4: [("B", [short, short])], 6: [("C", [long])]})
+    eng.generate_stream(params, script.intake, script.on_done)
+    assert set(script.done) == {"A", "B", "C"}
+    # Step k (the k-th intake call) ends with the (k + 1)-th token of A's samples, so A's
+    # 40-token sample ends on step 39. B came on step 4 and is short: it is reported long
+    # before A ends; C came on step 6 and ends 38 steps later, without waiting for A.
+    assert script.done["B"][0] < 10 and script.done["A"][0] == 39 and script.done["C"][0] == 44
+    for tag, prompts in [("A", [long, short]), ("B", [short, short]), ("C", [long])]:
+        alone = eng.generate(prompts, params)
+        got = script.done[tag][1]
+        assert [[(c.token_ids, c.finish_reason) for c in g] for g in got] == \
+               [[(c.token_ids, c.finish_reason) for c in g] for g in alone], tag
+        assert all(max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+                   for a, b in zip(got, alone) for x, y in zip(a, b))
+    assert eng.runner.allocator.num_free == eng.runner.allocator.capacity  # every block came back
+
+
+def test_stream_prompt_indices_do_not_collide_across_chunks(model, tok, prompts):
+    # Both chunks are admitted in one wave. Were prompt indices local to a chunk, the runner
+    # would share chunk X's prompt 0 prefill with chunk Y's prompt 0 (a different text).
+    eng = fast_engine(model, tok, max_batch=64)
+    params = SamplingParams(temperature=0.0, n=2, max_new_tokens=10)
+    x, y = [prompts[0], prompts[2]], [prompts[3], prompts[0]]  # prompts[0] is in both
+    prefills = []
+    real = eng.runner.prefill
+    eng.runner.prefill = lambda reqs: prefills.append(len(reqs)) or real(reqs)
+    script = Script({1: [("X", x), ("Y", y)]})
+    eng.generate_stream(params, script.intake, script.on_done)
+    assert prefills == [8]
+    for tag, ps in [("X", x), ("Y", y)]:
+        alone = eng.generate(ps, params)
+        assert [[c.token_ids for c in g] for g in script.done[tag][1]] == [[c.token_ids for c in g] for g in alone]
+    assert script.done["X"][1][0][0].token_ids == script.done["Y"][1][1][0].token_ids  # same text, same greedy
+
+
+def test_stream_seed_validation_and_abort(model, tok, prompts):
+    eng = fast_engine(model, tok, max_batch=4, refill=1)
+    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=12, seed=5, stop_token_ids=frequent_stops(tok))
+
+    def run():
+        script = Script({1: [(0, prompts[:3])], 3: [(1, prompts[3:])]})
+        eng.generate_stream(params, script.intake, script.on_done)
+        return {t: [[c.token_ids for c in g] for g in out] for t, (_, out) in script.done.items()}
+
+    assert run() == run()  # one generator per call, seeded from params.seed
+    with pytest.raises(ValueError, match="generate_stream chunk 'bad': generate: prompt 1 is empty"):
+        eng.generate_stream(params, Script({1: [("bad", [[5], []])]}).intake, lambda *_: None)
+    assert eng.runner.allocator.num_free == eng.runner.allocator.capacity
+    # Abort during the third decode step. "run" fills all 4 slots and never stops (EOS is
+    # biased away), so "wait" is still queued: both chunks are reported, every sample "abort".
+    real, steps = eng.runner.decode, []
+
+    def decode(running):
+        steps.append(1)
+        if len(steps) == 3:
+            eng.abort()
+        return real(running)
+
+    eng.runner.decode = decode
+    script = Script({1: [("run", prompts[:2])], 2: [("wait", prompts[2:5])]})
+    long = SamplingParams(temperature=1.0, n=2, max_new_tokens=50, eos_bias=-1e4, seed=0)
+    eng.generate_stream(long, script.intake, script.on_done)
+    assert set(script.done) == {"run", "wait"}
+    assert [[(c.finish_reason, len(c.token_ids)) for c in g] for g in script.done["run"][1]] == [[("abort", 4)] * 2] * 2
+    assert [[(c.finish_reason, c.token_ids) for c in g] for g in script.done["wait"][1]] == [[("abort", [])] * 2] * 3
+    assert eng.runner.allocator.num_free == eng.runner.allocator.capacity
+    with pytest.raises(NotImplementedError, match="fast runner"):
+        engine(model, tok).generate_stream(params, lambda: [], lambda *_: None)

@@ -17,7 +17,8 @@ Two model runners behind one engine:
   keeps the same promises (order, versions, logprobs, context rule, seeding).
 
 ``pause()`` stops scheduling between steps (KV kept), ``resume()`` continues and
-``abort()`` ends the running ``generate`` with finish_reason "abort".
+``abort()`` ends the running ``generate`` (or ``generate_stream``) with
+finish_reason "abort".
 
 Contract (see ``conveyor.rollout.api`` for what every engine promises)
 - ``generate(prompts, params)``: each (prompt, sample) pair is a request. A
@@ -27,13 +28,31 @@ Contract (see ``conveyor.rollout.api`` for what every engine promises)
   token / logprob / version to each request, and removes finished rows from the
   batch (and their cache rows) at once. Waiting requests join the running batch
   in admission waves (policy in ``scheduler.py``).
+- ``generate_stream(params, intake, on_done)`` (continuous batching; only with
+  the fast runner, ``engine.streams`` is True then): the generating thread
+  calls ``intake()`` between steps, outside the engine's lock, and gets a list
+  of ``(tag, prompts)`` chunks, all sampled with ``params`` (the first chunks
+  come from the first call). Their requests join the waiting queue of the
+  batch that is already decoding and are admitted by the same policy (KV pool
+  permitting). ``on_done(tag, completions)`` is called, on the generating
+  thread, as soon as every sample of that chunk has finished, with what
+  ``generate(prompts, params)`` would return for that chunk's prompts (same
+  order, same context capping and validation; a bad prompt raises
+  ``ValueError`` naming the chunk and the prompt). The call returns when
+  nothing is running or waiting and ``intake()`` gave nothing. One generator
+  per call (``params.seed``) draws for every chunk, so a chunk's sampled
+  (not greedy) output depends on what it shared the batch with. Prompt indices
+  are numbered across the call, so chunks never share prompt KV blocks.
+  ``abort()`` ends the call: every unfinished chunk is reported with its
+  unfinished samples marked "abort".
 - Context: a prompt with ``len(prompt) >= context limit`` (the model's
   ``max_position_embeddings``, or its sliding window when smaller) raises
   ``ValueError`` naming the prompt index; otherwise generation is capped so that
   prompt + completion fits the context, ending with finish_reason "length".
 - Versions: a token records the engine's version at the start of the step that
   produced it. ``update_weights`` takes the same lock as a step, so another thread
-  may call it while ``generate`` runs: the swap lands between two decode steps and
+  may call it while ``generate`` runs (and ``generate_stream``'s ``intake`` may
+  call it on the generating thread): the swap lands between two decode steps and
   later tokens carry the new version (the KV already computed for earlier tokens
   is kept, as in partial rollouts).
 - Randomness: one ``torch.Generator`` per ``generate`` call, seeded from
@@ -41,15 +60,17 @@ Contract (see ``conveyor.rollout.api`` for what every engine promises)
   output; a different ``max_batch`` changes the order in which random numbers are
   drawn, so sampled (not greedy) outputs differ.
 
-It does not know about tasks, rewards, trajectories or weight transports: it
-turns token ids into completions with the weights it was last given. One
-``generate`` runs at a time per engine.
+It does not know about tasks, rewards, trajectories, weight transports or
+where chunks come from: it turns token ids into completions with the weights
+it was last given. One ``generate`` or ``generate_stream`` runs at a time per
+engine.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -169,6 +190,11 @@ class NativeEngine:
         return self._version
 
     @property
+    def streams(self) -> bool:
+        """Whether ``generate_stream`` (continuous batching) is available: the fast runner only."""
+        return self.paged
+
+    @property
     def context_limit(self) -> int:
         """Longest prompt + completion this engine serves (prompts must be shorter)."""
         return self.runner.context_limit
@@ -205,6 +231,15 @@ class NativeEngine:
         return [Request(i, j, list(prompt), budget)
                 for i, (prompt, budget) in enumerate(zip(prompts, budgets)) for j in range(params.n)]
 
+    def _stop_rule(self, params: SamplingParams) -> StopRule:
+        if params.eos_bias and not self.eos_ids:
+            raise ValueError("SamplingParams.eos_bias needs an EOS token; the model config and tokenizer define none")
+        return StopRule(self.eos_ids | set(params.stop_token_ids), params.stop_strings, self.tokenizer)
+
+    def _check_pool(self) -> None:
+        if not self.runner.holds_memory:
+            raise RuntimeError("generate: the KV cache was released; call reacquire_memory() first")
+
     def _generator(self, seed: int | None) -> torch.Generator:
         gen = torch.Generator(device=self.runner.device)
         if seed is None:
@@ -220,11 +255,10 @@ class NativeEngine:
         if params.eos_bias and not self.eos_ids:
             raise ValueError("SamplingParams.eos_bias needs an EOS token; the model config and tokenizer define none")
         requests = self._capped_requests(prompts, params)
-        stop = StopRule(self.eos_ids | set(params.stop_token_ids), params.stop_strings, self.tokenizer)
+        stop = self._stop_rule(params)
         self._aborted = False
         if self.paged:
-            if not self.runner.holds_memory:
-                raise RuntimeError("generate: the KV cache was released; call reacquire_memory() first")
+            self._check_pool()
             check_fits_pool(self.runner, requests)
             with torch.inference_mode():
                 PagedLoop(self, params, stop, self._generator(params.seed)).run(requests)
@@ -243,12 +277,33 @@ class NativeEngine:
                     batch = step.decode(batch, sched)
         return self._completions(requests, len(prompts), params.n)
 
-    def _completions(self, requests: list[Request], num_prompts: int, n: int) -> list[list[Completion]]:
+    def generate_stream(self, params: SamplingParams, intake: Callable[[], list[tuple[Any, list[list[int]]]]],
+                        on_done: Callable[[Any, list[list[Completion]]], None]) -> None:
+        """Continuous batching over chunks taken from ``intake()``; see the module docstring."""
+        self._check_open()
+        if not self.paged:
+            raise NotImplementedError("generate_stream needs the fast runner (engine.streams is False)")
+        stop = self._stop_rule(params)
+        self._check_pool()
+        self._aborted = False
+        chunks = _StreamChunks(self, params, on_done)
+
+        def feed() -> list[Request]:
+            # Outside inference mode, as a weight update from another thread would run.
+            with torch.inference_mode(False):
+                return chunks.add(intake())
+
+        with torch.inference_mode():
+            PagedLoop(self, params, stop, self._generator(params.seed)).run([], feed, chunks.finished)
+        chunks.report_rest()
+
+    def _completions(self, requests: list[Request], num_prompts: int, n: int,
+                     first_index: int = 0) -> list[list[Completion]]:
         out: list[list[Completion]] = [[None] * n for _ in range(num_prompts)]  # type: ignore[list-item]
         for r in requests:
             text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True) if self.tokenizer else ""
-            out[r.prompt_index][r.sample_index] = Completion(r.token_ids, r.logprobs, r.versions,
-                                                             r.finish_reason or "abort", text)
+            out[r.prompt_index - first_index][r.sample_index] = Completion(r.token_ids, r.logprobs, r.versions,
+                                                                           r.finish_reason or "abort", text)
         return out
 
     # ----- memory and flow control ----------------------------------------------------
@@ -297,6 +352,63 @@ class NativeEngine:
     def _check_open(self) -> None:
         if self.model is None:
             raise RuntimeError("NativeEngine is closed; create a new engine")
+
+
+@dataclass(eq=False)
+class _OpenChunk:
+    tag: Any
+    requests: list[Request]
+    first_index: int
+    num_prompts: int
+    unfinished: int
+
+
+class _StreamChunks:
+    """One ``generate_stream`` call's chunks: numbering their prompts, and reporting each when done."""
+
+    def __init__(self, engine: NativeEngine, params: SamplingParams, on_done):
+        self.engine, self.params, self.on_done = engine, params, on_done
+        self.next_index = 0
+        self.open: dict[int, _OpenChunk] = {}  # by prompt index; dropped once reported
+
+    def add(self, new: list[tuple[Any, list[list[int]]]]) -> list[Request]:
+        out: list[Request] = []
+        for tag, prompts in new:
+            if not prompts:
+                self.on_done(tag, [])
+                continue
+            try:
+                requests = self.engine._capped_requests(prompts, self.params)
+                check_fits_pool(self.engine.runner, requests)
+            except ValueError as exc:
+                raise ValueError(f"generate_stream chunk {tag!r}: {exc}") from exc
+            # The runner shares prefill and KV blocks by prompt index: numbering prompts
+            # across the call keeps equal indices of different chunks apart.
+            chunk = _OpenChunk(tag, requests, self.next_index, len(prompts), len(requests))
+            for r in requests:
+                r.prompt_index += chunk.first_index
+            self.next_index += len(prompts)
+            self.open.update(dict.fromkeys(range(chunk.first_index, self.next_index), chunk))
+            out.extend(requests)
+        return out
+
+    def finished(self, requests: list[Request]) -> None:
+        for r in requests:
+            chunk = self.open[r.prompt_index]
+            chunk.unfinished -= 1
+            if chunk.unfinished == 0:
+                self._report(chunk)
+
+    def report_rest(self) -> None:
+        """After an abort: every chunk with unfinished samples, in the order they came."""
+        for chunk in dict.fromkeys(self.open.values()):
+            self._report(chunk)
+
+    def _report(self, chunk: _OpenChunk) -> None:
+        for i in range(chunk.first_index, chunk.first_index + chunk.num_prompts):
+            del self.open[i]
+        self.on_done(chunk.tag, self.engine._completions(chunk.requests, chunk.num_prompts, self.params.n,
+                                                         chunk.first_index))
 
 
 class _Step:

@@ -1,28 +1,41 @@
 """The native engine's generation loop over the paged fast runner.
 
 Contract
-- ``run_paged(engine, requests, params, stop, generator)`` fills every request's
-  tokens, logprobs, versions and finish reason (the same contract as the dense
-  loop in ``engine.py``). Each iteration: admit a wave that the KV pool can take
-  (FIFO, ``Scheduler.admit(fits)``), prefill it and sample each admitted request's
-  first token; then make room for the running batch's next tokens (preempting
-  the most recently admitted requests when the pool is full; they go back to the
-  front of the queue and are recomputed on re-admission), decode one token for
-  every running request and sample. Finished requests free their blocks at once.
+- ``PagedLoop(engine, params, stop, generator).run(requests, feed, on_finish)``
+  fills every request's tokens, logprobs, versions and finish reason (the same
+  contract as the dense loop in ``engine.py``). Each iteration: take new
+  requests from ``feed()`` (optional; called outside the engine's lock, so a
+  weight update may land there) onto the back of the waiting queue; admit a
+  wave that the KV pool can take (FIFO, ``Scheduler.admit(fits)``), prefill it
+  and sample each admitted request's first token; then make room for the
+  running batch's next tokens (preempting the most recently admitted requests
+  when the pool is full; they go back to the front of the queue and are
+  recomputed on re-admission), decode one token for every running request and
+  sample. Finished requests free their blocks at once and are handed to
+  ``on_finish(requests)`` (optional; outside the lock), each exactly once.
+  ``run`` returns when nothing is waiting or running and ``feed()`` gave
+  nothing: that is continuous batching, new requests join a batch that is
+  still decoding instead of waiting for its longest sequence.
+- The caller keeps ``prompt_index`` unique per prompt within one ``run``: the
+  runner shares prompt KV blocks among requests of the same index.
 - Sampling: plain temperature or greedy sampling on the GPU uses the fused
   one-pass sampler (``triton_ops.sample_plain``: same distribution and logprob,
   a different random stream); top-k / top-p and the CPU use ``sampling.sample``.
 - One host synchronisation per step: the sampled tokens and their float32
   logprobs come back to the host together.
 - A step holds the engine's lock and records the version at its start, so a
-  weight update from another thread lands between steps.
+  weight update from another thread (or from ``feed``) lands between steps.
 - ``engine.pause()`` stops scheduling between steps (the KV blocks stay);
   ``engine.resume()`` continues; ``engine.abort()`` ends the call: unfinished
-  requests get finish_reason "abort" with the tokens they have.
+  requests (running or still waiting) get finish_reason "abort" with the
+  tokens they have; they are not passed to ``on_finish``.
 
-It knows nothing of model internals or KV layout: the runner owns those.
+It knows nothing of model internals or KV layout (the runner owns those), nor
+of chunks or callers: requests in, finished requests out.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -53,10 +66,16 @@ class PagedLoop:
         self.fused = fused if fused is not None and params.top_k == 0 and params.top_p >= 1.0 else None
         self.eos_t = torch.tensor(self.eos or (0,), dtype=torch.long, device=self.runner.device)
 
-    def run(self, requests: list[Request]) -> None:
+    def run(self, requests: list[Request], feed: Callable[[], list[Request]] | None = None,
+            on_finish: Callable[[list[Request]], None] | None = None) -> None:
         sched = Scheduler(requests, self.engine.max_batch, self.engine.refill)
+        self.on_finish = on_finish
         try:
-            while sched.has_work():
+            while True:
+                if feed is not None:
+                    sched.waiting.extend(feed())
+                if not sched.has_work():
+                    break
                 if not self.engine._wait_unpaused():
                     break  # aborted
                 admitted = sched.admit(self.runner.admission_check(sched.running))
@@ -70,7 +89,9 @@ class PagedLoop:
                 elif not admitted and sched.waiting:
                     raise RuntimeError("fast runner: no request could be admitted into an empty KV pool")
         finally:
-            for r in requests:
+            # Only unfinished requests are left here (finished ones were freed on retirement),
+            # so a long streaming call does not keep every request it ever served.
+            for r in [*sched.running, *sched.waiting]:
                 self.runner.free(r)
                 if r.finish_reason is None:
                     r.finish_reason = "abort"
@@ -100,7 +121,9 @@ class PagedLoop:
             req.finish_reason = self.stop.finish_reason(req)
 
     def _retire(self, sched: Scheduler) -> None:
-        for r in sched.running:
-            if r.finished:
-                self.runner.free(r)
+        done = [r for r in sched.running if r.finished]
+        for r in done:
+            self.runner.free(r)
         sched.retire()
+        if done and self.on_finish is not None:
+            self.on_finish(done)

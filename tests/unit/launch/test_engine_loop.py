@@ -1,0 +1,206 @@
+"""engine_loop with a real tiny NativeEngine (fast runner, CPU) in a thread, real queues and a
+real in-process weight transport: with partial rollouts a chunk that arrives while another
+runs joins it and is reported as soon as it ends; evaluation requests, other sampling params
+and "stop" wait for the running call to drain; weights published mid-call reach the running
+samples and every sample of a chunk that arrives later; without partial rollouts calls stay
+waves; a bad chunk is reported as an error."""
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+
+import pytest
+
+from conveyor.data.tiny import build_model, build_tokenizer
+from conveyor.launch import workers
+from conveyor.launch.workers import engine_loop
+from conveyor.rollout.api import SamplingParams
+from conveyor.rollout.native import NativeEngine
+from conveyor.transport.weights import StagedWeights
+
+CANDIDATES = ["a", "b", "ok", "c", "no", "The quick brown fox", "hi there", "1+2="]
+BUDGET = 40
+
+
+def tiny(tok, seed=0):
+    return build_model(tok, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                       seed=seed).eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return tiny(tok)
+
+
+@pytest.fixture(scope="module")
+def params(tok):
+    # Common characters as stop tokens: greedy completions end at very different lengths.
+    stops = tuple(tok.convert_tokens_to_ids(list("aeiost")))
+    return SamplingParams(temperature=0.0, max_new_tokens=BUDGET, stop_token_ids=stops)
+
+
+def fast(model, tok):
+    return NativeEngine(copy.deepcopy(model), tok, device="cpu", dtype="float32", runner="fast", kv_blocks=64,
+                        max_batch=8, refill=1)
+
+
+@pytest.fixture(scope="module")
+def short_long(model, tok, params):
+    """A prompt whose greedy completion ends within 3 tokens and one that uses the whole budget."""
+    ps = [tok.encode(t) for t in CANDIDATES]
+    lengths = [len(g[0].token_ids) for g in fast(model, tok).generate(ps, params)]
+    assert min(lengths) <= 3 and BUDGET in lengths, lengths
+    return ps[lengths.index(min(lengths))], ps[lengths.index(BUDGET)]
+
+
+def specs(model):
+    return [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
+
+
+def serve(eng, weights, partial=True):
+    inbox, outbox = queue.Queue(), queue.Queue()
+    t = threading.Thread(target=engine_loop, args=(eng, inbox, outbox, weights, 0, partial), daemon=True)
+    t.start()
+    return inbox, outbox, t
+
+
+def on_decode_step(eng, step: int, action) -> None:
+    """Run ``action`` on the generating thread during the engine's ``step``-th decode step."""
+    real, count = eng.runner.decode, [0]
+
+    def decode(running):
+        count[0] += 1
+        if count[0] == step:
+            action()
+        return real(running)
+
+    eng.runner.decode = decode
+
+
+def read(outbox, kind: str, n: int, timeout: float = 15.0) -> list[tuple]:
+    """Every message, in order, up to and including the ``n``-th one of ``kind``."""
+    got, seen, deadline = [], 0, time.monotonic() + timeout
+    while seen < n:
+        msg = outbox.get(timeout=max(0.01, deadline - time.monotonic()))
+        if msg[0] == "error" and kind != "error":
+            raise AssertionError(f"engine loop failed:\n{msg[2]}")
+        got.append(msg)
+        seen += msg[0] == kind
+    return got
+
+
+def messages(outbox, kind: str, n: int) -> list[tuple]:
+    return [m for m in read(outbox, kind, n) if m[0] == kind]
+
+
+def stop(inbox, thread) -> None:
+    inbox.put(("stop",))
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def tokens(completions):
+    return [[(c.token_ids, c.finish_reason) for c in g] for g in completions]
+
+
+def test_chunk_joining_a_running_call_is_reported_first(model, tok, params, short_long):
+    short, long = short_long
+    ref = fast(model, tok)
+    for partial, order in [(True, [1, 0]), (False, [0, 1])]:
+        eng = fast(model, tok)
+        inbox, outbox, t = serve(eng, StagedWeights(specs(model)), partial)
+        on_decode_step(eng, 3, lambda: inbox.put(("generate", 1, [short, short], params)))
+        inbox.put(("generate", 0, [long], params))
+        done = messages(outbox, "done", 2)
+        # Streaming: chunk 1 arrived on the 3rd decode step of chunk 0's 40-token sample,
+        # joined its batch and ended first. Waves (no partial): it waits for chunk 0.
+        assert [m[2] for m in done] == order, partial
+        outs = {m[2]: m[3] for m in done}
+        assert tokens(outs[0]) == tokens(ref.generate([long], params))
+        assert tokens(outs[1]) == tokens(ref.generate([short, short], params))
+        busy = [m[4]["busy_s"] for m in done]
+        assert 0 < busy[0] <= busy[1] and all(m[4]["idle_s"] >= 0 for m in done)
+        stop(inbox, t)
+
+
+def test_evaluation_other_params_and_stop_wait_for_the_running_call(model, tok, params, short_long):
+    short, long = short_long
+    eng = fast(model, tok)
+    inbox, outbox, t = serve(eng, StagedWeights(specs(model)))
+
+    def arrive():
+        inbox.put(("generate", -1, [long], params))  # evaluation: never merged, nor merges
+        # Compatible but behind a held message; short, so it would end first in any call it joined.
+        inbox.put(("generate", 1, [short], params))
+    on_decode_step(eng, 3, arrive)
+    inbox.put(("generate", 0, [long], params))
+    assert [m[2] for m in messages(outbox, "done", 3)] == [0, -1, 1]
+
+    eng = fast(model, tok)
+    inbox, outbox, t = serve(eng, StagedWeights(specs(model)))
+    other = SamplingParams(temperature=0.0, max_new_tokens=2)
+
+    def arrive_other():
+        inbox.put(("generate", 11, [short], other))  # different params: served after the call
+        inbox.put(("stop",))
+        inbox.put(("generate", 12, [short], params))  # behind "stop": never served
+    on_decode_step(eng, 3, arrive_other)
+    inbox.put(("generate", 10, [long], params))
+    done = messages(outbox, "done", 2)
+    assert [m[2] for m in done] == [10, 11] and len(done[1][3][0][0].token_ids) == 2
+    t.join(timeout=10)
+    assert not t.is_alive() and inbox.get_nowait()[1] == 12 and outbox.empty()
+
+
+def test_weights_published_mid_call_reach_running_and_later_chunks(model, tok, params, short_long, monkeypatch):
+    # No periodic polls during a call: only the poll right before a new chunk enters the engine
+    # can apply the update, which is the rule that keeps the staleness bound exact.
+    monkeypatch.setattr(workers, "WEIGHT_POLL_S", 60.0)
+    _, long = short_long
+    other = tiny(tok, seed=7)
+    weights = StagedWeights(specs(model))
+    eng = fast(model, tok)
+    inbox, outbox, t = serve(eng, weights)
+    reached, go = threading.Event(), threading.Event()
+
+    def pause_on_step():
+        reached.set()
+        assert go.wait(10)
+    on_decode_step(eng, 3, pause_on_step)
+    inbox.put(("generate", 0, [long], params))
+    assert reached.wait(10)
+    weights.publish(other.state_dict().items(), version=1)  # from this thread, as a trainer would
+    inbox.put(("generate", 1, [long], params))
+    go.set()
+    log = read(outbox, "done", 2)
+    assert [(m[0], m[2]) for m in log] == [("weights", 1), ("done", 0), ("done", 1)]
+    done = {m[2]: m[3][0][0] for m in log if m[0] == "done"}
+    # Prefill and decode steps 1-3 ran with version 0; the poll before chunk 1 entered swapped.
+    assert done[0].versions == [0] * 4 + [1] * (len(done[0].versions) - 4)
+    assert done[1].versions == [1] * len(done[1].versions)
+    old, new = fast(model, tok), fast(other, tok)
+    assert done[0].token_ids[:4] == old.generate([long], params)[0][0].token_ids[:4]
+    assert done[1].token_ids == new.generate([long], params)[0][0].token_ids
+    # Idle: the loop keeps polling, so a publish between calls is applied without a request.
+    weights.publish(model.state_dict().items(), version=2)
+    assert messages(outbox, "weights", 1)[0][2] == 2 and eng.version == 2
+    stop(inbox, t)
+
+
+def test_bad_chunk_is_reported_as_an_error(model, tok, params, short_long):
+    short, long = short_long
+    eng = fast(model, tok)
+    inbox, outbox, t = serve(eng, StagedWeights(specs(model)))
+    on_decode_step(eng, 2, lambda: inbox.put(("generate", 5, [short, []], params)))
+    inbox.put(("generate", 4, [long], params))
+    (err,) = messages(outbox, "error", 1)
+    assert err[1] == 0 and "generate_stream chunk 5: generate: prompt 1 is empty" in err[2]
+    t.join(timeout=10)
+    assert not t.is_alive()
