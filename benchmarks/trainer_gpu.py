@@ -14,7 +14,9 @@ many processes (one GPU each) running ``FSDPTrainer`` together. Writes
 ``<out>/trainer-<model>-r<ranks>.json`` with seconds per step, trained
 tokens/s, MFU against the card's dense bf16 peak (6 * params FLOP per
 token, attention excluded) and peak memory; ``--profile`` adds the top
-CUDA kernels of one step.
+CUDA kernels of one step; ``--gather`` (ranks > 1) times a full-weight
+gather in bf16 (what a publish costs before any transport), one all-gather
+per tensor against 256 MiB buckets.
 
 It measures the trainer alone: no engine, no weight sync.
 """
@@ -101,7 +103,18 @@ def _run(rank: int, world: int, args, path: str, port: int, q) -> None:
         prof = pr.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile)
     elif args.profile and world > 1:
         trainer.train(batch, loss)  # the other ranks join rank 0's profiled step
-    res = {"rank": rank, "times": times, "warmup_s": warmup_s,
+    gather_ms = {}
+    if args.gather and world > 1:
+        # What a publish costs a sharded trainer before any transport: every full tensor in bf16.
+        # bucket 0 MiB = one all-gather per tensor; the default packs 256 MiB of shards per all-gather.
+        for bucket_mb in (0.0, 256.0, 0.0, 256.0):
+            t0 = time.perf_counter()
+            for _ in trainer.named_weights(torch.bfloat16, bucket_mb=bucket_mb):
+                pass
+            if cuda:
+                torch.cuda.synchronize()
+            gather_ms.setdefault(str(bucket_mb), []).append((time.perf_counter() - t0) * 1e3)
+    res = {"rank": rank, "times": times, "warmup_s": warmup_s, "gather_ms": gather_ms,
            "completion_tokens": sum(lens), "sequences": len(lens),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "profile": prof}
     q.put(res)
@@ -132,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--logprob-chunk-rows", type=int, default=1024, help="0: the plain logprob head")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, help="rows of the kernel table (0: no profile)")
+    p.add_argument("--gather", action="store_true", help="also time named_weights(bf16), per tensor vs bucketed")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,7 +168,7 @@ def main(argv=None) -> int:
     total_tokens = args.prompts * args.group * args.prompt_len + r0["completion_tokens"]
     tok_s = total_tokens / step_s
     record = {"model": args.model, "ranks": args.ranks, "device": name, "step_s": step_s, "times": r0["times"],
-              "warmup_s": r0["warmup_s"],
+              "warmup_s": r0["warmup_s"], "gather_ms": r0["gather_ms"],
               "tokens_per_step": total_tokens, "tokens_per_s": tok_s,
               "mfu": 6 * param_count(shape) * tok_s / (peak * args.ranks) if peak else None,
               "micro_batch_tokens": args.micro_batch_tokens, "checkpointing": args.checkpointing,

@@ -63,6 +63,50 @@ from conveyor.trainer.microbatch import _check_aligned, collate, plan_microbatch
 from conveyor.types import Batch
 
 
+def _dim0_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import Shard
+    return isinstance(t, DTensor) and t.ndim > 0 and tuple(t.placements) == (Shard(0),)
+
+
+def _rows(shape: tuple[int, ...], world: int) -> int:
+    return -(-shape[0] // world)  # torch.chunk's rows per rank; later ranks may hold fewer or none
+
+
+def _buckets(tensors: list[torch.Tensor], dtype: torch.dtype, cap_bytes: float, world: int):
+    size = torch.empty((), dtype=dtype).element_size()
+    bucket, used = [], 0
+    for t in tensors:
+        n = (_rows(tuple(t.shape), world) * world * math.prod(t.shape[1:]) if t.ndim else 1) * size
+        if bucket and used + n > cap_bytes:
+            yield bucket
+            bucket, used = [], 0
+        bucket.append(t)
+        used += n
+    if bucket:
+        yield bucket
+
+
+def _pack(local: list[torch.Tensor], shapes: list[tuple[int, ...]], world: int) -> torch.Tensor:
+    """This rank's dim-0 shards, each padded to its full share of rows, in one flat tensor."""
+    flat = []
+    for t, shape in zip(local, shapes):
+        pad = _rows(shape, world) - t.shape[0]
+        t = t.reshape(t.shape[0], *shape[1:])
+        flat.append(torch.cat([t, t.new_zeros(pad, *shape[1:])]).reshape(-1) if pad else t.reshape(-1))
+    return torch.cat(flat)
+
+
+def _unpack(parts: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """``[world, packed]`` gathered shards -> the full tensors (padding rows dropped)."""
+    world, out, off = parts.shape[0], [], 0
+    for shape in shapes:
+        rows, rest = _rows(shape, world), tuple(shape[1:])
+        n = rows * math.prod(rest)
+        out.append(parts[:, off:off + n].reshape(world * rows, *rest)[:shape[0]])
+        off += n
+    return out
+
+
 def balance(lengths: list[int], world: int) -> list[list[int]]:
     """Deal sample indices to ``world`` ranks by tokens: longest first onto the least-loaded rank.
 
@@ -327,20 +371,47 @@ class FSDPTrainer(LocalTrainer):
         return norm
 
     # ----------------------------------------------------- weights and files
-    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full policy tensors (float32, or ``dtype``) named as in ``state_dict()``; COLLECTIVE per tensor.
+    def named_weights(self, dtype: torch.dtype | None = None,
+                      bucket_mb: float = 256.0) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full policy tensors (float32, or ``dtype``) named as in ``state_dict()``; COLLECTIVE.
 
-        Shards are cast before the all-gather (bf16 halves the bytes), and a tensor tied
-        to an earlier one (output = input embedding) is gathered once and yielded under
-        both names."""
-        gathered: dict[int, torch.Tensor] = {}
-        for name, t in self.model.state_dict(keep_vars=True).items():
-            if id(t) not in gathered:
-                full = t.detach().to(dtype or torch.float32)
-                if isinstance(full, DTensor):
-                    full = full.full_tensor()  # all-gather: every rank must reach this line
-                gathered[id(t)] = full
-            yield name, gathered[id(t)]
+        Shards are cast before gathering (bf16 halves the bytes) and gathered ``bucket_mb``
+        MiB of shards at a time in one all-gather (one per tensor cost ~0.3 ms each, 90-165 ms
+        for a 0.5B model's 290 tensors). A tensor tied to an earlier one (output = input
+        embedding) is gathered once and yielded under both names."""
+        dtype = dtype or torch.float32
+        items = list(self.model.state_dict(keep_vars=True).items())
+        unique = list({id(t): t for _, t in items}.values())
+        full: dict[int, torch.Tensor] = {}
+        emitted = 0
+        for bucket in _buckets(unique, dtype, bucket_mb * 2**20, self.world):
+            full.update(zip(map(id, bucket), self._gather(bucket, dtype)))
+            # Yield every name whose tensor is ready, in state_dict order.
+            while emitted < len(items) and id(items[emitted][1]) in full:
+                name, t = items[emitted]
+                yield name, full[id(t)]
+                emitted += 1
+            for t in bucket:  # keep only what a later (tied) name still needs
+                if all(id(u) != id(t) for _, u in items[emitted:]):
+                    full.pop(id(t), None)
+
+    def _gather(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Full copies of ``tensors`` (dim-0 sharded DTensors or plain tensors) in ``dtype``."""
+        sharded = [t for t in tensors if _dim0_sharded(t)]
+        out = {id(t): t.detach().to(dtype) for t in tensors if not isinstance(t, DTensor)}
+        for t in tensors:
+            if isinstance(t, DTensor) and not _dim0_sharded(t):
+                out[id(t)] = t.detach().to(dtype).full_tensor()
+        if sharded:
+            shapes = [tuple(t.shape) for t in sharded]
+            mine = _pack([t.to_local().detach().to(dtype) for t in sharded], shapes, self.world)
+            parts = torch.empty(self.world, mine.numel(), dtype=dtype, device=mine.device)
+            if self.device.type == "cuda":
+                dist.all_gather_into_tensor(parts, mine)
+            else:  # gloo has only the list form
+                dist.all_gather(list(parts.unbind(0)), mine)
+            out.update(zip(map(id, sharded), _unpack(parts, shapes)))
+        return [out[id(t)] for t in tensors]
 
     def _dcp_state(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -254,3 +254,25 @@ def test_needs_a_process_group(tiny_dir):
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), Path(sys.argv[2]))
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_bucketed_gather_layout_reassembles_uneven_shards(world):
+    """What named_weights' one all-gather per bucket carries: each rank's torch.chunk share of
+    dim 0 (fewer rows, or none, on later ranks), padded and packed; unpacked, the full tensors."""
+    from conveyor.trainer.fsdp import _buckets, _pack, _unpack
+
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(7, 3, generator=gen), torch.randn(5, generator=gen), torch.randn(2, 2, 2, generator=gen),
+            torch.randn(world * 2, 1, generator=gen)]
+    shapes = [tuple(t.shape) for t in full]
+    per_rank = []
+    for r in range(world):
+        local = [list(t.chunk(world))[r] if r < len(t.chunk(world)) else t[:0] for t in full]
+        per_rank.append(_pack(local, shapes, world))
+    assert len({p.numel() for p in per_rank}) == 1  # equal sizes, as an all-gather needs
+    back = _unpack(torch.stack(per_rank), shapes)
+    for a, b in zip(back, full):
+        assert a.shape == b.shape and torch.equal(a, b)
+    groups = list(_buckets(full, torch.float32, cap_bytes=4 * 30, world=world))
+    assert [t for g in groups for t in g] == full and len(groups) > 1
