@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -128,6 +128,17 @@ class TrainerConfig(_Section):
     critic_lr: float = Field(1e-5, gt=0)
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per pass")
+    profile_steps: list[int] = Field(default_factory=list, description=(
+        "train() calls (0-based loop steps) to record with torch.profiler: a trace for chrome://tracing or "
+        "Perfetto and a table of the top operators, per rank, in profile_dir"))
+    profile_dir: str | None = Field(None, description="where profile_steps write; default <run dir>/profile")
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _steps_not_negative(cls, v: list[int]) -> list[int]:
+        if any(s < 0 for s in v):
+            raise ValueError(f"steps are 0-based loop steps, got {v}; list steps >= 0")
+        return v
 
 
 class AlgoConfig(_Section):

@@ -29,6 +29,7 @@ def _run(args):
     (["train", "launch.placement=disaggregated", "launch.weight_sync=ipc"], "launch.weight_sync=ipc needs GPUs"),
     (["train", "launch.trainer_ranks=2", "launch.engines=3"],
      "launch.engines (3) must equal launch.trainer_ranks (2)"),
+    (["train", "trainer.profile_steps=[-1]"], "trainer.profile_steps: Value error, steps are 0-based"),
 ])
 def test_bad_input_is_one_line(tmp_path, args, needle):
     r = _run([*args, f"--output-dir={tmp_path / 'run'}", *FAST])
@@ -50,7 +51,13 @@ def _weights(run_dir: Path):
 def test_resume_matches_uninterrupted_run(tmp_path, launch):
     common = [*FAST, "loop.checkpoint_every=2", "observe.progress=false", *launch]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert main(["train", "loop.steps=4", f"--output-dir={full}", *common]) == 0
+    # Profiling one step changes nothing else (the comparison below) and writes one trace per rank.
+    assert main(["train", "loop.steps=4", f"--output-dir={full}", *common, "trainer.profile_steps=[1]"]) == 0
+    ranks = 2 if "launch.trainer_ranks=2" in launch else 1
+    assert sorted(p.name for p in (full / "profile").iterdir()) == sorted(
+        f"trainer-step1-rank{r}.{ext}" for r in range(ranks) for ext in ("json", "txt"))
+    assert "aten::" in (full / "profile" / "trainer-step1-rank0.txt").read_text()
+    assert json.loads((full / "profile" / "trainer-step1-rank0.json").read_text())["traceEvents"]
     assert main(["train", "loop.steps=2", f"--output-dir={part}", *common]) == 0
     assert main(["train", "--resume", str(part), "loop.steps=4"]) == 0
     a, b = _weights(full), _weights(part)

@@ -155,6 +155,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def run_local(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.trainer.profile_steps and not cfg.trainer.profile_dir:
+        trainer = cfg.trainer.model_copy(update={"profile_dir": str(run_dir / "profile")})
+        cfg = cfg.model_copy(update={"trainer": trainer})
     save_config(cfg, run_dir / "config.yaml")
     t0 = time.perf_counter()
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -262,7 +265,7 @@ def warm_start_phase(c: Components, base: str) -> str:
     cfg, sc = c.cfg, c.cfg.sft
     sft_cfg = cfg.trainer.model_copy(update={"lr": sc.lr, "reference": False, "critic": False,
                                              "warmup_steps": 0, "lr_schedule": "constant",
-                                             "ppo_epochs": 1, "mini_batches": 1})
+                                             "ppo_epochs": 1, "mini_batches": 1, "profile_steps": []})
     sft_trainer = make_trainer(cfg.model_copy(update={"trainer": sft_cfg}), base, c.tokenizer)
     held: set[int] = set()
     check = None

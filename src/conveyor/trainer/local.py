@@ -150,6 +150,28 @@ def logprob_fn(cfg: TrainerConfig):
     return functools.partial(token_logprobs, chunk_rows=cfg.logprob_chunk_rows)
 
 
+@contextlib.contextmanager
+def profiled(cfg: TrainerConfig, step: int, rank: int, device: torch.device):
+    """Record this train() call with torch.profiler when ``step`` is in ``cfg.profile_steps``:
+    ``trainer-step<step>-rank<rank>.json`` (a trace) and ``.txt`` (top operators) in ``cfg.profile_dir``."""
+    if step not in cfg.profile_steps:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    out = Path(cfg.profile_dir or "profile")
+    out.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        yield
+        if cuda:
+            torch.cuda.synchronize(device)  # the step's kernels belong in its trace
+    stem = out / f"trainer-step{step}-rank{rank}"
+    prof.export_chrome_trace(str(stem.with_suffix(".json")))
+    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40)
+    stem.with_suffix(".txt").write_text(table + "\n")
+
+
 def _enable_checkpointing(model: nn.Module) -> None:
     kwargs = {"use_reentrant": False}  # the non-reentrant form needs no input that requires grad
     if hasattr(model, "activation_checkpointing_enable"):
@@ -325,9 +347,10 @@ class LocalTrainer:
         if self.critic is not None:
             self.critic.train()
         try:
-            for epoch in range(self.cfg.ppo_epochs):
-                for k, idx in enumerate(chunks):
-                    self._update(batch.select(idx), loss_fn, means, totals, f"epoch {epoch}, mini-batch {k}")
+            with profiled(self.cfg, self._step, getattr(self, "rank", 0), self.device):
+                for epoch in range(self.cfg.ppo_epochs):
+                    for k, idx in enumerate(chunks):
+                        self._update(batch.select(idx), loss_fn, means, totals, f"epoch {epoch}, mini-batch {k}")
         finally:
             # Gradients are as large as the model; free them between steps so
             # a colocated engine can use the memory.
