@@ -14,7 +14,9 @@ many processes (one GPU each) running ``FSDPTrainer`` together. Writes
 ``<out>/trainer-<model>-r<ranks>.json`` with seconds per step, trained
 tokens/s, MFU against the card's dense bf16 peak (6 * params FLOP per
 token, attention excluded) and peak memory; ``--profile`` adds the top
-CUDA kernels of one step; ``--gather`` (ranks > 1) times a full-weight
+CUDA kernels of one step; ``--vary K`` then times K steps on a
+new batch each (the loop's situation: new micro-batch shapes every step);
+``--gather`` (ranks > 1) times a full-weight
 gather in bf16 (what a publish costs before any transport), one all-gather
 per tensor against 256 MiB buckets.
 
@@ -33,11 +35,11 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _batch(args, vocab: int):
+def _batch(args, vocab: int, seed: int = 0):
     import torch
 
     from conveyor.types import Batch
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     p = 1.0 / args.target_mean
     ids, masks, lens = [], [], []
     for _ in range(args.prompts * args.group):
@@ -94,6 +96,15 @@ def _run(rank: int, world: int, args, path: str, port: int, q) -> None:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+    varied = []
+    for k in range(args.vary):
+        # A new batch (new lengths, so new micro-batch shapes) each step, as inside the RL loop.
+        other, _ = _batch(args, vocab, seed=1 + k)
+        t0 = time.perf_counter()
+        trainer.train(other, loss)
+        if cuda:
+            torch.cuda.synchronize()
+        varied.append(time.perf_counter() - t0)
     prof = None
     if args.profile and cuda and rank == 0:
         from torch.profiler import ProfilerActivity, profile
@@ -114,7 +125,7 @@ def _run(rank: int, world: int, args, path: str, port: int, q) -> None:
             if cuda:
                 torch.cuda.synchronize()
             gather_ms.setdefault(str(bucket_mb), []).append((time.perf_counter() - t0) * 1e3)
-    res = {"rank": rank, "times": times, "warmup_s": warmup_s, "gather_ms": gather_ms,
+    res = {"rank": rank, "times": times, "warmup_s": warmup_s, "gather_ms": gather_ms, "varied": varied,
            "completion_tokens": sum(lens), "sequences": len(lens),
            "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "profile": prof}
     q.put(res)
@@ -145,6 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--logprob-chunk-rows", type=int, default=1024, help="0: the plain logprob head")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, help="rows of the kernel table (0: no profile)")
+    p.add_argument("--vary", type=int, default=0,
+                   help="then time this many steps on a new batch each (other lengths), as in the RL loop")
     p.add_argument("--gather", action="store_true", help="also time named_weights(bf16), per tensor vs bucketed")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -168,7 +181,8 @@ def main(argv=None) -> int:
     total_tokens = args.prompts * args.group * args.prompt_len + r0["completion_tokens"]
     tok_s = total_tokens / step_s
     record = {"model": args.model, "ranks": args.ranks, "device": name, "step_s": step_s, "times": r0["times"],
-              "warmup_s": r0["warmup_s"], "gather_ms": r0["gather_ms"],
+              "warmup_s": r0["warmup_s"], "gather_ms": r0["gather_ms"], "varied_times": r0["varied"],
+              "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
               "tokens_per_step": total_tokens, "tokens_per_s": tok_s,
               "mfu": 6 * param_count(shape) * tok_s / (peak * args.ranks) if peak else None,
               "micro_batch_tokens": args.micro_batch_tokens, "checkpointing": args.checkpointing,
