@@ -56,7 +56,8 @@ def _batch(args, vocab: int, seed: int = 0):
 def _trainer(args, path: str, rank: int, world: int):
     from conveyor.config import TrainerConfig
     over = {"micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.checkpointing,
-            "lr": 1e-6, "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows or None}
+            "lr": 1e-6, "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows or None,
+            "pad_multiple": args.pad_multiple}
     cfg = TrainerConfig(**over)
     if world == 1:
         from conveyor.trainer.local import LocalTrainer
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--logprob-chunk-rows", type=int, default=1024, help="0: the plain logprob head")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, help="rows of the kernel table (0: no profile)")
+    p.add_argument("--pad-multiple", type=int, default=1, help="trainer.pad_multiple")
     p.add_argument("--vary", type=int, default=0,
                    help="then time this many steps on a new batch each (other lengths), as in the RL loop")
     p.add_argument("--gather", action="store_true", help="also time named_weights(bf16), per tensor vs bucketed")
@@ -186,7 +188,8 @@ def main(argv=None) -> int:
               "tokens_per_step": total_tokens, "tokens_per_s": tok_s,
               "mfu": 6 * param_count(shape) * tok_s / (peak * args.ranks) if peak else None,
               "micro_batch_tokens": args.micro_batch_tokens, "checkpointing": args.checkpointing,
-              "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows, "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
+              "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows, "pad_multiple": args.pad_multiple,
+              "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
     tag = "" if args.logprob_chunk_rows == 1024 else f"-chunk{args.logprob_chunk_rows}"
     (out / f"trainer-{args.model}-r{args.ranks}{tag}.json").write_text(json.dumps(record, indent=2))
     print(json.dumps(record))

@@ -115,6 +115,9 @@ class TrainerConfig(_Section):
     total_steps: int | None = Field(None, description="for decaying schedules; defaults to loop.steps")
     max_grad_norm: float | None = Field(1.0, description="None disables clipping")
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch (padded)")
+    pad_multiple: int = Field(1, ge=1, description=(
+        "pad each micro-batch's length up to a multiple of this, so that steps repeat a few shapes "
+        "(per-shape attention plans and allocator blocks are then reused); 1 = pad to the longest only"))
     gradient_checkpointing: bool = False
     logprob_chunk_rows: int | None = Field(1024, ge=1, description=(
         "positions per chunk of the logprob head (no float32 copy of the vocabulary logits); "

@@ -218,7 +218,8 @@ class FSDPTrainer(LocalTrainer):
     def _plans(self, lengths: list[int]) -> list[list[list[int]]]:
         """Per rank, its micro-batches as lists of indices into ``lengths``."""
         return [[[share[k] for k in mb] for mb in plan_microbatches([lengths[i] for i in share],
-                                                                    self.cfg.micro_batch_tokens)]
+                                                                    self.cfg.micro_batch_tokens,
+                                                                    self.cfg.pad_multiple)]
                 for share in balance(lengths, self.world)]
 
     def _dummy(self) -> dict[str, torch.Tensor]:
@@ -240,7 +241,8 @@ class FSDPTrainer(LocalTrainer):
             if j >= len(mine):
                 fn(self._dummy())  # FSDP forwards are collective: match the busiest rank
                 continue
-            values = fn(self._to_device(collate(batch, mine[j], self.pad_token_id))).float().cpu()
+            mb = collate(batch, mine[j], self.pad_token_id, self.cfg.pad_multiple)
+            values = fn(self._to_device(mb)).float().cpu()
             local += [(i, values[row, : lengths[i]].clone()) for row, i in enumerate(mine[j])]
         parts: list[Any] = [None] * self.world
         dist.all_gather_object(parts, local)
@@ -298,7 +300,8 @@ class FSDPTrainer(LocalTrainer):
                 # holds UNSHARDED gradients (full model size, fp32): comms traded for memory.
                 m.set_requires_gradient_sync(j == passes - 1)
             real = j < len(mine)
-            mb = self._to_device(collate(mini, mine[j], self.pad_token_id)) if real else self._dummy()
+            mb = self._to_device(collate(mini, mine[j], self.pad_token_id, self.cfg.pad_multiple)) \
+                if real else self._dummy()
             out, loss = self._pass(mb, needs_entropy and real)
             value, err, metrics, loss_j = 0.0, None, {}, None
             if real:

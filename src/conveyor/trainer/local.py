@@ -312,8 +312,8 @@ class LocalTrainer:
     def _per_sample(self, batch: Batch, fn) -> list[torch.Tensor]:
         lengths = [int(x.numel()) for x in batch.input_ids]
         result: list[torch.Tensor | None] = [None] * len(batch)
-        for idx in plan_microbatches(lengths, self.cfg.micro_batch_tokens):
-            mb = self._to_device(collate(batch, idx, self.pad_token_id))
+        for idx in plan_microbatches(lengths, self.cfg.micro_batch_tokens, self.cfg.pad_multiple):
+            mb = self._to_device(collate(batch, idx, self.pad_token_id, self.cfg.pad_multiple))
             values = fn(mb).float().cpu()
             for row, i in enumerate(idx):
                 result[i] = values[row, : lengths[i]].clone()
@@ -389,10 +389,11 @@ class LocalTrainer:
         self._zero_grad()
         num_tokens = max(float(mini.num_tokens), 1.0)
         needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-        plan = plan_microbatches([int(x.numel()) for x in mini.input_ids], self.cfg.micro_batch_tokens)
+        plan = plan_microbatches([int(x.numel()) for x in mini.input_ids], self.cfg.micro_batch_tokens,
+                                 self.cfg.pad_multiple)
         pending = []  # per micro-batch: loss, metrics, loss tokens, still on the device
         for j, idx in enumerate(plan):
-            mb = self._to_device(collate(mini, idx, self.pad_token_id))
+            mb = self._to_device(collate(mini, idx, self.pad_token_id, self.cfg.pad_multiple))
             out = self._policy_out(self.model, mb, needs_entropy)
             if self.critic is not None:
                 out["values"] = self._values_out(mb)

@@ -1,15 +1,18 @@
 """Token-budget micro-batching: which samples share a forward pass, and padding.
 
 Contract
-- ``plan_microbatches(lengths, max_tokens)`` returns lists of sample indices
-  (into ``lengths``) that together cover every sample exactly once. Samples
-  are taken longest first (ties by index, so the plan is deterministic) and a
-  micro-batch grows while its PADDED cost ``(count + 1) * max_len`` stays
-  within ``max_tokens``; ``max_len`` is the first (longest) member's length.
+- ``plan_microbatches(lengths, max_tokens, multiple=1)`` returns lists of
+  sample indices (into ``lengths``) that together cover every sample exactly
+  once. Samples are taken longest first (ties by index, so the plan is
+  deterministic) and a micro-batch grows while its PADDED cost
+  ``(count + 1) * max_len`` stays within ``max_tokens``; ``max_len`` is the
+  first (longest) member's length rounded up to ``multiple``.
   A single sequence longer than the budget gets a micro-batch of its own: it
   is never dropped or truncated, so the budget is a target, not a hard cap.
-- ``collate(batch, idx, pad_id)`` right-pads the selected samples into
-  ``[b, L]`` tensors: ``input_ids`` (pad ``pad_id``), ``attention_mask``
+- ``collate(batch, idx, pad_id, multiple=1)`` right-pads the selected samples
+  into ``[b, L]`` tensors, L the longest rounded up to ``multiple`` (few
+  distinct shapes let per-shape work — attention plans, allocator blocks —
+  be reused from step to step): ``input_ids`` (pad ``pad_id``), ``attention_mask``
   (1 on real tokens), ``loss_mask`` (float, 0 on padding) and every
   ``Batch.fields`` entry under its own name (0 on padding, dtype kept).
 
@@ -26,7 +29,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from conveyor.types import Batch
 
 
-def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def padded(length: int, multiple: int = 1) -> int:
+    return -(-length // multiple) * multiple
+
+
+def plan_microbatches(lengths: list[int], max_tokens: int, multiple: int = 1) -> list[list[int]]:
     """Group sample indices so each group's padded size fits ``max_tokens``.
 
     >>> plan_microbatches([3, 5, 2, 5], 10)
@@ -40,7 +47,7 @@ def plan_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     plan: list[list[int]] = []
     current: list[int] = []
     for i in order:
-        if current and (len(current) + 1) * lengths[current[0]] > max_tokens:
+        if current and (len(current) + 1) * padded(lengths[current[0]], multiple) > max_tokens:
             plan.append(current)
             current = []
         current.append(i)
@@ -69,13 +76,13 @@ def _check_aligned(batch: "Batch", idx: list[int]) -> None:
                     "every field must be aligned with input_ids")
 
 
-def collate(batch: "Batch", idx: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(batch: "Batch", idx: list[int], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
     """Right-pad samples ``idx`` of ``batch`` into ``[len(idx), max_len]`` tensors (on CPU)."""
     if not idx:
         raise ValueError("collate: idx is empty; a micro-batch needs at least one sample")
     _check_aligned(batch, idx)
     ids = [batch.input_ids[i].reshape(-1).long() for i in idx]
-    length = max(s.numel() for s in ids)
+    length = padded(max(s.numel() for s in ids), multiple)
     out = {
         "input_ids": _pad(ids, length, pad_id),
         "attention_mask": _pad([torch.ones_like(s) for s in ids], length, 0),

@@ -44,3 +44,17 @@ def test_collate_names_misaligned_field():
     batch = Batch([torch.tensor([1, 2])], [torch.tensor([0.0, 1.0])], {"adv": [torch.tensor([1.0])]})
     with pytest.raises(ValueError, match="sample 0: adv has 1 entries but input_ids has 2"):
         collate(batch, [0], pad_id=0)
+
+
+def test_pad_multiple_rounds_the_length_and_the_planned_cost():
+    # lengths 5 and 5 padded to 8: two rows cost 16 > 12, so they no longer share a micro-batch
+    assert plan_microbatches([5, 5], 12) == [[0, 1]]
+    assert plan_microbatches([5, 5], 12, multiple=8) == [[0], [1]]
+    batch = Batch(input_ids=[torch.tensor([5, 6, 7]), torch.tensor([8])],
+                  loss_mask=[torch.tensor([0.0, 1.0, 1.0]), torch.tensor([1.0])],
+                  fields={"advantages": [torch.ones(3), torch.ones(1)]})
+    mb = collate(batch, [0, 1], pad_id=0, multiple=4)
+    assert mb["input_ids"].tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]]
+    assert mb["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert mb["advantages"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert collate(batch, [0], pad_id=0, multiple=3)["input_ids"].shape == (1, 3)
