@@ -4,8 +4,9 @@
   (disaggregated) reproduce the in-process synchronous run exactly, with
   weights through shared memory or a gloo broadcast; two FSDP trainer ranks
   (gloo) reproduce it to float tolerance.
+  So does the streaming engine (fast runner, continuous batching).
 - With max_staleness 2 no trained token is more than 2 versions behind the
-  policy being trained, with partial rollouts on and off.
+  policy being trained, with partial rollouts on and off, and streaming.
 """
 import torch
 from safetensors.torch import load_file
@@ -59,11 +60,29 @@ def test_staleness_zero_processes_equal_in_process(tmp_path):
         assert all(m["staleness_max"] == 0 for m in train), name
 
 
+def test_staleness_zero_streaming_engine_processes_equal_in_process(tmp_path):
+    # The fast runner streams (continuous batching, weights applied between decode steps):
+    # at staleness 0 that must still be exactly the synchronous run, in a thread or a process.
+    fast = ["loop.steps=3", "rollout.runner=fast", "loop.partial_rollouts=true"]
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = _run(tmp_path, "colocated-fast", fast + ["launch.placement=colocated"])
+    finally:
+        torch.set_num_threads(prev)
+    b = _run(tmp_path, "disaggregated-fast", fast + ["launch.placement=disaggregated"])
+    wa, wb = (load_file(str(d / "final" / "model.safetensors")) for d in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ra, rb = ([m["reward"] for m in read_metrics(d, kind="train")] for d in (a, b))
+    assert ra == rb and len(ra) == 3
+
+
 def test_bounded_staleness_is_respected(tmp_path):
-    for partial in (True, False):
-        d = _run(tmp_path, f"async-{partial}", ["loop.steps=6", "loop.max_staleness=2",
-                                                 f"loop.partial_rollouts={str(partial).lower()}",
-                                                 "launch.placement=disaggregated"])
+    for partial, runner in ((True, "hf"), (False, "hf"), (True, "fast")):  # fast + partial: streaming
+        d = _run(tmp_path, f"async-{partial}-{runner}", ["loop.steps=6", "loop.max_staleness=2",
+                                                         f"loop.partial_rollouts={str(partial).lower()}",
+                                                         f"rollout.runner={runner}",
+                                                         "launch.placement=disaggregated"])
         train = read_metrics(d, kind="train")
         assert len(train) == 6
         assert max(m["staleness_max"] for m in train) <= 2
