@@ -170,7 +170,7 @@ class _EngineServer:
                     msg = self.inbox.get_nowait()
                 except queue.Empty:
                     break
-                if msg[0] == "generate" and msg[1] >= 0 and _same_but_seed(msg[3], params):
+                if msg[0] == "generate" and _joins(msg, first_id, params):
                     new.append((msg[1], msg[2]))
                 else:
                     self.held = msg
@@ -206,7 +206,7 @@ def _merge_waiting(first, inbox) -> tuple[list[tuple], bool]:
         if msg[0] == "stop":
             stop_after = True
             break
-        if chunk_id >= 0 and msg[1] >= 0 and _same_but_seed(msg[3], params):
+        if _joins(msg, chunk_id, params):
             chunks.append((msg[1], msg[2], msg[3]))
         else:
             held.append(msg)
@@ -215,9 +215,12 @@ def _merge_waiting(first, inbox) -> tuple[list[tuple], bool]:
     return chunks, stop_after
 
 
-def _same_but_seed(a, b) -> bool:
+def _joins(msg, first_id: int, params) -> bool:
+    """Whether generate request ``msg`` may share a call with chunk ``first_id`` sampled with ``params``:
+    neither is an evaluation request (negative id) and the sampling settings agree but for the seed."""
     import dataclasses
-    return dataclasses.replace(a, seed=None) == dataclasses.replace(b, seed=None)
+    return (first_id >= 0 and msg[1] >= 0
+            and dataclasses.replace(msg[3], seed=None) == dataclasses.replace(params, seed=None))
 
 
 def engine_process(spec: dict, inbox, outbox, weights, engine_id: int, partial: bool) -> None:

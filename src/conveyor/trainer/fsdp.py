@@ -333,11 +333,7 @@ class FSDPTrainer(LocalTrainer):
                 local.add(metrics, float(mb["loss_mask"].sum()))
         totals["microbatches"] += sum(map(len, plans))
         self._merge_means(means, local)
-        totals["grad_norm"] += self._clip(self.model.parameters(), f"{where} (policy)")
-        if self.critic is not None:
-            totals["critic_grad_norm"] += self._clip(self.critic.parameters(), f"{where} (critic)")
-            self.critic_optimizer.step()
-        self.optimizer.step()
+        self._step_optimizers(totals, where)
 
     def _exchange(self, value: float, failed: bool) -> list[list[float]]:
         """Every rank's ``[loss value, failed flag]``, in rank order."""

@@ -407,6 +407,10 @@ class LocalTrainer:
             totals["loss"] += self._check_finite(value, f"{where}, micro-batch {j}")
             totals["microbatches"] += 1
             means.add(metrics, weight)
+        self._step_optimizers(totals, where)
+
+    def _step_optimizers(self, totals: dict, where: str) -> None:
+        """Clip (and log the norms of) the accumulated gradients, then step policy and critic."""
         totals["grad_norm"] += self._clip(self.model.parameters(), f"{where} (policy)")
         if self.critic is not None:
             totals["critic_grad_norm"] += self._clip(self.critic.parameters(), f"{where} (critic)")
