@@ -57,7 +57,7 @@ def _trainer(args, path: str, rank: int, world: int):
     from conveyor.config import TrainerConfig
     over = {"micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.checkpointing,
             "lr": 1e-6, "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows or None,
-            "pad_multiple": args.pad_multiple}
+            "pad_multiple": args.pad_multiple, "attention_mask": args.attention_mask}
     cfg = TrainerConfig(**over)
     if world == 1:
         from conveyor.trainer.local import LocalTrainer
@@ -107,14 +107,23 @@ def _run(rank: int, world: int, args, path: str, port: int, q) -> None:
             torch.cuda.synchronize()
         varied.append(time.perf_counter() - t0)
     prof = None
+    # The profiled step gets a new batch too when --vary is given: that is the slow case.
+    pbatch = _batch(args, vocab, seed=1000)[0] if args.vary else batch
     if args.profile and cuda and rank == 0:
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA]) as pr:
-            trainer.train(batch, loss)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+            trainer.train(pbatch, loss)
             torch.cuda.synchronize()
-        prof = pr.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile)
+        wall = time.perf_counter() - t0
+        avg = pr.key_averages()
+        # Wall time against the sum of kernel time tells a GPU-bound step from one stalled on the host.
+        kernels = sum(e.self_device_time_total for e in avg if e.device_type.name == "CUDA") / 1e6
+        prof = (f"profiled step: wall {wall:.3f} s (under the profiler), kernels {kernels:.3f} s\n"
+                + avg.table(sort_by="cuda_time_total", row_limit=args.profile) + "\n"
+                + avg.table(sort_by="self_cpu_time_total", row_limit=min(args.profile, 20)))
     elif args.profile and world > 1:
-        trainer.train(batch, loss)  # the other ranks join rank 0's profiled step
+        trainer.train(pbatch, loss)  # the other ranks join rank 0's profiled step
     gather_ms = {}
     if args.gather and world > 1:
         # What a publish costs a sharded trainer before any transport: every full tensor in bf16.
@@ -158,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, help="rows of the kernel table (0: no profile)")
     p.add_argument("--pad-multiple", type=int, default=1, help="trainer.pad_multiple")
+    p.add_argument("--attention-mask", action="store_true", help="trainer.attention_mask=true (the padding mask)")
+    p.add_argument("--tag", default="", help="suffix of the output file name")
     p.add_argument("--vary", type=int, default=0,
                    help="then time this many steps on a new batch each (other lengths), as in the RL loop")
     p.add_argument("--gather", action="store_true", help="also time named_weights(bf16), per tensor vs bucketed")
@@ -189,12 +200,13 @@ def main(argv=None) -> int:
               "mfu": 6 * param_count(shape) * tok_s / (peak * args.ranks) if peak else None,
               "micro_batch_tokens": args.micro_batch_tokens, "checkpointing": args.checkpointing,
               "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows, "pad_multiple": args.pad_multiple,
-              "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
-    tag = "" if args.logprob_chunk_rows == 1024 else f"-chunk{args.logprob_chunk_rows}"
+              "attention_mask": args.attention_mask, "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
+    tag = ("" if args.logprob_chunk_rows == 1024 else f"-chunk{args.logprob_chunk_rows}") + args.tag
     (out / f"trainer-{args.model}-r{args.ranks}{tag}.json").write_text(json.dumps(record, indent=2))
     print(json.dumps(record))
     if r0["profile"]:
         print(r0["profile"])
+        (out / f"trainer-{args.model}-r{args.ranks}{tag}-profile.txt").write_text(r0["profile"])
     return 0
 
 

@@ -119,6 +119,10 @@ class TrainerConfig(_Section):
         "pad each micro-batch's length up to a multiple of this, so that steps repeat a few shapes "
         "(per-shape attention plans and allocator blocks are then reused); 1 = pad to the longest only"))
     gradient_checkpointing: bool = False
+    attention_mask: bool = Field(False, description=(
+        "pass the padding mask to the model. Micro-batches are right-padded, so causal attention alone "
+        "already keeps every real token off the padding, and without a mask attention runs its fused "
+        "causal (flash) kernel; set true only for a model whose attention is not causal"))
     logprob_chunk_rows: int | None = Field(1024, ge=1, description=(
         "positions per chunk of the logprob head (no float32 copy of the vocabulary logits); "
         "null = the plain autograd form"))

@@ -58,7 +58,7 @@ from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.local import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
                                     _load_policy, _MetricMean, compile_layers, decoder_layers, logprob_fn,
-                                    resolve_device)
+                                    no_cudnn_attention, resolve_device)
 from conveyor.trainer.microbatch import _check_aligned, collate, plan_microbatches
 from conveyor.types import Batch
 
@@ -160,6 +160,7 @@ class FSDPTrainer(LocalTrainer):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         dev = resolve_device(cfg.device)
         self.device = torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" else dev
+        no_cudnn_attention(self.device)
         if self.device.type == "cpu" and "gloo" not in str(dist.get_backend()):
             raise ValueError(f"FSDPTrainer on cpu needs a gloo process group, got {dist.get_backend()!r}")
         model, self.source_dir = _load_policy(model_path_or_model)

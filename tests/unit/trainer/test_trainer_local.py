@@ -226,3 +226,26 @@ def test_pad_multiple_changes_shapes_not_results(make_model, make_batch, pg_loss
     # a step that moves weights by ~lr.
     assert max_diff(plain.model, padded.model) <= 5e-6
     assert max_diff(plain.model, make_model()) > 5e-5
+
+
+def test_dropping_the_padding_mask_changes_no_real_token(make_model, make_batch, pg_value_loss, monkeypatch):
+    # Micro-batches are right-padded, so causal attention alone keeps real tokens off the
+    # padding. If padding ever moved to the left (or a row's positions restarted), the
+    # unmasked logprobs and the update would differ from the masked ones here.
+    batch = make_batch(LENGTHS)
+    masked = LocalTrainer(make_model(), cfg(lr=1e-4, attention_mask=True, critic=True), total_steps=1)
+    causal = LocalTrainer(make_model(), cfg(lr=1e-4, critic=True), total_steps=1)
+    seen = []
+    forward = type(causal.model).forward
+    monkeypatch.setattr(type(causal.model), "forward",
+                        lambda self, **kw: seen.append((self, kw["attention_mask"])) or forward(self, **kw))
+    for a, b in zip(masked.logprobs(batch), causal.logprobs(batch)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert {m is None for model, m in seen if model is causal.model} == {True}  # the mask was left out
+    assert {m is None for model, m in seen if model is masked.model} == {False}
+    for a, b in zip(masked.values(batch), causal.values(batch)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    m1, m2 = masked.train(batch, pg_value_loss), causal.train(batch, pg_value_loss)
+    assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-5)
+    assert max_diff(masked.model, causal.model) <= 5e-6
+    assert max_diff(masked.critic, causal.critic) <= 5e-6

@@ -143,6 +143,10 @@ class NativeEngine:
         if runner not in RUNNERS:
             raise ValueError(f"NativeEngine runner {runner!r} is not one of {', '.join(RUNNERS)}")
         dev, dt = resolve_device(device), resolve_dtype(dtype)
+        if dev.type == "cuda":
+            # Prefill shapes change with every call; cuDNN's attention would build a graph for
+            # each (milliseconds of host time), flash and mem-efficient attention need none.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         model = model.to(device=dev, dtype=dt) if dt is not None else model.to(device=dev)
         model.eval()
         model.requires_grad_(False)
