@@ -58,7 +58,7 @@ from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.local import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
                                     _load_policy, _MetricMean, compile_layers, decoder_layers, logprob_fn,
-                                    no_cudnn_attention, resolve_device)
+                                    head_start, no_cudnn_attention, resolve_device)
 from conveyor.trainer.microbatch import _check_aligned, collate, plan_microbatches
 from conveyor.types import Batch
 
@@ -264,14 +264,14 @@ class FSDPTrainer(LocalTrainer):
     def _trained(self) -> list[nn.Module]:
         return [self.model] + ([self.critic] if self.critic is not None else [])
 
-    def _pass(self, mb: dict[str, torch.Tensor], with_entropy: bool) -> tuple[dict, torch.Tensor]:
+    def _pass(self, mb: dict[str, torch.Tensor], with_entropy: bool, start: int) -> tuple[dict, torch.Tensor]:
         """Forward both trained models; returns ``out`` and a zero-weighted anchor loss.
 
         The anchor puts every parameter of both models into every rank's graph
         whatever loss_fn uses, so FSDP reduce-scatters the same parameters
         on every rank (a mismatch would hang or misalign the collective).
         """
-        out = self._policy_out(self.model, mb, with_entropy)
+        out = self._policy_out(self.model, mb, with_entropy, start)
         anchor = 0.0 * out["logprobs"].sum()
         if self.critic is not None:
             out["values"] = self._values_out(mb)
@@ -284,7 +284,7 @@ class FSDPTrainer(LocalTrainer):
         # zero-weighted synced pass flushes them into .grad (zeroed afterwards).
         for m in self._trained():
             m.set_requires_gradient_sync(True)
-        self._pass(self._dummy(), False)[1].backward()
+        self._pass(self._dummy(), False, 0)[1].backward()
 
     def _update(self, mini: Batch, loss_fn: LossFn, means: _MetricMean, totals: dict, where: str) -> None:
         """One optimizer step on one mini-batch, its micro-batches spread over the ranks."""
@@ -301,9 +301,9 @@ class FSDPTrainer(LocalTrainer):
                 # holds UNSHARDED gradients (full model size, fp32): comms traded for memory.
                 m.set_requires_gradient_sync(j == passes - 1)
             real = j < len(mine)
-            mb = self._to_device(collate(mini, mine[j], self.pad_token_id, self.cfg.pad_multiple)) \
-                if real else self._dummy()
-            out, loss = self._pass(mb, needs_entropy and real)
+            cpu_mb = collate(mini, mine[j], self.pad_token_id, self.cfg.pad_multiple) if real else None
+            mb = self._to_device(cpu_mb) if real else self._dummy()
+            out, loss = self._pass(mb, needs_entropy and real, head_start(cpu_mb) if real else 0)
             value, err, metrics, loss_j = 0.0, None, {}, None
             if real:
                 try:

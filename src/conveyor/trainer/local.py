@@ -121,6 +121,21 @@ def shift_right(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     return F.pad(x[:, :-1], (1, 0)) * attention_mask.to(x.dtype)
 
 
+def head_start(mb: dict[str, torch.Tensor]) -> int:
+    """The first position whose logits a loss can use. Position t is scored by the logits at
+    t - 1, so positions before the micro-batch's first loss token minus one (the prompt part
+    every row shares) need no vocabulary head: with 152k-word vocabularies that head is a
+    large share of a small model's step. 0 when every token is masked."""
+    cols = mb["loss_mask"].any(0).nonzero()
+    return max(0, int(cols[0]) - 1) if cols.numel() else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _keeps_logits(cls: type) -> bool:
+    import inspect
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+
+
 class ValueModel(nn.Module):
     """Backbone (decoder without lm_head) + Linear(hidden, 1): one value per position."""
 
@@ -317,13 +332,18 @@ class LocalTrainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def _policy_out(self, model: nn.Module, mb: dict[str, torch.Tensor],
-                    with_entropy: bool) -> dict[str, torch.Tensor]:
+                    with_entropy: bool, start: int = 0) -> dict[str, torch.Tensor]:
+        """Logprobs (and entropy) of ``mb``; with ``start`` (``head_start``) the head runs only
+        from that position on (Hugging Face's ``logits_to_keep``) and earlier positions hold 0."""
+        ids, am = mb["input_ids"], mb["attention_mask"]
+        start = start if _keeps_logits(type(model)) else 0
+        keep = {"logits_to_keep": ids.shape[1] - start} if start else {}
         with self._autocast():
-            logits = model(**model_inputs(mb, self.cfg.attention_mask), use_cache=False).logits
-        lp, ent = self._token_logprobs(logits, mb["input_ids"], mb["attention_mask"], self.temperature, with_entropy)
-        out = {"logprobs": lp}
+            logits = model(**model_inputs(mb, self.cfg.attention_mask), use_cache=False, **keep).logits
+        lp, ent = self._token_logprobs(logits, ids[:, start:], am[:, start:], self.temperature, with_entropy)
+        out = {"logprobs": F.pad(lp, (start, 0))}
         if ent is not None:
-            out["entropy"] = ent
+            out["entropy"] = F.pad(ent, (start, 0))
         return out
 
     def _values_out(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -416,8 +436,9 @@ class LocalTrainer:
                                  self.cfg.pad_multiple)
         pending = []  # per micro-batch: loss, metrics, loss tokens, still on the device
         for j, idx in enumerate(plan):
-            mb = self._to_device(collate(mini, idx, self.pad_token_id, self.cfg.pad_multiple))
-            out = self._policy_out(self.model, mb, needs_entropy)
+            cpu_mb = collate(mini, idx, self.pad_token_id, self.cfg.pad_multiple)
+            mb = self._to_device(cpu_mb)
+            out = self._policy_out(self.model, mb, needs_entropy, head_start(cpu_mb))
             if self.critic is not None:
                 out["values"] = self._values_out(mb)
             loss, metrics = loss_fn(out, mb, num_tokens, len(mini))

@@ -11,10 +11,15 @@ Contract
 - Writer: ``begin(version)``, ``put(name, tensor)`` for every name,
   ``commit()`` (or ``publish(named, version)``). ``begin`` waits, with the
   deadline, until every engine has received the previous version, so a
-  bucket is never overwritten while a reader still receives it. ``commit``
+  bucket is never overwritten while a reader still receives it; it then
   announces serial and version in shared memory and broadcasts a header
-  ``[serial, version, tensors, numel]`` and then each bucket. The first
-  publish opens the group: a TCPStore on ``port`` hosted by the writer
+  ``[serial, version, tensors, numel]``. Each bucket is broadcast as soon as
+  its last tensor is put (buckets in order), so casting the next bucket
+  overlaps sending this one. ``commit`` sends a trailer ``[serial]`` and
+  waits for all of it; a publish that fails or lacks a tensor sends the
+  rest and a trailer ``[-1]`` instead, and the engines discard it (they keep
+  the version they have; a received but unapplied one is dropped too). The
+  first publish opens the group: a TCPStore on ``port`` hosted by the writer
   (rank 0), engines join as ranks 1..engines.
 - Reader: ``poll(engine)``, called by the engine's worker between decode
   steps or requests, starts the receiver thread on its first call and
@@ -167,6 +172,7 @@ class BroadcastWeights:
             self._open(0)
             self._buckets = self._alloc()
             self._slots = dict(self._views(self._buckets))
+            self._bucket_of = {name: b for name, _, b, _ in self.layout}
             self._stream = torch.cuda.Stream() if self.backend == "nccl" else None
         serial = int(self._serial.value)
         deadline = time.monotonic() + self.timeout_s
@@ -180,6 +186,34 @@ class BroadcastWeights:
                     f"version (serial {serial}) within {self.timeout_s:.0f}s; its receiver is stalled or dead")
             time.sleep(0.0005)
         self._filled, self._pending_version = set(), int(version)
+        self._left = [0] * len(self.sizes)
+        for b in self._bucket_of.values():
+            self._left[b] += 1
+        self._next, self._works = 0, []
+        header = torch.tensor([serial + 1, version, len(self.names), sum(self.sizes)], dtype=torch.long,
+                              device=self._device())
+        self._version.value = int(version)
+        self._published_at.value = time.time()
+        self._serial.value = serial + 1  # announce: receivers post their receives now
+        self._send(header)
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        """Start broadcasting ``tensor``. On CUDA the broadcast stream first waits for the
+        copies queued so far, so bucket k travels while bucket k + 1 is being cast."""
+        try:
+            if self._stream is None:
+                self._works.append(self._group.broadcast(tensor, 0))
+                return
+            self._stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(self._stream):
+                self._works.append(self._group.broadcast(tensor, 0))
+        except RuntimeError as e:
+            self._failed(e)
+
+    def _failed(self, e: Exception):
+        version, self._pending_version = self._pending_version, None
+        raise WeightSyncError(f"weight broadcast of version {version} to {self.engines} engine(s) failed: "
+                              f"{str(e).splitlines()[0][:300]}; an engine process died or stalled") from None
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         slot = self._slots.get(name)
@@ -187,29 +221,44 @@ class BroadcastWeights:
             return  # not sent (e.g. an output embedding tied to the input one)
         with torch.no_grad():
             slot.copy_(tensor.detach())
-        self._filled.add(name)
+        if name not in self._filled:
+            self._filled.add(name)
+            self._left[self._bucket_of[name]] -= 1
+        # Buckets go out in order, each as soon as all of its tensors are in.
+        while self._next < len(self._left) and self._left[self._next] == 0:
+            self._send(self._buckets[self._next])
+            self._next += 1
+
+    def _finish(self, complete: bool) -> None:
+        """Send what is left and the trailer (the serial if ``complete``, else -1: readers then
+        discard what they received), then wait for every broadcast of this publish."""
+        serial = int(self._serial.value)
+        for b in range(self._next, len(self._buckets)):
+            self._send(self._buckets[b])
+        self._next = len(self._buckets)
+        self._send(torch.tensor([serial if complete else -1], dtype=torch.long, device=self._device()))
+        try:
+            for w in self._works:
+                w.wait()
+            if self._stream is not None:
+                self._stream.synchronize()  # completion is real (and timed) on the host
+        except RuntimeError as e:
+            self._failed(e)
+        self._works, self._pending_version = [], None
 
     def commit(self) -> None:
         version = self._pending_version
         missing = [n for n in self.names if n not in self._filled]
+        self._finish(complete=not missing)
         if missing:
-            raise KeyError(f"weight publish of version {version}: missing tensors {missing[:3]}")
-        synchronize(self._buckets[0].device)
-        serial = int(self._serial.value) + 1
-        numel = sum(self.sizes)
-        header = torch.tensor([serial, version, len(self.names), numel], dtype=torch.long, device=self._device())
-        self._version.value = version
-        self._published_at.value = time.time()
-        self._serial.value = serial  # announce: receivers post their receives now
-        try:
-            self._broadcast([header] + self._buckets, self._stream)
-        except RuntimeError as e:
-            raise WeightSyncError(f"weight broadcast of version {version} to {self.engines} engine(s) failed: "
-                                  f"{str(e).splitlines()[0][:300]}; an engine process died or stalled") from None
-        self._pending_version = None
+            raise KeyError(f"weight publish of version {version}: missing tensors {missing[:3]}; "
+                           "the engines keep the previous version")
 
     def abort(self) -> None:
-        self._pending_version = None  # nothing was announced; receivers keep the last version
+        if self._pending_version is None:
+            return
+        with contextlib.suppress(Exception):  # the error that made us abort is the one to raise
+            self._finish(complete=False)
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         publish_all([self], named_tensors, version)
@@ -228,6 +277,8 @@ class BroadcastWeights:
         _acquire(self._lock, self.timeout_s, f"engine {engine_id} applying weights")
         try:
             serial, version = self._received
+            if serial <= self._applied:  # an aborted publish overwrote the staging meanwhile
+                return None
             engine.update_weights(self._views(self._staging), version)
             synchronize(self._staging[0].device)  # the copy must finish before the next receive
             self._applied = serial
@@ -250,6 +301,7 @@ class BroadcastWeights:
             self._staging = self._alloc()
             stream = torch.cuda.Stream() if self.backend == "nccl" else None
             header = torch.zeros(4, dtype=torch.long, device=self._device())
+            trailer = torch.zeros(1, dtype=torch.long, device=self._device())
             seen = 0
             while not self._stop.is_set():
                 announced = int(self._serial.value)
@@ -258,14 +310,20 @@ class BroadcastWeights:
                     continue
                 _acquire(self._lock, self.timeout_s, f"engine {engine_id} receiving weights")
                 try:
-                    self._broadcast([header] + self._staging, stream)
+                    self._broadcast([header] + self._staging + [trailer], stream)
                     serial, version, count, numel = (int(x) for x in header.tolist())
                     if serial != seen + 1 or count != len(self.names) or numel != sum(self.sizes):
                         raise WeightSyncError(
                             f"engine {engine_id} received serial {serial} version {version} ({count} tensors, "
                             f"{numel} elements) but expected serial {seen + 1} with {len(self.names)} tensors "
                             f"and {sum(self.sizes)} elements; trainer and engine disagree on the weight layout")
-                    self._received, seen = (serial, version), serial
+                    seen = serial
+                    if int(trailer.item()) == serial:
+                        self._received = (serial, version)
+                    else:
+                        # The writer aborted mid-publish: the staging buckets hold a mix of
+                        # versions, so a received but not yet applied version is lost too.
+                        self._applied = self._received[0]
                 finally:
                     self._lock.release()
                 self._acks[engine_id] = serial

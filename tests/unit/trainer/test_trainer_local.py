@@ -249,3 +249,26 @@ def test_dropping_the_padding_mask_changes_no_real_token(make_model, make_batch,
     assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-5)
     assert max_diff(masked.model, causal.model) <= 5e-6
     assert max_diff(masked.critic, causal.critic) <= 5e-6
+
+
+def test_the_head_skips_the_shared_prompt_and_changes_nothing(make_model, make_batch, pg_loss, monkeypatch):
+    import conveyor.trainer.local as local
+    batch = make_batch(LENGTHS)
+    for i, m in enumerate(batch.loss_mask):  # every row's loss starts at position 3 or later
+        m[: 3 + i % 2] = 0
+    assert local.head_start(collate(batch, list(range(len(batch))), 0)) == 2
+    full = LocalTrainer(make_model(), cfg(lr=1e-4), total_steps=1)
+    trimmed = LocalTrainer(make_model(), cfg(lr=1e-4), total_steps=1)
+    kept = []
+    forward = type(trimmed.model).forward
+    monkeypatch.setattr(type(trimmed.model), "forward",
+                        lambda self, **kw: kept.append((self, kw.get("logits_to_keep"))) or forward(self, **kw))
+    with monkeypatch.context() as m:
+        m.setattr(local, "head_start", lambda mb: 0)
+        m1 = full.train(batch, pg_loss)
+    m2 = trimmed.train(batch, pg_loss)
+    widths = [k for model, k in kept if model is trimmed.model]
+    assert widths and all(k is not None and k == w - 2 for k, w in zip(widths, [max(LENGTHS)]))
+    assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-6)
+    assert m2["mean_logprob"] == pytest.approx(m1["mean_logprob"], abs=1e-6)
+    assert max_diff(full.model, trimmed.model) <= 1e-6

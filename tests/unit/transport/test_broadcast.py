@@ -67,15 +67,37 @@ def test_every_engine_receives_every_version_exactly(monkeypatch):
     assert bw.version == 2
 
 
-def test_a_missing_tensor_is_named():
-    bw = BroadcastWeights(SPECS, mp.get_context("spawn"), engines=1, backend="gloo", port=free_port())
-    bw._group = object()  # skip the rendezvous: the check comes before any collective
-    bw._buckets = bw._alloc()
-    bw._slots = dict(bw._views(bw._buckets))
-    bw.begin(7)
-    bw.put("a", torch.zeros(3, 4))
-    with pytest.raises(KeyError, match="version 7: missing tensors .'b', 'c'."):
-        bw.commit()
+def test_a_missing_tensor_is_named_and_the_engines_keep_the_last_whole_version(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
+    ctx = mp.get_context("spawn")
+    bw = BroadcastWeights(SPECS, ctx, engines=1, backend="gloo", port=free_port(), bucket_mb=2 / 1024,
+                          timeout_s=60)
+    out = ctx.Queue()
+    proc = ctx.Process(target=_reader, args=(bw, 0, 2, out), daemon=True)
+    proc.start()
+
+    def full(v):
+        return [("a", torch.full((3, 4), float(v))), ("b", torch.arange(1000.0) + v), ("c", torch.full((5,), -v))]
+
+    bw.publish(full(1), 1)
+    # Bucket 0 ("a") is already on its way when the publish turns out to be incomplete.
+    with pytest.raises(KeyError, match="version 7: missing tensors .'c'.; the engines keep the previous"):
+        bw.publish(full(7)[:2], 7)
+
+    def failing():
+        yield "a", torch.full((3, 4), 8.0)
+        raise RuntimeError("gather failed")
+    with pytest.raises(RuntimeError, match="gather failed"):
+        bw.publish(failing(), 8)
+    bw.publish(full(2), 2)
+    engine_id, got = out.get(timeout=60)
+    proc.join(10)
+    # Version 1 may or may not have been applied before the aborted publishes dropped it;
+    # what was applied is whole, and nothing of versions 7 and 8 ever was.
+    assert [v for v, _ in got][-1] == 2 and {v for v, _ in got} <= {1, 2}
+    for v, w in got:
+        assert w["a"] == [[float(v)] * 4] * 3 and w["c"] == [float(-v)] * 5
+        assert w["b"] == [float(x + v) for x in range(1000)]
 
 
 def test_an_engine_that_never_joins_stops_the_writer_with_a_named_error():
