@@ -11,10 +11,12 @@ Contract
   ``out`` (all ``[b, L]``, aligned with ``mb["input_ids"]``):
     * ``"logprobs"``: ``out["logprobs"][i, t] = log p(x_t | x_<t)``, i.e.
       ``log_softmax(logits[i, t-1] / temperature)[x_t]``; position 0 and
-      padding are 0.0. Carries gradient.
+      padding are 0.0. Carries gradient. Positions before the micro-batch's
+      first loss token (the prompt every row shares) are 0.0 too: their
+      logits are never computed.
     * ``"entropy"``: entropy of the same predictive distribution (the one
       that scored token t), only when ``getattr(loss_fn, "needs_entropy",
-      False)`` is true; 0.0 at position 0 and padding.
+      False)`` is true; 0.0 where ``"logprobs"`` is.
     * ``"values"``: critic value for position t, i.e. the critic's output at
       position t-1 (the state before token t was emitted), only when the
       trainer has a critic; 0.0 at position 0 and padding.
