@@ -58,8 +58,9 @@ def eval_tasks(c, tasks, temperature: float, prefix: str) -> dict[str, float]:
 
 def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
     cfg, lc = c.cfg, c.cfg.loop
-    loss_fn = objective.PolicyLoss(cfg.algo, norm_len=cfg.rollout.max_new_tokens)
-    need = objective.needs(cfg.algo)
+    one_update = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1
+    loss_fn = objective.PolicyLoss(cfg.algo, norm_len=cfg.rollout.max_new_tokens, one_update=one_update)
+    need = objective.needs(cfg.algo, one_update)
     metrics: dict[str, float] = {}
     published_at: dict[int, float] = {}  # versions published by this loop -> when
     engine_busy = {e.engine_id: (e.busy_s, e.idle_s) for e in c.producer.engines}

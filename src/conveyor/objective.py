@@ -1,8 +1,11 @@
 """From scored groups to a trainer Batch, and from AlgoConfig to a loss function.
 
 Contract
-- ``needs(cfg)`` says which extra forward passes a step needs (proximal
-  logprobs recomputed by the trainer, reference logprobs, critic values).
+- ``needs(cfg, one_update)`` says which extra forward passes a step needs
+  (proximal logprobs recomputed by the trainer, reference logprobs, critic
+  values). With ``one_update`` (one optimizer step per batch: one epoch, one
+  mini-batch) the proximal policy IS the policy of the training forward, so
+  the loss takes its detached logprobs and nothing is recomputed.
 - ``make_batch(groups, cfg, extra)`` builds the Batch: ids = prompt +
   completion, loss mask over the policy's own tokens, per-token fields
   ``advantages``, ``behaviour_logprobs`` (engine), and where computed
@@ -32,12 +35,16 @@ class Needs:
     values: bool
 
 
-def needs(cfg: AlgoConfig) -> Needs:
+def needs(cfg: AlgoConfig, one_update: bool = False) -> Needs:
     return Needs(
-        proximal=cfg.loss == "decoupled_ppo" or cfg.importance_sampling != "none",
+        proximal=uses_proximal(cfg) and not one_update,
         reference=cfg.kl_coef > 0,
         values=cfg.advantage == "gae",
     )
+
+
+def uses_proximal(cfg: AlgoConfig) -> bool:
+    return cfg.loss == "decoupled_ppo" or cfg.importance_sampling != "none"
 
 
 def _pad(rows: list[torch.Tensor]) -> torch.Tensor:  # list of [L_i] -> [B, max L]
@@ -105,9 +112,12 @@ def make_batch(groups: list[Group], cfg: AlgoConfig, extra: dict[str, list[torch
 class PolicyLoss:
     """The configured RL objective as a trainer LossFn (see trainer/api.py)."""
 
-    def __init__(self, cfg: AlgoConfig, norm_len: int | None = None):
+    def __init__(self, cfg: AlgoConfig, norm_len: int | None = None, one_update: bool = False):
         self.cfg = cfg
-        self.needs = needs(cfg)
+        self.needs = needs(cfg, one_update)
+        # One optimizer step per batch: the weights of this forward are those before the
+        # step, i.e. the proximal policy, whose logprobs a recompute would only repeat.
+        self.proximal_from_forward = uses_proximal(cfg) and one_update
         self.needs_entropy = cfg.entropy_coef != 0
         self.norm_len = norm_len
 
@@ -116,6 +126,8 @@ class PolicyLoss:
         lp, mask, adv = out["logprobs"], mb["loss_mask"], mb["advantages"]
         behaviour = mb["behaviour_logprobs"]
         old = mb["proximal_logprobs"] if self.needs.proximal else behaviour
+        if self.proximal_from_forward:
+            old = lp.detach()
         if c.loss == "decoupled_ppo":
             tok, m = algo.decoupled_ppo_loss(lp, old, behaviour, adv, mask, c.clip_low, c.clip_high,
                                              behaviour_cap=c.is_cap, behaviour_mode=c.behaviour_mode,

@@ -19,7 +19,7 @@ def test_unknown_key_names_the_dotted_field():
 def test_wrong_type_names_field_and_expectation():
     with pytest.raises(ConfigError, match=r"loop\.steps: Input should be a valid integer.*abc"):
         load_config(None, ["loop.steps=abc"])
-    with pytest.raises(ConfigError, match=r"algo\.loss: Input should be 'ppo', 'gspo' or 'decoupled_ppo'"):
+    with pytest.raises(ConfigError, match=r"algo\.loss: Input should be 'auto', 'ppo', 'gspo' or 'decoupled_ppo'"):
         load_config(None, ["algo.loss=ppo2"])
     with pytest.raises(ConfigError, match=r"rollout\.n: Input should be greater than or equal to 1"):
         load_config(None, ["rollout.n=0"])
@@ -61,3 +61,10 @@ def test_impossible_combinations_fail_at_load():
         load_config(None, ["algo.kl_coef=0.1"])
     with pytest.raises(ConfigError, match="trainer.critic"):
         load_config(None, ["algo.advantage=gae"])
+
+
+def test_auto_loss_corrects_for_staleness_only_when_there_is_some():
+    assert load_config(None, []).algo.loss == "ppo"
+    assert load_config(None, ["loop.max_staleness=2"]).algo.loss == "decoupled_ppo"
+    assert load_config(None, ["loop.max_staleness=2", "algo.loss=ppo"]).algo.loss == "ppo"
+    assert load_config(None, ["algo.loss=gspo"]).algo.loss == "gspo"
