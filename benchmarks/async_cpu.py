@@ -53,10 +53,9 @@ CONFIGS = {
     # trainer card plus one engine card (NCCL broadcast).
     "sync-2gpu": ["loop.max_staleness=0", "launch.trainer_ranks=2", "launch.engines=2"],
     "async-s2-2gpu": ["loop.max_staleness=2", "launch.placement=disaggregated"],
-    # The same with the off-policy correction: ratio against the recomputed proximal policy.
-    "async-s2-decoupled": ["loop.max_staleness=2", "launch.placement=disaggregated", "algo.loss=decoupled_ppo"],
-    "async-s2-2gpu-decoupled": ["loop.max_staleness=2", "launch.placement=disaggregated",
-                                "algo.loss=decoupled_ppo"],
+    # Staleness without the off-policy correction (algo.loss=auto would pick decoupled PPO).
+    "async-s2-ppo": ["loop.max_staleness=2", "launch.placement=disaggregated", "algo.loss=ppo"],
+    "async-s2-2gpu-ppo": ["loop.max_staleness=2", "launch.placement=disaggregated", "algo.loss=ppo"],
 }
 COMMON = ["observe.progress=false", "observe.tensorboard=false", "loop.eval_every=0",
           "launch.engine_threads=1", "launch.trainer_threads=1", "loop.time_limit_s=null"]

@@ -57,6 +57,7 @@ class _Chunk:
     prompts: list
     engine: EngineHandle
     sent_at: float
+    reported: int = 0  # prompts answered so far (a streaming engine answers each as it ends)
 
 
 @dataclass
@@ -180,16 +181,21 @@ class Producer:
             return
         if kind != "done":
             return
-        _, engine_id, first, outs, st = msg
+        _, engine_id, first, outs, st, offset = msg
         if first < 0:
             self._direct.pop(first).set_result(outs)
             return
-        chunk = self._chunks.pop(first)
+        chunk = self._chunks[first]
         chunk.engine.busy_s, chunk.engine.idle_s = st["busy_s"], st["idle_s"]
-        groups = to_groups(self.c.tokenizer, chunk.tasks, chunk.prompts, outs, time.perf_counter() - chunk.sent_at)
+        part = slice(offset, offset + len(outs))
+        groups = to_groups(self.c.tokenizer, chunk.tasks[part], chunk.prompts[part], outs,
+                           time.perf_counter() - chunk.sent_at)
         for i, g in enumerate(groups):
             futures = [self.c.rewards.submit(t) for t in g.trajectories]
-            self._pending.append(_Pending(first + i, futures, g.task, chunk.engine))
+            self._pending.append(_Pending(first + offset + i, futures, g.task, chunk.engine))
+        chunk.reported += len(outs)
+        if chunk.reported >= len(chunk.tasks):
+            del self._chunks[first]
 
     def _flush_scored(self) -> None:
         for p in [p for p in self._pending if all(f.done() for f in p.futures)]:

@@ -3,10 +3,13 @@
 Contract
 - ``engine_loop(engine, inbox, outbox, weights, engine_id, partial)`` serves
   generation requests ``("generate", chunk_id, prompts, params)`` from
-  ``inbox`` and answers ``("done", engine_id, chunk_id, completions, stats)``
-  on ``outbox`` until ``("stop",)``; ``stats`` holds ``busy_s`` (seconds
-  inside generation calls so far) and ``idle_s`` (the rest). Negative chunk
-  ids are evaluation requests: never merged with other chunks. New weights
+  ``inbox`` and answers ``("done", engine_id, chunk_id, completions, stats,
+  offset)`` on ``outbox`` until ``("stop",)``: ``completions`` are those of
+  the chunk's prompts ``offset, offset + 1, ...`` (one list of samples per
+  prompt); every prompt of a chunk is answered exactly once. ``stats`` holds
+  ``busy_s`` (seconds inside generation calls so far) and ``idle_s`` (the
+  rest). Negative chunk ids are evaluation requests: never merged with other
+  chunks, always answered whole (offset 0). New weights
   are taken from the transport ``weights``; each swap is reported as
   ``("weights", engine_id, version, applied_at, pause_s)``. An exception is
   reported as ``("error", engine_id, traceback)`` before the loop ends.
@@ -15,8 +18,9 @@ Contract
     runner): continuous batching through ``engine.generate_stream``. Between
     decode steps the generating thread takes newly arrived chunks whose
     sampling params equal the running call's except the seed, and they join
-    the running batch; each chunk is reported as soon as its own samples end,
-    so no chunk waits for another chunk's longest sample. The first message
+    the running batch; each prompt (one group) is reported as soon as its
+    own samples end, so no group waits for another's longest sample and its
+    rewards start while the rest of its chunk decodes. The first message
     that cannot join (an evaluation request, other params, "stop") is held
     and nothing more is read: the call drains, then the held message is
     served ("stop" ends the loop). The same thread applies weights between
@@ -93,8 +97,9 @@ class _EngineServer:
         finally:
             self.idle_s += time.perf_counter() - t0
 
-    def report(self, chunk_id, completions, busy_s: float) -> None:
-        self.outbox.put(("done", self.engine_id, chunk_id, completions, {"busy_s": busy_s, "idle_s": self.idle_s}))
+    def report(self, chunk_id, completions, busy_s: float, offset: int = 0) -> None:
+        self.outbox.put(("done", self.engine_id, chunk_id, completions, {"busy_s": busy_s, "idle_s": self.idle_s},
+                         offset))
 
     # ----- waves ----------------------------------------------------------------------
     def serve_waves(self, partial: bool) -> None:
@@ -159,6 +164,9 @@ class _EngineServer:
         pending = [(first_id, prompts)]
         last_poll = float("-inf")
         t0 = time.perf_counter()
+        evaluation: list = [None] * len(prompts)  # an evaluation request is answered whole
+        if not prompts:
+            self.report(first_id, [], self.busy_s)
 
         def intake() -> list:
             nonlocal last_poll
@@ -170,7 +178,9 @@ class _EngineServer:
                     msg = self.inbox.get_nowait()
                 except queue.Empty:
                     break
-                if msg[0] == "generate" and _joins(msg, first_id, params):
+                if msg[0] == "generate" and not msg[2]:
+                    self.report(msg[1], [], self.busy_s)  # nothing to generate: answered at once
+                elif msg[0] == "generate" and _joins(msg, first_id, params):
                     new.append((msg[1], msg[2]))
                 else:
                     self.held = msg
@@ -182,8 +192,14 @@ class _EngineServer:
                 last_poll = now
             return new
 
-        def on_done(chunk_id, completions) -> None:
-            self.report(chunk_id, completions, self.busy_s + time.perf_counter() - t0)
+        def on_done(chunk_id, i, samples) -> None:
+            busy = self.busy_s + time.perf_counter() - t0
+            if chunk_id >= 0:
+                self.report(chunk_id, [samples], busy, offset=i)
+                return
+            evaluation[i] = samples
+            if all(s is not None for s in evaluation):
+                self.report(chunk_id, evaluation, busy)
 
         try:
             self.engine.generate_stream(params, intake, on_done)

@@ -113,16 +113,19 @@ def tokens(completions):
 def test_chunk_joining_a_running_call_is_reported_first(model, tok, params, short_long):
     short, long = short_long
     ref = fast(model, tok)
-    for partial, order in [(True, [1, 0]), (False, [0, 1])]:
+    # Streaming answers each prompt (group) on its own; waves answer whole chunks.
+    for partial, order in [(True, [(1, 0), (1, 1), (0, 0)]), (False, [(0, 0), (1, 0)])]:
         eng = fast(model, tok)
         inbox, outbox, t = serve(eng, StagedWeights(specs(model)), partial)
         on_decode_step(eng, 3, lambda: inbox.put(("generate", 1, [short, short], params)))
         inbox.put(("generate", 0, [long], params))
-        done = messages(outbox, "done", 2)
+        done = messages(outbox, "done", len(order))
         # Streaming: chunk 1 arrived on the 3rd decode step of chunk 0's 40-token sample,
         # joined its batch and ended first. Waves (no partial): it waits for chunk 0.
-        assert [m[2] for m in done] == order, partial
-        outs = {m[2]: m[3] for m in done}
+        assert [(m[2], m[5]) for m in done] == order, partial
+        outs = {}
+        for m in done:
+            outs.setdefault(m[2], []).extend(m[3])
         assert tokens(outs[0]) == tokens(ref.generate([long], params))
         assert tokens(outs[1]) == tokens(ref.generate([short, short], params))
         busy = [m[4]["busy_s"] for m in done]

@@ -266,18 +266,30 @@ def short_and_long(eng, tok, params):
 
 
 class Script:
-    """intake() returns the chunk scheduled for each call number; on_done records when each chunk ended."""
+    """intake() returns the chunks scheduled for each call number; on_done records when each
+    prompt was reported; ``done[tag]`` is (call of the chunk's last report, its completions)."""
 
     def __init__(self, schedule: dict[int, list]):
-        self.schedule, self.calls, self.done = schedule, 0, {}
+        self.schedule, self.calls, self.parts, self.sizes = schedule, 0, {}, {}
 
     def intake(self):
         self.calls += 1
-        return self.schedule.pop(self.calls, [])
+        chunks = self.schedule.pop(self.calls, [])
+        self.sizes.update({tag: len(ps) for tag, ps in chunks})
+        return chunks
 
-    def on_done(self, tag, completions):
-        assert tag not in self.done, f"chunk {tag} reported twice"
-        self.done[tag] = (self.calls, completions)
+    def on_done(self, tag, i, samples):
+        assert (tag, i) not in self.parts, f"chunk {tag} prompt {i} reported twice"
+        self.parts[tag, i] = (self.calls, samples)
+
+    @property
+    def done(self):
+        out = {}
+        for tag, n in self.sizes.items():
+            parts = [self.parts.get((tag, i)) for i in range(n)]
+            if all(parts):
+                out[tag] = (max(c for c, _ in parts), [s for _, s in parts])
+        return out
 
 
 def test_stream_admits_chunks_mid_generation_and_reports_each_when_done(model, tok):
@@ -292,6 +304,8 @@ def test_stream_admits_chunks_mid_generation_and_reports_each_when_done(model, t
     # 40-token sample ends on step 39. B came on step 4 and is short: it is reported long
     # before A ends; C came on step 6 and ends 38 steps later, without waiting for A.
     assert script.done["B"][0] < 10 and script.done["A"][0] == 39 and script.done["C"][0] == 44
+    # Within chunk A the short prompt is reported on its own, long before A's long prompt.
+    assert script.parts["A", 1][0] < 10 and script.parts["A", 0][0] == 39
     for tag, prompts in [("A", [long, short]), ("B", [short, short]), ("C", [long])]:
         alone = eng.generate(prompts, params)
         got = script.done[tag][1]

@@ -34,17 +34,18 @@ Contract (see ``conveyor.rollout.api`` for what every engine promises)
   of ``(tag, prompts)`` chunks, all sampled with ``params`` (the first chunks
   come from the first call). Their requests join the waiting queue of the
   batch that is already decoding and are admitted by the same policy (KV pool
-  permitting). ``on_done(tag, completions)`` is called, on the generating
-  thread, as soon as every sample of that chunk has finished, with what
-  ``generate(prompts, params)`` would return for that chunk's prompts (same
-  order, same context capping and validation; a bad prompt raises
-  ``ValueError`` naming the chunk and the prompt). The call returns when
+  permitting). ``on_done(tag, i, samples)`` is called, on the generating
+  thread, as soon as every sample of the chunk's prompt ``i`` has finished,
+  with what ``generate(prompts, params)[i]`` would return (the same context
+  capping and validation; a bad prompt raises ``ValueError`` naming the chunk
+  and the prompt), so a group's rewards can start while other groups of its
+  chunk still decode. A chunk without prompts reports nothing. The call returns when
   nothing is running or waiting and ``intake()`` gave nothing. One generator
   per call (``params.seed``) draws for every chunk, so a chunk's sampled
   (not greedy) output depends on what it shared the batch with. Prompt indices
   are numbered across the call, so chunks never share prompt KV blocks.
-  ``abort()`` ends the call: every unfinished chunk is reported with its
-  unfinished samples marked "abort".
+  ``abort()`` ends the call: every unreported prompt is reported, in order,
+  with its unfinished samples marked "abort".
 - Context: a prompt with ``len(prompt) >= context limit`` (the model's
   ``max_position_embeddings``, or its sliding window when smaller) raises
   ``ValueError`` naming the prompt index; otherwise generation is capped so that
@@ -69,7 +70,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
@@ -282,7 +282,7 @@ class NativeEngine:
         return self._completions(requests, len(prompts), params.n)
 
     def generate_stream(self, params: SamplingParams, intake: Callable[[], list[tuple[Any, list[list[int]]]]],
-                        on_done: Callable[[Any, list[list[Completion]]], None]) -> None:
+                        on_done: Callable[[Any, int, list[Completion]], None]) -> None:
         """Continuous batching over chunks taken from ``intake()``; see the module docstring."""
         self._check_open()
         if not self.paged:
@@ -358,61 +358,53 @@ class NativeEngine:
             raise RuntimeError("NativeEngine is closed; create a new engine")
 
 
-@dataclass(eq=False)
-class _OpenChunk:
-    tag: Any
-    requests: list[Request]
-    first_index: int
-    num_prompts: int
-    unfinished: int
-
-
 class _StreamChunks:
-    """One ``generate_stream`` call's chunks: numbering their prompts, and reporting each when done."""
+    """One ``generate_stream`` call's chunks: numbering their prompts, and reporting each
+    prompt's samples as soon as they have all finished."""
 
     def __init__(self, engine: NativeEngine, params: SamplingParams, on_done):
         self.engine, self.params, self.on_done = engine, params, on_done
         self.next_index = 0
-        self.open: dict[int, _OpenChunk] = {}  # by prompt index; dropped once reported
+        # By prompt index (numbered across the call), dropped once reported:
+        # (tag, index in its chunk, its requests, how many of them still run).
+        self.open: dict[int, list] = {}
 
     def add(self, new: list[tuple[Any, list[list[int]]]]) -> list[Request]:
         out: list[Request] = []
         for tag, prompts in new:
-            if not prompts:
-                self.on_done(tag, [])
-                continue
             try:
-                requests = self.engine._capped_requests(prompts, self.params)
+                requests = self.engine._capped_requests(prompts, self.params) if prompts else []
                 check_fits_pool(self.engine.runner, requests)
             except ValueError as exc:
                 raise ValueError(f"generate_stream chunk {tag!r}: {exc}") from exc
             # The runner shares prefill and KV blocks by prompt index: numbering prompts
             # across the call keeps equal indices of different chunks apart.
-            chunk = _OpenChunk(tag, requests, self.next_index, len(prompts), len(requests))
-            for r in requests:
-                r.prompt_index += chunk.first_index
+            first = self.next_index
             self.next_index += len(prompts)
-            self.open.update(dict.fromkeys(range(chunk.first_index, self.next_index), chunk))
+            self.open.update({first + i: [tag, i, [], 0] for i in range(len(prompts))})
+            for r in requests:
+                r.prompt_index += first
+                entry = self.open[r.prompt_index]
+                entry[2].append(r)
+                entry[3] += 1
             out.extend(requests)
         return out
 
     def finished(self, requests: list[Request]) -> None:
         for r in requests:
-            chunk = self.open[r.prompt_index]
-            chunk.unfinished -= 1
-            if chunk.unfinished == 0:
-                self._report(chunk)
+            entry = self.open[r.prompt_index]
+            entry[3] -= 1
+            if entry[3] == 0:
+                self._report(r.prompt_index)
 
     def report_rest(self) -> None:
-        """After an abort: every chunk with unfinished samples, in the order they came."""
-        for chunk in dict.fromkeys(self.open.values()):
-            self._report(chunk)
+        """After an abort: every prompt with unfinished samples, in the order they came."""
+        for index in sorted(self.open):
+            self._report(index)
 
-    def _report(self, chunk: _OpenChunk) -> None:
-        for i in range(chunk.first_index, chunk.first_index + chunk.num_prompts):
-            del self.open[i]
-        self.on_done(chunk.tag, self.engine._completions(chunk.requests, chunk.num_prompts, self.params.n,
-                                                         chunk.first_index))
+    def _report(self, index: int) -> None:
+        tag, i, requests, _ = self.open.pop(index)
+        self.on_done(tag, i, self.engine._completions(requests, 1, self.params.n, index)[0])
 
 
 class _Step:
