@@ -16,7 +16,8 @@ Contract
   ``[serial, version, tensors, numel]``. Each bucket is broadcast as soon as
   its last tensor is put (buckets in order), so casting the next bucket
   overlaps sending this one. ``commit`` sends a trailer ``[serial]`` and
-  waits for all of it; a publish that fails or lacks a tensor sends the
+  returns once every engine has received all of it (the root's broadcast
+  may end first; chunks admitted for the version must find it in staging); a publish that fails or lacks a tensor sends the
   rest and a trailer ``[-1]`` instead, and the engines discard it (they keep
   the version they have; a received but unapplied one is dropped too). The
   first publish opens the group: a TCPStore on ``port`` hosted by the writer
@@ -175,16 +176,7 @@ class BroadcastWeights:
             self._bucket_of = {name: b for name, _, b, _ in self.layout}
             self._stream = torch.cuda.Stream() if self.backend == "nccl" else None
         serial = int(self._serial.value)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            late = [i for i in range(self.engines) if self._acks[i] < serial]
-            if not late:
-                break
-            if time.monotonic() > deadline:
-                raise WeightSyncTimeout(
-                    f"weight broadcast of version {version}: engine {late[0]} has not received the previous "
-                    f"version (serial {serial}) within {self.timeout_s:.0f}s; its receiver is stalled or dead")
-            time.sleep(0.0005)
+        self._wait_acks(serial)  # after an aborted publish, nobody waited for its receivers
         self._filled, self._pending_version = set(), int(version)
         self._left = [0] * len(self.sizes)
         for b in self._bucket_of.values():
@@ -245,6 +237,24 @@ class BroadcastWeights:
         except RuntimeError as e:
             self._failed(e)
         self._works, self._pending_version = [], None
+        if complete:
+            # The root's broadcast can end before the engines' receives do. Returning only
+            # once every engine holds the version keeps the admission rule exact: chunks
+            # admitted for it find it in staging when they poll before starting.
+            self._wait_acks(serial)
+
+    def _wait_acks(self, serial: int) -> None:
+        """Until every engine has received announcement ``serial`` (the last announced version)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            late = [i for i in range(self.engines) if self._acks[i] < serial]
+            if not late:
+                return
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(
+                    f"weight broadcast: engine {late[0]} has not received version {self._version.value} "
+                    f"(serial {serial}) within {self.timeout_s:.0f}s; its receiver is stalled or dead")
+            time.sleep(0.0002)
 
     def commit(self) -> None:
         version = self._pending_version

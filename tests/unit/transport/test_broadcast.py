@@ -54,6 +54,7 @@ def test_every_engine_receives_every_version_exactly(monkeypatch):
     for v in range(3):
         bw.publish([("a", torch.full((3, 4), float(v))), ("b", torch.arange(1000.0) + v),
                     ("c", torch.full((5,), -v, dtype=torch.float64)), ("ignored", torch.zeros(1))], v)
+        assert list(bw._acks) == [v + 1] * 2  # publish returns once every engine holds the version
         time.sleep(0.2)  # let the engines apply each version before the next
     results = dict(out.get(timeout=60) for _ in procs)
     for p in procs:
