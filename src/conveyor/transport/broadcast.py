@@ -181,7 +181,7 @@ class BroadcastWeights:
         self._left = [0] * len(self.sizes)
         for b in self._bucket_of.values():
             self._left[b] += 1
-        self._next, self._works = 0, []
+        self._next, self._works, self._sent = 0, [], []
         header = torch.tensor([serial + 1, version, len(self.names), sum(self.sizes)], dtype=torch.long,
                               device=self._device())
         self._version.value = int(version)
@@ -192,6 +192,7 @@ class BroadcastWeights:
     def _send(self, tensor: torch.Tensor) -> None:
         """Start broadcasting ``tensor``. On CUDA the broadcast stream first waits for the
         copies queued so far, so bucket k travels while bucket k + 1 is being cast."""
+        self._sent.append(tensor)  # alive until the broadcast is waited for (header, trailer)
         try:
             if self._stream is None:
                 self._works.append(self._group.broadcast(tensor, 0))
@@ -236,7 +237,7 @@ class BroadcastWeights:
                 self._stream.synchronize()  # completion is real (and timed) on the host
         except RuntimeError as e:
             self._failed(e)
-        self._works, self._pending_version = [], None
+        self._works, self._sent, self._pending_version = [], [], None
         if complete:
             # The root's broadcast can end before the engines' receives do. Returning only
             # once every engine holds the version keeps the admission rule exact: chunks
