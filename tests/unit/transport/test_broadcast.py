@@ -33,6 +33,20 @@ def _reader(bw, engine_id, versions, out):
     out.put((engine_id, got))
 
 
+def _serve(monkeypatch, engines: int, versions: int):
+    """A gloo writer and ``engines`` reader processes, each waiting for ``versions`` versions."""
+    # Spawned children import this module to find _reader.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
+    ctx = mp.get_context("spawn")
+    bw = BroadcastWeights(SPECS, ctx, engines=engines, backend="gloo", port=free_port(), bucket_mb=2 / 1024,
+                          timeout_s=60)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_reader, args=(bw, i, versions, out), daemon=True) for i in range(engines)]
+    for p in procs:
+        p.start()
+    return bw, out, procs
+
+
 def test_layout_packs_buckets_up_to_the_cap():
     # 2 KiB of float32 = 512 elements per bucket; "b" is larger and gets its own.
     lay = _layout(SPECS, torch.float32, 2 / 1024)
@@ -42,15 +56,7 @@ def test_layout_packs_buckets_up_to_the_cap():
 
 
 def test_every_engine_receives_every_version_exactly(monkeypatch):
-    # Spawned children import this module to find _reader.
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
-    ctx = mp.get_context("spawn")
-    bw = BroadcastWeights(SPECS, ctx, engines=2, backend="gloo", port=free_port(), bucket_mb=2 / 1024,
-                          timeout_s=60)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_reader, args=(bw, i, 3, out), daemon=True) for i in range(2)]
-    for p in procs:
-        p.start()
+    bw, out, procs = _serve(monkeypatch, engines=2, versions=3)
     for v in range(3):
         bw.publish([("a", torch.full((3, 4), float(v))), ("b", torch.arange(1000.0) + v),
                     ("c", torch.full((5,), -v, dtype=torch.float64)), ("ignored", torch.zeros(1))], v)
@@ -69,13 +75,7 @@ def test_every_engine_receives_every_version_exactly(monkeypatch):
 
 
 def test_a_missing_tensor_is_named_and_the_engines_keep_the_last_whole_version(monkeypatch):
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
-    ctx = mp.get_context("spawn")
-    bw = BroadcastWeights(SPECS, ctx, engines=1, backend="gloo", port=free_port(), bucket_mb=2 / 1024,
-                          timeout_s=60)
-    out = ctx.Queue()
-    proc = ctx.Process(target=_reader, args=(bw, 0, 2, out), daemon=True)
-    proc.start()
+    bw, out, (proc,) = _serve(monkeypatch, engines=1, versions=2)
 
     def full(v):
         return [("a", torch.full((3, 4), float(v))), ("b", torch.arange(1000.0) + v), ("c", torch.full((5,), -v))]

@@ -256,10 +256,8 @@ class NativeEngine:
         self._check_open()
         if not prompts:
             return []
-        if params.eos_bias and not self.eos_ids:
-            raise ValueError("SamplingParams.eos_bias needs an EOS token; the model config and tokenizer define none")
-        requests = self._capped_requests(prompts, params)
         stop = self._stop_rule(params)
+        requests = self._capped_requests(prompts, params)
         self._aborted = False
         if self.paged:
             self._check_pool()
@@ -366,8 +364,8 @@ class _StreamChunks:
         self.engine, self.params, self.on_done = engine, params, on_done
         self.next_index = 0
         # By prompt index (numbered across the call), dropped once reported:
-        # (tag, index in its chunk, its requests, how many of them still run).
-        self.open: dict[int, list] = {}
+        # (tag, index in its chunk, its requests).
+        self.open: dict[int, tuple[Any, int, list[Request]]] = {}
 
     def add(self, new: list[tuple[Any, list[list[int]]]]) -> list[Request]:
         out: list[Request] = []
@@ -381,20 +379,16 @@ class _StreamChunks:
             # across the call keeps equal indices of different chunks apart.
             first = self.next_index
             self.next_index += len(prompts)
-            self.open.update({first + i: [tag, i, [], 0] for i in range(len(prompts))})
+            self.open.update({first + i: (tag, i, []) for i in range(len(prompts))})
             for r in requests:
                 r.prompt_index += first
-                entry = self.open[r.prompt_index]
-                entry[2].append(r)
-                entry[3] += 1
+                self.open[r.prompt_index][2].append(r)
             out.extend(requests)
         return out
 
     def finished(self, requests: list[Request]) -> None:
         for r in requests:
-            entry = self.open[r.prompt_index]
-            entry[3] -= 1
-            if entry[3] == 0:
+            if r.prompt_index in self.open and all(x.finished for x in self.open[r.prompt_index][2]):
                 self._report(r.prompt_index)
 
     def report_rest(self) -> None:
@@ -403,7 +397,7 @@ class _StreamChunks:
             self._report(index)
 
     def _report(self, index: int) -> None:
-        tag, i, requests, _ = self.open.pop(index)
+        tag, i, requests = self.open.pop(index)
         self.on_done(tag, i, self.engine._completions(requests, 1, self.params.n, index)[0])
 
 
