@@ -57,7 +57,8 @@ def _trainer(args, path: str, rank: int, world: int):
     from conveyor.config import TrainerConfig
     over = {"micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.checkpointing,
             "lr": 1e-6, "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows or None,
-            "pad_multiple": args.pad_multiple, "attention_mask": args.attention_mask}
+            "pad_multiple": args.pad_multiple, "attention_mask": args.attention_mask,
+            "param_dtype": args.param_dtype, "logprob_kernel": not args.no_kernel}
     cfg = TrainerConfig(**over)
     if world == 1:
         from conveyor.trainer.local import LocalTrainer
@@ -168,6 +169,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=int, default=0, help="rows of the kernel table (0: no profile)")
     p.add_argument("--pad-multiple", type=int, default=1, help="trainer.pad_multiple")
     p.add_argument("--attention-mask", action="store_true", help="trainer.attention_mask=true (the padding mask)")
+    p.add_argument("--param-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="trainer.param_dtype (float32: the master weights under bf16 autocast)")
+    p.add_argument("--no-kernel", action="store_true", help="trainer.logprob_kernel=false (the chunked torch head)")
     p.add_argument("--tag", default="", help="suffix of the output file name")
     p.add_argument("--vary", type=int, default=0,
                    help="then time this many steps on a new batch each (other lengths), as in the RL loop")
@@ -200,7 +204,8 @@ def main(argv=None) -> int:
               "mfu": 6 * param_count(shape) * tok_s / (peak * args.ranks) if peak else None,
               "micro_batch_tokens": args.micro_batch_tokens, "checkpointing": args.checkpointing,
               "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows, "pad_multiple": args.pad_multiple,
-              "attention_mask": args.attention_mask, "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
+              "attention_mask": args.attention_mask, "param_dtype": args.param_dtype,
+              "logprob_kernel": not args.no_kernel, "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
     tag = ("" if args.logprob_chunk_rows == 1024 else f"-chunk{args.logprob_chunk_rows}") + args.tag
     (out / f"trainer-{args.model}-r{args.ranks}{tag}.json").write_text(json.dumps(record, indent=2))
     print(json.dumps(record))

@@ -130,6 +130,13 @@ class TrainerConfig(_Section):
         "experimental: torch.compile each decoder layer and the logprob head, fusing the small memory-bound "
         "ops of norms, rotary and activations; the first steps pay for compilation (minutes on a GPU)"))
     autocast_bf16: bool = Field(True, description="bf16 autocast on GPU (ignored on CPU)")
+    param_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
+        "dtype of the weights that forward and backward run on (single-device trainer); the optimizer "
+        "keeps float32 master weights either way. auto: bfloat16 on a GPU with autocast_bf16 (a bf16 "
+        "copy of the model, gradients summed in float32: no per-op casts), float32 on CPU (exact)"))
+    logprob_kernel: bool = Field(True, description=(
+        "on a GPU with Triton, the logprob head's fused kernels (one read of the logits per pass); "
+        "false = the chunked torch form"))
     reference: bool = Field(False, description="keep a frozen reference model (needed for a KL term)")
     critic: bool = Field(False, description="train a value head (needed for GAE / PPO with a critic)")
     critic_lr: float = Field(1e-5, gt=0)

@@ -182,6 +182,7 @@ class FSDPTrainer(LocalTrainer):
         if self.device.type == "cuda" and cfg.autocast_bf16:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self.model = _shard(model, mesh, mp).eval()
+        self.compute, self._copies = self.model, []  # sharded float32 masters, cast by the policy
         self.reference = _shard(reference, mesh, mp).eval() if reference is not None else None
         self.critic = _shard(critic, mesh, mp) if critic is not None else None
         self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), cfg.lr)
@@ -191,7 +192,7 @@ class FSDPTrainer(LocalTrainer):
         self._step = 0
 
     # ----------------------------------------------------------- collectives
-    def _autocast(self):
+    def _autocast(self, model: nn.Module):
         return contextlib.nullcontext()  # MixedPrecisionPolicy casts instead
 
     def _agree(self, fn: Callable[[], Any], what: str) -> Any:

@@ -3,8 +3,13 @@
 Contract (see ``trainer/api.py`` for the loss-function and output alignment)
 - ``LocalTrainer(model_path_or_model, cfg, total_steps, temperature, pad_token_id)``
   holds the policy in float32 on one device (``cfg.device``; "auto" picks CUDA
-  when available). On CUDA with ``cfg.autocast_bf16`` forwards run under bf16
-  autocast; on CPU nothing is cast, so CPU runs are exact and deterministic.
+  when available): ``model`` is the master weights that the optimizer steps,
+  checkpoints save and ``named_weights`` publishes. Forward and backward run on
+  ``compute``: with ``cfg.param_dtype`` bfloat16 (auto on CUDA) a bf16 copy
+  whose gradients are summed into the masters' in float32 and which is
+  refreshed after every optimizer step; with float32 ``model`` itself, under
+  bf16 autocast on CUDA if ``cfg.autocast_bf16``. On CPU (auto) nothing is
+  cast, so CPU runs are exact and deterministic.
 - ``train(batch, loss_fn)`` makes ``cfg.ppo_epochs`` passes; each pass cuts
   the batch into ``cfg.mini_batches`` contiguous chunks (same chunks every
   pass, sizes differing by at most one) and takes one optimizer step per
@@ -187,7 +192,24 @@ def compile_layers(model: nn.Module) -> None:
 def logprob_fn(cfg: TrainerConfig):
     if cfg.compile:  # the compiler fuses the plain form; the chunked loop would only get in its way
         return torch.compile(functools.partial(token_logprobs, chunk_rows=None), dynamic=True)
-    return functools.partial(token_logprobs, chunk_rows=cfg.logprob_chunk_rows)
+    return functools.partial(token_logprobs, chunk_rows=cfg.logprob_chunk_rows,
+                             kernel=None if cfg.logprob_kernel else False)
+
+
+def compute_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
+    if cfg.param_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" and cfg.autocast_bf16 else torch.float32
+    return getattr(torch, cfg.param_dtype)
+
+
+def _into_master(master: nn.Parameter, param: nn.Parameter) -> None:
+    """Post-accumulate hook of a compute weight: move its gradient into the float32 master's
+    (summing micro-batches in float32, not bf16) and free the low-precision one."""
+    if master.grad is None:
+        master.grad = param.grad.float()
+    else:
+        master.grad.add_(param.grad)
+    param.grad = None
 
 
 @contextlib.contextmanager
@@ -291,16 +313,29 @@ class LocalTrainer:
             backbone = copy.deepcopy(self.model.base_model)
             self.critic = ValueModel(backbone, self.model.config.hidden_size).to(self.device)
         self.model.to(self.device)
+        dtype = compute_dtype(cfg, self.device)
+        # self.model holds the float32 master weights (optimizer, checkpoints, publishing);
+        # self.compute is what forward and backward run on: the same module, or a copy in
+        # bf16 whose gradients flow into the masters' (no autocast casts on every op).
+        self.compute, self._copies = self.model, []
+        if dtype != torch.float32:
+            self.compute = copy.deepcopy(self.model).to(dtype)
+            for w, m in zip(self.compute.parameters(), self.model.parameters()):
+                w.requires_grad_(m.requires_grad)
+                if m.requires_grad:
+                    w.register_post_accumulate_grad_hook(functools.partial(_into_master, m))
+                self._copies.append((w, m))
         if self.reference is not None:
-            self.reference.to(self.device).eval().requires_grad_(False)
+            self.reference.to(self.device, dtype).eval().requires_grad_(False)
         if cfg.gradient_checkpointing:
-            _enable_checkpointing(self.model)
+            _enable_checkpointing(self.compute)
             if self.critic is not None:
                 _enable_checkpointing(self.critic.backbone)
         if cfg.compile:
-            compile_layers(self.model)
+            compile_layers(self.compute)
         self._token_logprobs = logprob_fn(cfg)
         self.model.eval()
+        self.compute.eval()
         self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), cfg.lr)
         self.critic_optimizer = self.critic_scheduler = None
         if self.critic is not None:
@@ -323,10 +358,18 @@ class LocalTrainer:
         return self._step
 
     # ----------------------------------------------------------------- forward
-    def _autocast(self):
-        if self.device.type == "cuda" and self.cfg.autocast_bf16:
+    def _autocast(self, model: nn.Module):
+        # A bf16 compute copy runs as it is; float32 weights get bf16 autocast on a GPU.
+        floats = next(model.parameters()).dtype == torch.float32
+        if self.device.type == "cuda" and self.cfg.autocast_bf16 and floats:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def _refresh_compute(self) -> None:
+        """Copy the master weights into the compute copy (after a step or a load)."""
+        if self._copies:
+            torch._foreach_copy_([w for w, _ in self._copies], [m for _, m in self._copies])
 
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
@@ -338,7 +381,7 @@ class LocalTrainer:
         ids, am = mb["input_ids"], mb["attention_mask"]
         start = start if _keeps_logits(type(model)) else 0
         keep = {"logits_to_keep": ids.shape[1] - start} if start else {}
-        with self._autocast():
+        with self._autocast(model):
             logits = model(**model_inputs(mb, self.cfg.attention_mask), use_cache=False, **keep).logits
         lp, ent = self._token_logprobs(logits, ids[:, start:], am[:, start:], self.temperature, with_entropy)
         out = {"logprobs": F.pad(lp, (start, 0))}
@@ -347,7 +390,7 @@ class LocalTrainer:
         return out
 
     def _values_out(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        with self._autocast():
+        with self._autocast(self.critic):
             v = self.critic(**model_inputs(mb, self.cfg.attention_mask))
         return shift_right(v, mb["attention_mask"])
 
@@ -363,8 +406,8 @@ class LocalTrainer:
         return result  # type: ignore[return-value]
 
     def logprobs(self, batch: Batch) -> list[torch.Tensor]:
-        self.model.eval()
-        return self._per_sample(batch, lambda mb: self._policy_out(self.model, mb, False)["logprobs"])
+        self.compute.eval()
+        return self._per_sample(batch, lambda mb: self._policy_out(self.compute, mb, False)["logprobs"])
 
     def ref_logprobs(self, batch: Batch) -> list[torch.Tensor]:
         if self.reference is None:
@@ -386,7 +429,7 @@ class LocalTrainer:
         lr = self.optimizer.param_groups[0]["lr"]
         means = _MetricMean()
         totals = {"loss": 0.0, "grad_norm": 0.0, "critic_grad_norm": 0.0, "microbatches": 0}
-        self.model.train()
+        self.compute.train()
         if self.critic is not None:
             self.critic.train()
         try:
@@ -398,7 +441,7 @@ class LocalTrainer:
             # Gradients are as large as the model; free them between steps so
             # a colocated engine can use the memory.
             self._zero_grad()
-            self.model.eval()
+            self.compute.eval()
         self.scheduler.step()
         if self.critic_scheduler is not None:
             self.critic_scheduler.step()
@@ -424,6 +467,8 @@ class LocalTrainer:
 
     def _zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.compute is not self.model:  # a backward that failed part-way may leave some behind
+            self.compute.zero_grad(set_to_none=True)
         if self.critic_optimizer is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
 
@@ -438,7 +483,7 @@ class LocalTrainer:
         for j, idx in enumerate(plan):
             cpu_mb = collate(mini, idx, self.pad_token_id, self.cfg.pad_multiple)
             mb = self._to_device(cpu_mb)
-            out = self._policy_out(self.model, mb, needs_entropy, head_start(cpu_mb))
+            out = self._policy_out(self.compute, mb, needs_entropy, head_start(cpu_mb))
             if self.critic is not None:
                 out["values"] = self._values_out(mb)
             loss, metrics = loss_fn(out, mb, num_tokens, len(mini))
@@ -460,6 +505,7 @@ class LocalTrainer:
             totals["critic_grad_norm"] += self._clip(self.critic.parameters(), f"{where} (critic)")
             self.critic_optimizer.step()
         self.optimizer.step()
+        self._refresh_compute()
 
     def _check_loss(self, loss: Any, where: str) -> float:
         self._check_loss_type(loss, where)
@@ -522,7 +568,9 @@ class LocalTrainer:
         checkpoint.save_checkpoint(self, path, extra or {})
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        return checkpoint.load_checkpoint(self, path)
+        extra = checkpoint.load_checkpoint(self, path)
+        self._refresh_compute()
+        return extra
 
     def export_hf(self, path: str | Path) -> None:
         checkpoint.export_policy(self, path)

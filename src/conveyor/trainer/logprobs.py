@@ -12,47 +12,75 @@ Contract
   softmax and its gradient (three vocabulary-sized float32 tensors, the
   largest memory of an RL step at a 150k vocabulary) never exist. Values and
   gradients equal the plain form to float rounding (tested).
+- On CUDA with Triton installed (``kernel=None``: auto) both passes are
+  ``logprob_kernel``'s instead: one read of the logits per pass, padding and
+  each row's last position skipped. ``kernel=False`` forces the torch form.
 - ``chunk_rows=None`` (or ``with_entropy``) is the plain autograd form.
 
 It knows nothing of models, losses or devices.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 
 class TargetLogprob(torch.autograd.Function):
-    """``[N, V]`` logits, ``[N]`` targets -> ``[N]`` float32 ``log_softmax(logits / T)[target]``.
+    """``[N, V]`` logits, ``[N]`` targets -> ``[N]`` float32 ``log_softmax(logits / T)[target]``;
+    rows with a negative target give 0 and no gradient.
 
     Backward: d out_i / d logits_ij = ([j == t_i] - p_ij) / T with p = softmax(logits_i / T).
+    With ``kernel`` both passes are ``logprob_kernel``'s (one read of the logits each),
+    otherwise torch ops over ``chunk`` rows at a time.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, chunk: int):
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, chunk: int, kernel: bool):
+        ctx.temperature, ctx.chunk, ctx.kernel = temperature, chunk, kernel
+        if kernel:
+            from conveyor.trainer import logprob_kernel
+            out, lse = logprob_kernel.forward(logits, target, temperature)
+            ctx.save_for_backward(logits, target, lse)
+            return out
         n = logits.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        picked = target.clamp(min=0)
         for s in range(0, n, chunk):
             x = _scaled(logits[s:s + chunk], temperature)
             lse[s:s + chunk] = torch.logsumexp(x, dim=-1)
-            out[s:s + chunk] = x.gather(-1, target[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+            out[s:s + chunk] = x.gather(-1, picked[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
         ctx.save_for_backward(logits, target, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
-        return out
+        return out.masked_fill_(target < 0, 0.0)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         logits, target, lse = ctx.saved_tensors
+        if ctx.kernel:
+            from conveyor.trainer import logprob_kernel
+            return logprob_kernel.backward(logits, target, lse, grad_out, ctx.temperature), None, None, None, None
         grad = torch.empty_like(logits)
+        grad_out = grad_out.float().masked_fill(target < 0, 0.0)
+        picked = target.clamp(min=0)
         for s in range(0, logits.shape[0], ctx.chunk):
-            g = grad_out[s:s + ctx.chunk, None].float()
+            g = grad_out[s:s + ctx.chunk, None]
             p = _scaled(logits[s:s + ctx.chunk], ctx.temperature).sub_(lse[s:s + ctx.chunk, None]).exp_()
-            p.mul_(-g).scatter_add_(-1, target[s:s + ctx.chunk, None], g)
+            p.mul_(-g).scatter_add_(-1, picked[s:s + ctx.chunk, None], g)
             if ctx.temperature != 1.0:
                 p.div_(ctx.temperature)
             grad[s:s + ctx.chunk] = p
-        return grad, None, None, None
+        return grad, None, None, None, None
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -63,15 +91,19 @@ def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
 def token_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     temperature: float = 1.0, with_entropy: bool = False, chunk_rows: int | None = 1024,
+    kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """See the module docstring."""
     mask = attention_mask[:, 1:].float()
     if chunk_rows and not with_entropy:
         b, length, vocab = logits.shape
-        # Every position predicts the next id; the last one predicts nothing (target 0,
-        # dropped below), which keeps the logits a free [b * L, V] view instead of a copy.
-        target = F.pad(input_ids[:, 1:], (0, 1)).reshape(-1)
-        lp = TargetLogprob.apply(logits.reshape(b * length, vocab), target, float(temperature), int(chunk_rows))
+        # Every position predicts the next id; the last one and padding predict nothing
+        # (target -1: skipped), which keeps the logits a free [b * L, V] view instead of a copy.
+        target = F.pad(input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -1), (0, 1), value=-1)
+        if kernel is None:
+            kernel = logits.is_cuda and kernel_available()
+        lp = TargetLogprob.apply(logits.reshape(b * length, vocab), target.reshape(-1), float(temperature),
+                                 int(chunk_rows), bool(kernel))
         return F.pad(lp.view(b, length)[:, :-1] * mask, (1, 0)), None
     scores = logits[:, :-1].float()
     if temperature != 1.0:

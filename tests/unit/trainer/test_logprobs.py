@@ -50,3 +50,52 @@ def test_entropy_uses_the_plain_form():
     lp2, none = token_logprobs(logits, ids, mask)
     assert none is None and ent is not None
     torch.testing.assert_close(lp, lp2, rtol=0, atol=1e-6)
+
+
+KERNEL_CHECK = r"""
+import torch
+from conveyor.trainer.logprobs import token_logprobs
+g = torch.Generator().manual_seed(0)
+vocab = 9000  # three kernel blocks, the last one partly outside the vocabulary
+for dtype, temperature in ((torch.float32, 1.0), (torch.float32, 0.7), (torch.bfloat16, 0.7)):
+    base = (torch.randn(3, 5, vocab, generator=g) * 4).to(dtype)
+    base[0, 1, 17] = 60.0  # one dominant logit: the online maximum must rescale the running sum
+    ids = torch.randint(0, vocab, (3, 5), generator=g)
+    ids[0, 2] = 17
+    mask = torch.ones(3, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    w = torch.randn(3, 5, generator=g)
+    got, want = base.clone().requires_grad_(True), base.double().requires_grad_(True)
+    out, _ = token_logprobs(got, ids, mask, temperature, kernel=True)
+    ref = torch.log_softmax(want[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref = torch.nn.functional.pad(ref * mask[:, 1:], (1, 0))  # float64 throughout
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
+    assert out[1, 3:].eq(0).all() and out[:, 0].eq(0).all()
+    (out * w).sum().backward()
+    (ref * w.double()).sum().backward()
+    assert got.grad.dtype == dtype and got.grad[1, 3:].eq(0).all() and got.grad[:, -1].eq(0).all()
+    tol = 1e-6 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(got.grad.double(), want.grad, rtol=0.01 if tol > 1e-6 else 0, atol=tol)
+print("kernel ok")
+"""
+
+
+def test_triton_kernel_matches_the_plain_form_in_the_interpreter():
+    """The GPU kernels, run by Triton's CPU interpreter: values and gradients of float32 and bf16
+    logits against a float64 reference, skipped rows (padding, last position) exactly 0."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "kernel ok" in run.stdout
+
+
+def test_negative_targets_are_skipped_by_the_torch_form():
+    logits, ids, mask = _inputs(torch.float32)
+    out, _ = token_logprobs(logits, ids, mask, chunk_rows=4, kernel=False)
+    (out.sum()).backward()
+    assert logits.grad[2, 1:].eq(0).all() and logits.grad[:, -1].eq(0).all()
+    assert logits.grad[0, :-1].abs().sum() > 0

@@ -1,0 +1,79 @@
+"""param_dtype=bfloat16: forward and backward on a bf16 copy, float32 master weights and gradients."""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conveyor.config import TrainerConfig
+from conveyor.trainer.local import LocalTrainer
+
+LENGTHS = [9, 4, 12, 6, 7, 3, 10, 5]
+
+
+def cfg(**kw):
+    return TrainerConfig(**{"device": "cpu", "lr": 1e-3, "micro_batch_tokens": 4096, **kw})
+
+
+def params(model):
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def assert_copy_matches_masters(trainer):
+    for w, m in zip(trainer.compute.parameters(), trainer.model.parameters()):
+        assert w.dtype == torch.bfloat16 and m.dtype == torch.float32
+        assert torch.equal(w, m.to(torch.bfloat16))
+
+
+def test_a_bf16_step_updates_float32_masters_like_a_float32_step(make_model, make_batch, pg_loss):
+    batch = make_batch(LENGTHS)
+    start = params(make_model())
+    exact = LocalTrainer(make_model(), cfg(), total_steps=4)
+    half = LocalTrainer(make_model(), cfg(param_dtype="bfloat16"), total_steps=4)
+    assert exact.compute is exact.model and half.compute is not half.model
+    for _ in range(2):
+        m32, m16 = exact.train(batch, pg_loss), half.train(batch, pg_loss)
+        assert m16["loss"] == pytest.approx(m32["loss"], abs=2e-2)
+        assert m16["grad_norm"] == pytest.approx(m32["grad_norm"], rel=5e-2)
+    assert_copy_matches_masters(half)
+    d32, d16 = params(exact.model) - start, params(half.model) - start
+    # Adam's first steps move every weight by about lr; the two runs agree in direction.
+    assert float(torch.nn.functional.cosine_similarity(d32, d16, dim=0)) > 0.9
+    assert all(p.grad is None for p in half.compute.parameters())  # nothing left in bf16
+
+
+def test_bf16_gradients_of_micro_batches_sum_in_float32(make_model, make_batch, pg_loss):
+    batch = make_batch(LENGTHS)
+    one = LocalTrainer(make_model(), cfg(param_dtype="bfloat16", micro_batch_tokens=10**6), total_steps=2)
+    many = LocalTrainer(make_model(), cfg(param_dtype="bfloat16", micro_batch_tokens=1), total_steps=2)
+    m1, m8 = one.train(batch, pg_loss), many.train(batch, pg_loss)
+    assert (m1["microbatches"], m8["microbatches"]) == (1.0, 8.0)
+    # A hook that kept only the last micro-batch's gradient would give a far smaller norm.
+    assert m8["grad_norm"] == pytest.approx(m1["grad_norm"], rel=2e-2)
+    start = params(make_model())
+    d1, d8 = params(one.model) - start, params(many.model) - start
+    assert float(torch.nn.functional.cosine_similarity(d1, d8, dim=0)) > 0.99
+
+
+def test_bf16_logprobs_come_from_the_copy(make_model, make_batch):
+    batch = make_batch([7, 5])
+    exact = LocalTrainer(make_model(), cfg(), total_steps=1).logprobs(batch)
+    half = LocalTrainer(make_model(), cfg(param_dtype="bfloat16"), total_steps=1).logprobs(batch)
+    for a, b in zip(exact, half):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a, rtol=0, atol=5e-2)
+        assert not torch.equal(a, b)  # really computed in bf16
+
+
+def test_checkpoints_hold_the_float32_masters(make_model, make_batch, pg_loss, tmp_path):
+    batch = make_batch(LENGTHS)
+    trainer = LocalTrainer(make_model(), cfg(param_dtype="bfloat16"), total_steps=4)
+    trainer.train(batch, pg_loss)
+    trainer.save(tmp_path / "ckpt")
+    saved = load_file(str(tmp_path / "ckpt" / "policy" / "model.safetensors"))
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in saved.values())
+    restored = LocalTrainer(make_model(), cfg(param_dtype="bfloat16"), total_steps=4)
+    restored.load(tmp_path / "ckpt")
+    assert float((params(restored.model) - params(trainer.model)).abs().max()) == 0.0
+    assert_copy_matches_masters(restored)
+    assert dict(trainer.named_weights()).keys() == dict(restored.named_weights()).keys()
+    assert {t.dtype for _, t in trainer.named_weights()} == {torch.float32}
