@@ -134,9 +134,9 @@ class TrainerConfig(_Section):
         "dtype of the weights that forward and backward run on (single-device trainer); the optimizer "
         "keeps float32 master weights either way. auto: bfloat16 on a GPU with autocast_bf16 (a bf16 "
         "copy of the model, gradients summed in float32: no per-op casts), float32 on CPU (exact)"))
-    logprob_kernel: bool = Field(True, description=(
-        "on a GPU with Triton, the logprob head's fused kernels (one read of the logits per pass); "
-        "false = the chunked torch form"))
+    kernels: bool = Field(True, description=(
+        "on a GPU with Triton, our fused kernels for the logprob head (one read of the logits per pass) "
+        "and for RMSNorm (Llama/Qwen/Mistral); false = plain torch ops"))
     reference: bool = Field(False, description="keep a frozen reference model (needed for a KL term)")
     critic: bool = Field(False, description="train a value head (needed for GAE / PPO with a critic)")
     critic_lr: float = Field(1e-5, gt=0)

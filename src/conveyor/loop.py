@@ -15,6 +15,7 @@ not where the roles run.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
@@ -66,26 +67,21 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
     engine_busy = {e.engine_id: (e.busy_s, e.idle_s) for e in c.producer.engines}
     t_start = time.perf_counter()
     c.producer.admitting = True  # admission is driven by the version published below
+    ahead = None  # the next step's batch, prepared while this step trained
     for step in range(start_step, lc.steps):
         if lc.time_limit_s and time.perf_counter() - t_start > lc.time_limit_s:
             c.logger.message(f"time limit {lc.time_limit_s:.0f}s reached after {step - start_step} steps")
             break
         timer = c.timer
-        with timer.phase("wait"):  # the trainer's idle time: waiting for scored groups
-            items = c.buffer.get(lc.batch_size, timeout=cfg.launch.timeout_s)
-        groups = [g for _, g in sorted(items, key=lambda x: x[0])]
-        with timer.phase("prepare"):
-            base = objective.base_batch([t for g in groups for t in g.trajectories])
-            extra = {}
-            if need.proximal:
-                extra["proximal_logprobs"] = c.trainer.logprobs(base)
-            if need.reference:
-                extra["ref_logprobs"] = c.trainer.ref_logprobs(base)
-            if need.values:
-                extra["values"] = c.trainer.values(base)
-            batch, stats = objective.make_batch(groups, cfg.algo, extra, base)
+        if ahead is None:
+            with timer.phase("wait"):  # the trainer's idle time: waiting for scored groups
+                items = c.buffer.get(lc.batch_size, timeout=cfg.launch.timeout_s)
+            with timer.phase("prepare"):
+                groups, batch, stats, extra = prepare(c, items, need)
+        else:
+            (groups, batch, stats, extra), ahead = ahead, None
         with timer.phase("train"):
-            train_m = c.trainer.train(batch, loss_fn)
+            train_m, ahead = train_and_prepare_next(c, batch, loss_fn, need)
         with timer.phase("publish"):
             published_at[step + 1] = time.time()  # the optimizer step has just ended
             publish_s = c.trainer.publish(step + 1)
@@ -97,7 +93,9 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
         if "proximal_logprobs" in extra:
             metrics["logprob_diff_max"] = max(
                 float(((p - b).abs() * m).max()) for p, b, m in
-                zip(extra["proximal_logprobs"], base.fields["behaviour_logprobs"], base.loss_mask))
+                zip(extra["proximal_logprobs"], batch.fields["behaviour_logprobs"], batch.loss_mask))
+        for phase in ("time/wait", "time/prepare"):  # absent when prepared during the last step
+            metrics.setdefault(phase, 0.0)
         metrics["trainer_idle_frac"] = metrics["time/wait"] / max(metrics["time/step"], 1e-9)
         metrics["samples_per_s"] = len(batch) / max(metrics["time/step"], 1e-9)
         c.logger.log(step + 1, metrics)
@@ -107,6 +105,49 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
             c.checkpoint(step + 1, summary)
     c.producer.admitting = False
     return metrics
+
+
+def prepare(c, items, need: objective.Needs):
+    """Scored groups (in admission order) -> (groups, batch, stats, trainer extras)."""
+    groups = [g for _, g in sorted(items, key=lambda x: x[0])]
+    base = objective.base_batch([t for g in groups for t in g.trajectories])
+    extra = {}
+    if need.proximal:
+        extra["proximal_logprobs"] = c.trainer.logprobs(base)
+    if need.reference:
+        extra["ref_logprobs"] = c.trainer.ref_logprobs(base)
+    if need.values:
+        extra["values"] = c.trainer.values(base)
+    batch, stats = objective.make_batch(groups, c.cfg.algo, extra, base)
+    return groups, batch, stats, extra
+
+
+def train_and_prepare_next(c, batch, loss_fn, need: objective.Needs):
+    """Train on ``batch``. Meanwhile, when the next step's groups are already buffered (the
+    trainer is the slower role) and preparing them asks nothing of the trainer, prepare them
+    too: batch building then stays off the trainer's critical path. The groups are the ones
+    the next step would take anyway (the admission rule fixes their staleness), so nothing
+    but timing changes; with max_staleness 0 they are never buffered yet."""
+    n = c.cfg.loop.batch_size
+    if need.proximal or need.reference or need.values or len(c.buffer) < n:
+        return c.trainer.train(batch, loss_fn), None
+    result: dict = {}
+
+    def build() -> None:
+        try:
+            result["ahead"] = prepare(c, c.buffer.get(n, timeout=c.cfg.launch.timeout_s), need)
+        except BaseException as e:  # noqa: BLE001 - raised below, after training
+            result["error"] = e
+
+    worker = threading.Thread(target=build, name="prepare-next", daemon=True)
+    worker.start()
+    try:
+        train_m = c.trainer.train(batch, loss_fn)
+    finally:
+        worker.join(c.cfg.launch.timeout_s)
+    if "error" in result:
+        raise result["error"]
+    return train_m, result.get("ahead")
 
 
 def rollout_stats(groups: list[Group], step: int) -> dict[str, float]:

@@ -127,7 +127,7 @@ class Producer:
         fut: Future = Future()
         key, self._next_direct = self._next_direct, self._next_direct - 1
         self._direct[key] = fut
-        self.engines[engine_id].inbox.put(("generate", key, prompts, params))
+        self.engines[engine_id].inbox.put(("generate", key, prompts, params, self.version))
         return fut
 
     def _take(self, k: int) -> tuple[list, list]:
@@ -166,7 +166,9 @@ class Producer:
             self._chunks[first] = _Chunk(first, tasks, prompts, engine, time.perf_counter())
             engine.inflight += k
             self.inflight += k
-            engine.inbox.put(("generate", first, [list(p) for p in prompts], self.params_for_seed(seed)))
+            # The chunk carries the version it was admitted for: the engine starts it on no older weights.
+            engine.inbox.put(("generate", first, [list(p) for p in prompts], self.params_for_seed(seed),
+                              self.version))
 
     def _collect(self) -> None:
         try:

@@ -104,7 +104,8 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
         from conveyor.rollout.factory import make_engine
         engine = make_engine(cfg.rollout, path, tokenizer)
         inbox, outbox = queue.Queue(), queue.Queue()
-        t = threading.Thread(target=engine_loop, args=(engine, inbox, outbox, routes.readers[0], 0, partial),
+        t = threading.Thread(target=engine_loop, args=(engine, inbox, outbox, routes.readers[0], 0, partial,
+                                                       cfg.launch.timeout_s),
                              name="engine0", daemon=True)
         t.start()
         return [EngineHandle(0, inbox, thread=t)], outbox, engine.context_limit
@@ -113,7 +114,8 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
     handles = []
     for i, device in enumerate(placement.engine_devices):
         rollout = cfg.rollout.model_copy(update={"device": device}) if device != "cpu" else cfg.rollout
-        spec = {"path": path, "rollout": rollout.model_dump(mode="json"), "device": device}
+        spec = {"path": path, "rollout": rollout.model_dump(mode="json"), "device": device,
+                "timeout_s": cfg.launch.timeout_s}
         inbox = ctx.Queue()
         proc = RoleProcess(f"engine{i}", engine_process, (spec, inbox, outbox, routes.readers[i], i, partial),
                            run_dir / "logs", ctx, threads=cfg.launch.engine_threads)

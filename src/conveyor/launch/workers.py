@@ -1,9 +1,11 @@
 """Role workers: the engine's serve loop and the trainer's host, in a thread or a process.
 
 Contract
-- ``engine_loop(engine, inbox, outbox, weights, engine_id, partial)`` serves
-  generation requests ``("generate", chunk_id, prompts, params)`` from
-  ``inbox`` and answers ``("done", engine_id, chunk_id, completions, stats,
+- ``engine_loop(engine, inbox, outbox, weights, engine_id, partial, timeout_s)`` serves
+  generation requests ``("generate", chunk_id, prompts, params, version)``
+  from ``inbox`` (``version``: the weights the chunk was admitted for; the
+  engine takes them, waiting up to ``timeout_s``, before the chunk starts;
+  left out it is 0, the weights the engine was built with) and answers ``("done", engine_id, chunk_id, completions, stats,
   offset)`` on ``outbox`` until ``("stop",)``: ``completions`` are those of
   the chunk's prompts ``offset, offset + 1, ...`` (one list of samples per
   prompt); every prompt of a chunk is answered exactly once. ``stats`` holds
@@ -54,12 +56,14 @@ import threading
 import time
 import traceback
 
+from conveyor.transport.weights import WeightSyncTimeout
+
 # How often the streaming loop polls the weight transport between decode steps.
 WEIGHT_POLL_S = 0.002
 
 
-def engine_loop(engine, inbox, outbox, weights, engine_id: int, partial: bool) -> None:
-    server = _EngineServer(engine, inbox, outbox, weights, engine_id)
+def engine_loop(engine, inbox, outbox, weights, engine_id: int, partial: bool, timeout_s: float = 600.0) -> None:
+    server = _EngineServer(engine, inbox, outbox, weights, engine_id, timeout_s)
     try:
         if partial and getattr(engine, "streams", False):
             server.serve_stream()
@@ -72,9 +76,10 @@ def engine_loop(engine, inbox, outbox, weights, engine_id: int, partial: bool) -
 class _EngineServer:
     """One engine's serve loop state: its queues, weight transport and busy / idle clocks."""
 
-    def __init__(self, engine, inbox, outbox, weights, engine_id: int):
+    def __init__(self, engine, inbox, outbox, weights, engine_id: int, timeout_s: float):
         self.engine, self.inbox, self.outbox, self.weights = engine, inbox, outbox, weights
-        self.engine_id = engine_id
+        self.engine_id, self.timeout_s = engine_id, timeout_s
+        self.version = getattr(engine, "version", 0)  # the weights it holds (0: those it was built with)
         self.busy_s = self.idle_s = 0.0
         self.held = None  # a message read while streaming that could not join the running call
 
@@ -82,7 +87,22 @@ class _EngineServer:
         t0 = time.perf_counter()
         v = self.weights.poll(self.engine, self.engine_id)
         if v is not None:
+            self.version = v
             self.outbox.put(("weights", self.engine_id, v, time.time(), time.perf_counter() - t0))
+
+    def take_version(self, need: int) -> None:
+        """Apply weights now and, if chunks about to start were admitted for a later version
+        than the engine holds (its publish may still be on the way), wait for it: no token
+        of a chunk admitted for version v comes from older weights."""
+        self.take_weights()
+        deadline = time.monotonic() + self.timeout_s
+        while self.version < need:
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(
+                    f"engine {self.engine_id}: weights version {need} (a chunk was admitted for it) did not "
+                    f"arrive within {self.timeout_s:.0f}s; the engine holds version {self.version}")
+            time.sleep(0.0002)
+            self.take_weights()
 
     def next_message(self):
         """The held message, else the next one from the inbox (None after a short idle wait)."""
@@ -129,12 +149,12 @@ class _EngineServer:
                 chunks, stop_after = _merge_waiting(msg, self.inbox)
                 # Weights published before these requests were admitted must be in place
                 # before they start: that is what bounds staleness by the admission rule.
-                self.take_weights()
+                self.take_version(max(c[3] for c in chunks))
                 t0 = time.perf_counter()
-                outs = self.engine.generate([p for _, ps, _ in chunks for p in ps], chunks[0][2])
+                outs = self.engine.generate([p for _, ps, _, _ in chunks for p in ps], chunks[0][2])
                 self.busy_s += time.perf_counter() - t0
                 i = 0
-                for chunk_id, ps, _ in chunks:
+                for chunk_id, ps, _, _ in chunks:
                     self.report(chunk_id, outs[i:i + len(ps)], self.busy_s)
                     i += len(ps)
                 if stop_after:
@@ -160,8 +180,8 @@ class _EngineServer:
 
     def stream_call(self, first) -> None:
         """One ``generate_stream`` call that starts with ``first`` and takes compatible chunks as they come."""
-        _, first_id, prompts, params = first
-        pending = [(first_id, prompts)]
+        first_id, prompts, params, version = _request(first)
+        pending = [(first_id, prompts, version)]
         last_poll = float("-inf")
         t0 = time.perf_counter()
         evaluation: list = [None] * len(prompts)  # an evaluation request is answered whole
@@ -181,16 +201,20 @@ class _EngineServer:
                 if msg[0] == "generate" and not msg[2]:
                     self.report(msg[1], [], self.busy_s)  # nothing to generate: answered at once
                 elif msg[0] == "generate" and _joins(msg, first_id, params):
-                    new.append((msg[1], msg[2]))
+                    chunk_id, chunk_prompts, _, version = _request(msg)
+                    new.append((chunk_id, chunk_prompts, version))
                 else:
                     self.held = msg
             now = time.perf_counter()
-            # Always right before chunks enter the engine: they were admitted for the newest
-            # published version, so none of their tokens may come from an older one.
-            if new or now - last_poll >= WEIGHT_POLL_S:
+            # Always right before chunks enter the engine: none of their tokens may come
+            # from weights older than the version they were admitted for.
+            if new:
+                self.take_version(max(v for *_, v in new))
+                last_poll = now
+            elif now - last_poll >= WEIGHT_POLL_S:
                 self.take_weights()
                 last_poll = now
-            return new
+            return [(chunk_id, ps) for chunk_id, ps, _ in new]
 
         def on_done(chunk_id, i, samples) -> None:
             busy = self.busy_s + time.perf_counter() - t0
@@ -212,8 +236,8 @@ def _merge_waiting(first, inbox) -> tuple[list[tuple], bool]:
     chunks admitted while the engine was busy decode together in one larger batch.
     (With max_staleness 0 only one chunk is ever waiting, so nothing changes.) The
     merged call uses the first chunk's seed."""
-    _, chunk_id, prompts, params = first
-    chunks, stop_after, held = [(chunk_id, prompts, params)], False, []
+    chunks, stop_after, held = [_request(first)], False, []
+    chunk_id, params = chunks[0][0], chunks[0][2]
     while True:
         try:
             msg = inbox.get_nowait()
@@ -223,12 +247,17 @@ def _merge_waiting(first, inbox) -> tuple[list[tuple], bool]:
             stop_after = True
             break
         if _joins(msg, chunk_id, params):
-            chunks.append((msg[1], msg[2], msg[3]))
+            chunks.append(_request(msg))
         else:
             held.append(msg)
     for msg in held:  # evaluation requests and different settings keep their turn
         inbox.put(msg)
     return chunks, stop_after
+
+
+def _request(msg) -> tuple:
+    """``(chunk_id, prompts, params, version)`` of a generate message (version 0 if left out)."""
+    return msg[1], msg[2], msg[3], msg[4] if len(msg) > 4 else 0
 
 
 def _joins(msg, first_id: int, params) -> bool:
@@ -247,7 +276,7 @@ def engine_process(spec: dict, inbox, outbox, weights, engine_id: int, partial: 
     engine = make_engine(RolloutConfig.model_validate(spec["rollout"]), spec["path"])
     weights.poll(engine, engine_id)
     outbox.put(("ready", engine_id, engine.context_limit))
-    engine_loop(engine, inbox, outbox, weights, engine_id, partial)
+    engine_loop(engine, inbox, outbox, weights, engine_id, partial, spec.get("timeout_s", 600.0))
 
 
 def _bind_device(device: str) -> None:
@@ -276,7 +305,9 @@ class TrainerHost:
         gather_dtype = getattr(self.trainer, "gathers_weights", False) and self.publish_dtype
         # A sharded trainer gathers in the engines' dtype (half the bytes for bf16 engines).
         named = self.trainer.named_weights(gather_dtype) if gather_dtype else self.trainer.named_weights()
-        publish_all(self.transports, named, version)
+        # No wait for the engines' receives: each engine waits for the version its chunks were
+        # admitted for (engine_loop), so the trainer goes back to training sooner.
+        publish_all(self.transports, named, version, wait=False)
         return time.perf_counter() - t0
 
     def save_checkpoint(self, path, extra):

@@ -51,7 +51,7 @@ from torch import nn
 from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
-from conveyor.trainer.logprobs import token_logprobs
+from conveyor.trainer.logprobs import kernel_available, token_logprobs
 from conveyor.trainer.microbatch import collate, plan_microbatches
 from conveyor.types import Batch
 
@@ -193,7 +193,15 @@ def logprob_fn(cfg: TrainerConfig):
     if cfg.compile:  # the compiler fuses the plain form; the chunked loop would only get in its way
         return torch.compile(functools.partial(token_logprobs, chunk_rows=None), dynamic=True)
     return functools.partial(token_logprobs, chunk_rows=cfg.logprob_chunk_rows,
-                             kernel=None if cfg.logprob_kernel else False)
+                             kernel=None if cfg.kernels else False)
+
+
+def fuse_norms(cfg: TrainerConfig, model: nn.Module, device: torch.device) -> None:
+    """Our Triton RMSNorm in ``model`` when ``cfg.kernels`` on a GPU (not under the compiler,
+    which fuses the norms itself)."""
+    if cfg.kernels and not cfg.compile and device.type == "cuda" and kernel_available():
+        from conveyor.trainer.norm_kernel import use_fused_norms
+        use_fused_norms(model)
 
 
 def compute_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
@@ -331,6 +339,7 @@ class LocalTrainer:
             _enable_checkpointing(self.compute)
             if self.critic is not None:
                 _enable_checkpointing(self.critic.backbone)
+        fuse_norms(cfg, self.compute, self.device)
         if cfg.compile:
             compile_layers(self.compute)
         self._token_logprobs = logprob_fn(cfg)

@@ -17,7 +17,9 @@ Contract
   its last tensor is put (buckets in order), so casting the next bucket
   overlaps sending this one. ``commit`` sends a trailer ``[serial]`` and
   returns once every engine has received all of it (the root's broadcast
-  may end first; chunks admitted for the version must find it in staging); a publish that fails or lacks a tensor sends the
+  may end first); ``commit(wait=False)`` returns when the root's sends are
+  done, for callers whose engines wait for the version a chunk was admitted
+  for (the RL loop's publishes). A publish that fails or lacks a tensor sends the
   rest and a trailer ``[-1]`` instead, and the engines discard it (they keep
   the version they have; a received but unapplied one is dropped too). The
   first publish opens the group: a TCPStore on ``port`` hosted by the writer
@@ -222,7 +224,7 @@ class BroadcastWeights:
             self._send(self._buckets[self._next])
             self._next += 1
 
-    def _finish(self, complete: bool) -> None:
+    def _finish(self, complete: bool, wait: bool = True) -> None:
         """Send what is left and the trailer (the serial if ``complete``, else -1: readers then
         discard what they received), then wait for every broadcast of this publish."""
         serial = int(self._serial.value)
@@ -238,10 +240,9 @@ class BroadcastWeights:
         except RuntimeError as e:
             self._failed(e)
         self._works, self._sent, self._pending_version = [], [], None
-        if complete:
-            # The root's broadcast can end before the engines' receives do. Returning only
-            # once every engine holds the version keeps the admission rule exact: chunks
-            # admitted for it find it in staging when they poll before starting.
+        if complete and wait:
+            # The root's broadcast can end before the engines' receives do (the next
+            # begin() waits for them in any case, before reusing the buckets).
             self._wait_acks(serial)
 
     def _wait_acks(self, serial: int) -> None:
@@ -257,10 +258,10 @@ class BroadcastWeights:
                     f"(serial {serial}) within {self.timeout_s:.0f}s; its receiver is stalled or dead")
             time.sleep(0.0002)
 
-    def commit(self) -> None:
+    def commit(self, wait: bool = True) -> None:
         version = self._pending_version
         missing = [n for n in self.names if n not in self._filled]
-        self._finish(complete=not missing)
+        self._finish(complete=not missing, wait=wait)
         if missing:
             raise KeyError(f"weight publish of version {version}: missing tensors {missing[:3]}; "
                            "the engines keep the previous version")

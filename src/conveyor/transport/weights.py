@@ -143,7 +143,9 @@ class StagedWeights:
             self.tensors[i].copy_(tensor.detach())
         self._filled.add(name)
 
-    def commit(self) -> None:
+    def commit(self, wait: bool = True) -> None:
+        """Announce the version (complete once this returns; ``wait`` is for transports whose
+        readers may still be receiving)."""
         try:
             missing = [n for n in self.names if n not in self._filled]
             if missing:
@@ -201,8 +203,11 @@ class Fanin:
         return got
 
 
-def publish_all(transports: list, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-    """One pass over ``named_tensors`` (a sharded trainer gathers each once) feeding every transport."""
+def publish_all(transports: list, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                wait: bool = True) -> None:
+    """One pass over ``named_tensors`` (a sharded trainer gathers each once) feeding every transport.
+    ``wait=False`` returns before every reader holds the version (broadcast): only for callers
+    whose readers wait for the version they need themselves (``engine_loop``'s chunks)."""
     for t in transports:
         t.begin(version)
     try:
@@ -214,4 +219,4 @@ def publish_all(transports: list, named_tensors: Iterable[tuple[str, torch.Tenso
             t.abort()
         raise
     for t in transports:
-        t.commit()
+        t.commit(wait)

@@ -64,9 +64,9 @@ def specs(model):
     return [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
 
 
-def serve(eng, weights, partial=True):
+def serve(eng, weights, partial=True, timeout_s=600.0):
     inbox, outbox = queue.Queue(), queue.Queue()
-    t = threading.Thread(target=engine_loop, args=(eng, inbox, outbox, weights, 0, partial), daemon=True)
+    t = threading.Thread(target=engine_loop, args=(eng, inbox, outbox, weights, 0, partial, timeout_s), daemon=True)
     t.start()
     return inbox, outbox, t
 
@@ -195,6 +195,38 @@ def test_weights_published_mid_call_reach_running_and_later_chunks(model, tok, p
     weights.publish(model.state_dict().items(), version=2)
     assert messages(outbox, "weights", 1)[0][2] == 2 and eng.version == 2
     stop(inbox, t)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_chunk_waits_for_the_version_it_was_admitted_for(model, tok, params, short_long, partial):
+    """The loop publishes without waiting for the engines' receives; a chunk admitted for
+    version 1 must still not decode a token on version 0 while that publish is on its way."""
+    _, long = short_long
+    other = tiny(tok, seed=7)
+    weights = StagedWeights(specs(model))
+    eng = fast(model, tok)
+    inbox, outbox, t = serve(eng, weights, partial)
+    inbox.put(("generate", 0, [long], params, 1))  # admitted for version 1, not yet published
+    time.sleep(0.3)
+    assert outbox.empty()  # waiting, not generating on version 0
+    weights.publish(other.state_dict().items(), version=1)
+    log = read(outbox, "done", 1)
+    assert [(m[0], m[2]) for m in log] == [("weights", 1), ("done", 0)]
+    done = log[1][3][0][0]
+    assert done.versions == [1] * len(done.token_ids) and done.token_ids
+    assert done.token_ids == fast(other, tok).generate([long], params)[0][0].token_ids
+    stop(inbox, t)
+
+
+def test_a_version_that_never_comes_is_a_named_error(model, tok, params, short_long):
+    _, long = short_long
+    inbox, outbox, t = serve(fast(model, tok), StagedWeights(specs(model)), timeout_s=0.5)
+    inbox.put(("generate", 3, [long], params, 2))
+    (err,) = messages(outbox, "error", 1)
+    assert "engine 0: weights version 2 (a chunk was admitted for it) did not arrive within 0s" in err[2]
+    assert "the engine holds version 0" in err[2]
+    t.join(timeout=10)
+    assert not t.is_alive()
 
 
 def test_bad_chunk_is_reported_as_an_error(model, tok, params, short_long):
