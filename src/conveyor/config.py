@@ -136,7 +136,7 @@ class TrainerConfig(_Section):
         "copy of the model, gradients summed in float32: no per-op casts), float32 on CPU (exact)"))
     kernels: bool = Field(True, description=(
         "on a GPU with Triton, our fused kernels for the logprob head (one read of the logits per pass) "
-        "and for RMSNorm (Llama/Qwen/Mistral); false = plain torch ops"))
+        "and for RMSNorm and the SwiGLU product (Llama/Qwen/Mistral); false = plain torch ops"))
     reference: bool = Field(False, description="keep a frozen reference model (needed for a KL term)")
     critic: bool = Field(False, description="train a value head (needed for GAE / PPO with a critic)")
     critic_lr: float = Field(1e-5, gt=0)

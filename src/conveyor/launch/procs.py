@@ -165,6 +165,7 @@ def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, t
                 continue
             status, value = _receive(c.conn, c.proc, method)
             if status == "err":
+                _peer_died(clients)  # a rank whose peer died fails in its collective: name the death
                 raise RoleError(f"{c.proc.role}.{method} raised in the {c.proc.role} process:\n{value}")
             answers[i] = value
         late = [c for i, c in enumerate(clients) if i not in answers]
@@ -172,6 +173,18 @@ def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, t
             raise RoleError(f"{', '.join(c.proc.role for c in late)}.{method} did not answer within "
                             f"{timeout:.0f}s; last lines of {late[0].proc.role}'s log:\n{late[0].proc.last_lines()}")
     return [answers[i] for i in range(len(clients))]
+
+
+def _peer_died(clients: list[RpcClient], grace_s: float = 1.0) -> None:
+    """Raise the exit of any of ``clients``' processes, waiting up to ``grace_s`` for one to be
+    reaped (no wait with a single client: there is no peer)."""
+    deadline = time.monotonic() + (grace_s if len(clients) > 1 else 0.0)
+    while True:
+        for c in clients:
+            c.proc.check()
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
 
 
 def _receive(conn, proc: RoleProcess, method: str):

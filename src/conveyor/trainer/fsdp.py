@@ -57,7 +57,7 @@ from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.local import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
-                                    _load_policy, _MetricMean, compile_layers, decoder_layers, fuse_norms,
+                                    _load_policy, _MetricMean, compile_layers, decoder_layers, fuse_layers,
                                     head_start, logprob_fn, no_cudnn_attention, resolve_device)
 from conveyor.trainer.microbatch import _check_aligned, collate, plan_microbatches
 from conveyor.types import Batch
@@ -174,7 +174,7 @@ class FSDPTrainer(LocalTrainer):
             _enable_checkpointing(model)
             if critic is not None:
                 _enable_checkpointing(critic.backbone)
-        fuse_norms(cfg, model, self.device)
+        fuse_layers(cfg, model, self.device)
         if cfg.compile:  # before sharding, as FSDP2 expects
             compile_layers(model)
         self._token_logprobs = logprob_fn(cfg)

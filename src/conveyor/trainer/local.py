@@ -196,12 +196,12 @@ def logprob_fn(cfg: TrainerConfig):
                              kernel=None if cfg.kernels else False)
 
 
-def fuse_norms(cfg: TrainerConfig, model: nn.Module, device: torch.device) -> None:
-    """Our Triton RMSNorm in ``model`` when ``cfg.kernels`` on a GPU (not under the compiler,
-    which fuses the norms itself)."""
+def fuse_layers(cfg: TrainerConfig, model: nn.Module, device: torch.device) -> None:
+    """Our Triton RMSNorm and SwiGLU in ``model`` when ``cfg.kernels`` on a GPU (not under the
+    compiler, which fuses them itself)."""
     if cfg.kernels and not cfg.compile and device.type == "cuda" and kernel_available():
-        from conveyor.trainer.norm_kernel import use_fused_norms
-        use_fused_norms(model)
+        from conveyor.trainer.layer_kernels import use_fused_layers
+        use_fused_layers(model)
 
 
 def compute_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
@@ -339,7 +339,7 @@ class LocalTrainer:
             _enable_checkpointing(self.compute)
             if self.critic is not None:
                 _enable_checkpointing(self.critic.backbone)
-        fuse_norms(cfg, self.compute, self.device)
+        fuse_layers(cfg, self.compute, self.device)
         if cfg.compile:
             compile_layers(self.compute)
         self._token_logprobs = logprob_fn(cfg)

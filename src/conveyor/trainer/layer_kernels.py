@@ -1,4 +1,4 @@
-"""RMSNorm as one Triton kernel each way, for the trainer on a GPU.
+"""RMSNorm and the SwiGLU product as one Triton kernel each way, for the trainer on a GPU.
 
 Hugging Face's Llama / Qwen2 / Qwen3 / Mistral RMSNorm is eight element-wise
 ops forward and about as many backward, each a pass over the activations
@@ -14,9 +14,14 @@ normalised row rounded to the input dtype before it is scaled by the weight
 (``weight * x_hat.to(input_dtype)``), gradients through that rounding as
 autograd takes them.
 
-Contract: ``use_fused_norms(model) -> int`` swaps the forward of every
-supported norm module of ``model`` (by class name) for ``rms_norm`` and
-returns how many; ``rms_norm(x, weight, eps)`` works on any ``[..., H]``.
+The MLP's ``silu(gate) * up`` is two kernels forward and three backward in
+torch, over the widest activations of the layer; here one each way, with
+``silu(gate)`` rounded to the input dtype before the product, as torch does.
+
+Contract: ``use_fused_layers(model) -> int`` swaps the forward of every
+supported norm and SiLU MLP module of ``model`` (by class name) for
+``rms_norm`` / ``swiglu`` and returns how many; ``rms_norm(x, weight, eps)``
+works on any ``[..., H]``, ``swiglu(gate, up)`` on any two equal shapes.
 Set ``TRITON_INTERPRET=1`` before importing to run on CPU tensors (tests do).
 """
 from __future__ import annotations
@@ -27,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-SUPPORTED = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
+NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
+MLPS = {"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP"}
+ELEMENTS = 2048  # SwiGLU: elements per program
 ROWS_PER_PROGRAM = 32  # backward: each program sums the weight gradient of this many rows
 
 
@@ -96,18 +103,81 @@ class _RMSNorm(torch.autograd.Function):
         return dx.view(ctx.shape), part.sum(0).to(weight.dtype), None
 
 
+@triton.jit
+def _swiglu_forward(gate, up, out, n, BLOCK: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = idx < n
+    g = tl.load(gate + idx, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(up + idx, mask=inside, other=0.0).to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + idx, (act * u).to(out.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _swiglu_backward(gate, up, grad, d_gate, d_up, n, BLOCK: tl.constexpr):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = idx < n
+    g = tl.load(gate + idx, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(up + idx, mask=inside, other=0.0).to(tl.float32)
+    d = tl.load(grad + idx, mask=inside, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    act = (g * sig).to(d_up.dtype.element_ty).to(tl.float32)
+    d_act = (d * u).to(d_gate.dtype.element_ty).to(tl.float32)
+    tl.store(d_up + idx, (d * act).to(d_up.dtype.element_ty), mask=inside)
+    tl.store(d_gate + idx, (d_act * sig * (1.0 + g * (1.0 - sig))).to(d_gate.dtype.element_ty), mask=inside)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor):
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        n = gate.numel()
+        if n:
+            _swiglu_forward[(triton.cdiv(n, ELEMENTS),)](gate, up, out, n, BLOCK=ELEMENTS, num_warps=4)
+        ctx.save_for_backward(gate, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad = grad.contiguous()
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        if n:
+            _swiglu_backward[(triton.cdiv(n, ELEMENTS),)](gate, up, grad, d_gate, d_up, n, BLOCK=ELEMENTS,
+                                                          num_warps=4)
+        return d_gate, d_up
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
-def _forward_of(module, hidden_states: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
+    return _SwiGLU.apply(gate, up)
+
+
+def _norm_forward(module, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
 
-def use_fused_norms(model: torch.nn.Module) -> int:
+def _mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
+    return module.down_proj(swiglu(module.gate_proj(x), module.up_proj(x)))
+
+
+def use_fused_layers(model: torch.nn.Module) -> int:
     count = 0
     for m in model.modules():
-        if type(m).__name__ in SUPPORTED and hasattr(m, "variance_epsilon"):
-            m.forward = types.MethodType(_forward_of, m)
-            count += 1
+        name = type(m).__name__
+        if name in NORMS and hasattr(m, "variance_epsilon"):
+            m.forward = types.MethodType(_norm_forward, m)
+        elif name in MLPS and getattr(getattr(m, "config", None), "hidden_act", None) in ("silu", "swish"):
+            m.forward = types.MethodType(_mlp_forward, m)
+        else:
+            continue
+        count += 1
     return count
