@@ -1,0 +1,86 @@
+"""While the trainer trains, the loop builds the next batch when its groups are already buffered."""
+import random
+import types
+
+import pytest
+import torch
+
+from conveyor import objective
+from conveyor.config import load_config
+from conveyor.data.tiny import build_model, build_tokenizer
+from conveyor.loop import prepare, train_and_prepare_next
+from conveyor.trainer.local import LocalTrainer
+from conveyor.transport.buffer import TrajectoryBuffer
+from conveyor.types import Group, Task, Trajectory
+
+N, G = 4, 4  # groups per step, samples per group
+
+
+def groups(count: int, seed: int, sizes=None):
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        task = Task(id=f"t{seed}-{i}", prompt="x")
+        trajs = []
+        for _ in range((sizes or {}).get(i, G)):
+            n = rng.randint(1, 6)
+            ids = tuple(rng.randrange(8, 60) for _ in range(n))
+            trajs.append(Trajectory(task=task, prompt_ids=(5, 6, 7), completion_ids=ids,
+                                    logprobs=tuple(-rng.random() for _ in range(n)), versions=(0,) * n,
+                                    loss_mask=(1,) * n, reward=rng.random()))
+        out.append((seed * 100 + i, Group(task, tuple(trajs))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    cfg = load_config(None, [f"loop.batch_size={N}", "trainer.device=cpu", "launch.timeout_s=30"])
+    trainer = LocalTrainer(build_model(build_tokenizer(), hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                                       intermediate_size=64, seed=0), cfg.trainer, total_steps=10)
+    loss = objective.PolicyLoss(cfg.algo, norm_len=cfg.rollout.max_new_tokens, one_update=True)
+    return cfg, trainer, loss
+
+
+def components(cfg, trainer, items):
+    buffer = TrajectoryBuffer(64)
+    for item in items:
+        buffer.put(item, timeout=1)
+    return types.SimpleNamespace(cfg=cfg, trainer=trainer, buffer=buffer)
+
+
+def test_the_next_batch_is_built_from_the_buffered_groups(bundle):
+    cfg, trainer, loss = bundle
+    need = objective.needs(cfg.algo, one_update=True)
+    first, second = groups(N, 1), groups(N, 2)
+    c = components(cfg, trainer, second + groups(2, 3))
+    _, batch, _, _ = prepare(c, first, need)
+    metrics, ahead = train_and_prepare_next(c, batch, loss, need)
+    assert metrics["num_seqs"] == N * G
+    got_groups, got_batch, stats, _ = ahead
+    want_groups, want_batch, want_stats, _ = prepare(c, second, need)
+    assert [g.task.id for g in got_groups] == [g.task.id for g in want_groups]
+    assert all(torch.equal(a, b) for a, b in zip(got_batch.input_ids, want_batch.input_ids))
+    assert all(torch.equal(a, b) for a, b in zip(got_batch.fields["advantages"], want_batch.fields["advantages"]))
+    assert stats == want_stats and len(c.buffer) == 2  # the later groups stay for the step after
+
+
+def test_nothing_is_taken_without_a_full_batch_or_when_the_trainer_is_needed(bundle):
+    cfg, trainer, loss = bundle
+    _, batch, _, _ = prepare(components(cfg, trainer, []), groups(N, 1), objective.needs(cfg.algo, True))
+    c = components(cfg, trainer, groups(N - 1, 2))
+    assert train_and_prepare_next(c, batch, loss, objective.needs(cfg.algo, True))[1] is None
+    assert len(c.buffer) == N - 1
+    c = components(cfg, trainer, groups(N, 2))
+    proximal = objective.Needs(proximal=True, reference=False, values=False)
+    assert train_and_prepare_next(c, batch, loss, proximal)[1] is None and len(c.buffer) == N
+
+
+def test_a_bad_next_batch_fails_after_the_step_trained(bundle):
+    cfg, trainer, loss = bundle
+    need = objective.needs(cfg.algo, True)
+    _, batch, _, _ = prepare(components(cfg, trainer, []), groups(N, 1), need)
+    c = components(cfg, trainer, groups(N, 2, sizes={0: G - 1}))  # unequal groups: no group advantages
+    step = trainer.step
+    with pytest.raises(ValueError, match="equal group sizes"):
+        train_and_prepare_next(c, batch, loss, need)
+    assert trainer.step == step + 1
