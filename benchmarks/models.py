@@ -84,20 +84,27 @@ def prompt_text(ids: list[int], vocab_size: int) -> str:
     return "".join(" " + tokens[i][1:] for i in ids)
 
 
-def build_w1_model(out_dir: str | Path, shape_name: str, seed: int = 0, dtype: str = "bfloat16") -> Path:
-    out = Path(out_dir)
-    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
-        return out
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
+def w1_config(shape_name: str):
+    """The Qwen2 configuration of ``bounds.SHAPES[shape_name]``."""
+    from transformers import Qwen2Config
     s = SHAPES[shape_name]
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
         num_key_value_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.ffn,
         max_position_embeddings=s.max_positions, tie_word_embeddings=s.tied, rope_theta=1_000_000.0,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa",
     )
+
+
+def build_w1_model(out_dir: str | Path, shape_name: str, seed: int = 0, dtype: str = "bfloat16") -> Path:
+    out = Path(out_dir)
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    s = SHAPES[shape_name]
+    config = w1_config(shape_name)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config.pad_token_id = 0

@@ -161,3 +161,19 @@ def test_steps_without_an_engine_report_are_covered_by_scaling():
     assert m["engine_report_coverage"] == pytest.approx(0.5)
     assert m["engine_idle_frac"] == pytest.approx(0.5)                 # busy 0.5 s of 1 s, scaled to 1 s of 2 s
     assert m["rollout_tokens_per_s"] == pytest.approx(12 / 1.0)
+
+
+def test_weight_sync_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/weight_sync_gpu.py over gloo: versions reach both engines and are timed."""
+    import os
+    import subprocess
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "weight_sync_gpu.py"), "--model", "tiny",
+                          "--backend", "gloo", "--engines", "2", "--reps", "3", "--bucket-mb", "1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    rec = json.loads((tmp_path / "weight-sync-tiny-e2-b1.json").read_text())
+    assert rec["tensors"] > 10 and rec["bytes"] > 0
+    assert set(rec["publish_ms"]) == {"float32", "bfloat16"}
+    assert all(s["median"] > 0 for s in rec["publish_ms"].values())
+    assert rec["versions_applied"]["0"] >= 1 and set(rec["applied_ms"]) == {"0", "1"}

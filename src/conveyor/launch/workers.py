@@ -302,9 +302,9 @@ class TrainerHost:
     def publish(self, version: int) -> float:
         from conveyor.transport.weights import publish_all
         t0 = time.perf_counter()
-        gather_dtype = getattr(self.trainer, "gathers_weights", False) and self.publish_dtype
-        # A sharded trainer gathers in the engines' dtype (half the bytes for bf16 engines).
-        named = self.trainer.named_weights(gather_dtype) if gather_dtype else self.trainer.named_weights()
+        # In the engines' dtype: a sharded trainer gathers half the bytes for bf16 engines, a
+        # single-device one hands its bf16 compute copy (the masters rounded as a cast would).
+        named = self.trainer.named_weights(self.publish_dtype) if self.publish_dtype else self.trainer.named_weights()
         # No wait for the engines' receives: each engine waits for the version its chunks were
         # admitted for (engine_loop), so the trainer goes back to training sooner.
         publish_all(self.transports, named, version, wait=False)

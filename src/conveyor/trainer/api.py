@@ -85,8 +85,9 @@ class Trainer(Protocol):
         """Update the weights on ``batch`` with ``loss_fn``; returns metrics."""
         ...
 
-    def named_weights(self) -> Iterator[tuple[str, "torch.Tensor"]]:
-        """Policy tensors named as in ``model.state_dict()``, for publishing to engines."""
+    def named_weights(self, dtype: "torch.dtype | None" = None) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """Policy tensors named as in ``model.state_dict()``, for publishing to engines; ``dtype``
+        (the engines', when all agree) lets a trainer hand tensors already in it."""
         ...
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:

@@ -142,9 +142,6 @@ def _shard(module: nn.Module, mesh, mp_policy) -> nn.Module:
 class FSDPTrainer(LocalTrainer):
     """Policy (+ optional reference and critic) sharded over the default process group."""
 
-    # named_weights(dtype) gathers in that dtype: publishers pass the engines' dtype.
-    gathers_weights = True
-
     def __init__(self, model_path_or_model: Any, cfg: TrainerConfig, total_steps: int,
                  temperature: float = 1.0, pad_token_id: int = 0):
         if not (dist.is_available() and dist.is_initialized()):

@@ -547,9 +547,12 @@ class LocalTrainer:
         return norm
 
     # ----------------------------------------------------- weights and files
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Live policy tensors (no copy) named as in ``state_dict()``; copy before the next train()."""
-        yield from self.model.state_dict().items()
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Live policy tensors (no copy) named as in ``state_dict()``; copy before the next train().
+        With ``dtype`` equal to the compute copy's (bf16 engines), the compute copy's tensors: the
+        masters rounded the same way, and same-dtype copies let a publish batch its copies."""
+        copy_dtype = self._copies[0][0].dtype if self._copies else None
+        yield from (self.compute if dtype is not None and dtype == copy_dtype else self.model).state_dict().items()
 
     def training_state(self) -> dict[str, Any]:
         """Optimizer, scheduler and step state (everything but weights and RNG) for checkpoints."""

@@ -15,7 +15,9 @@ Contract
   announces serial and version in shared memory and broadcasts a header
   ``[serial, version, tensors, numel]``. Each bucket is broadcast as soon as
   its last tensor is put (buckets in order), so casting the next bucket
-  overlaps sending this one. ``commit`` sends a trailer ``[serial]`` and
+  overlaps sending this one (a bucket's tensors are copied together, with one
+  foreach call, so a writer's tensors must stay valid until ``commit``).
+  ``commit`` sends a trailer ``[serial]`` and
   returns once every engine has received all of it (the root's broadcast
   may end first); ``commit(wait=False)`` returns when the root's sends are
   done, for callers whose engines wait for the version a chunk was admitted
@@ -184,6 +186,7 @@ class BroadcastWeights:
         for b in self._bucket_of.values():
             self._left[b] += 1
         self._next, self._works, self._sent = 0, [], []
+        self._queued: list[list] = [[] for _ in self._buckets]
         header = torch.tensor([serial + 1, version, len(self.names), sum(self.sizes)], dtype=torch.long,
                               device=self._device())
         self._version.value = int(version)
@@ -214,21 +217,32 @@ class BroadcastWeights:
         slot = self._slots.get(name)
         if slot is None:
             return  # not sent (e.g. an output embedding tied to the input one)
-        with torch.no_grad():
-            slot.copy_(tensor.detach())
+        b = self._bucket_of[name]
+        # Copied with the rest of its bucket in one foreach call when the bucket is complete:
+        # a launch (and Python call) per tensor made the host the slow side of a publish.
+        # Writers hand tensors that stay valid until commit (live weights, fresh gathers).
+        self._queued[b].append((slot, tensor.detach()))
         if name not in self._filled:
             self._filled.add(name)
-            self._left[self._bucket_of[name]] -= 1
+            self._left[b] -= 1
         # Buckets go out in order, each as soon as all of its tensors are in.
         while self._next < len(self._left) and self._left[self._next] == 0:
+            self._fill(self._next)
             self._send(self._buckets[self._next])
             self._next += 1
+
+    def _fill(self, b: int) -> None:
+        pairs, self._queued[b] = self._queued[b], []
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([slot for slot, _ in pairs], [t for _, t in pairs])
 
     def _finish(self, complete: bool, wait: bool = True) -> None:
         """Send what is left and the trailer (the serial if ``complete``, else -1: readers then
         discard what they received), then wait for every broadcast of this publish."""
         serial = int(self._serial.value)
         for b in range(self._next, len(self._buckets)):
+            self._fill(b)
             self._send(self._buckets[b])
         self._next = len(self._buckets)
         self._send(torch.tensor([serial if complete else -1], dtype=torch.long, device=self._device()))
@@ -240,6 +254,7 @@ class BroadcastWeights:
         except RuntimeError as e:
             self._failed(e)
         self._works, self._sent, self._pending_version = [], [], None
+        self._queued = [[] for _ in self._buckets]
         if complete and wait:
             # The root's broadcast can end before the engines' receives do (the next
             # begin() waits for them in any case, before reusing the buckets).

@@ -77,3 +77,14 @@ def test_checkpoints_hold_the_float32_masters(make_model, make_batch, pg_loss, t
     assert_copy_matches_masters(restored)
     assert dict(trainer.named_weights()).keys() == dict(restored.named_weights()).keys()
     assert {t.dtype for _, t in trainer.named_weights()} == {torch.float32}
+
+
+def test_weights_for_bf16_engines_are_the_masters_rounded(make_model, make_batch, pg_loss):
+    trainer = LocalTrainer(make_model(), cfg(param_dtype="bfloat16"), total_steps=4)
+    trainer.train(make_batch(LENGTHS), pg_loss)
+    masters = dict(trainer.named_weights())
+    rounded = dict(trainer.named_weights(torch.bfloat16))
+    assert rounded.keys() == masters.keys()
+    for name, t in rounded.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, masters[name].to(torch.bfloat16)), name
+    assert {t.dtype for t in dict(trainer.named_weights(torch.float16)).values()} == {torch.float32}
