@@ -8,7 +8,7 @@ import torch
 from conveyor import objective
 from conveyor.config import load_config
 from conveyor.data.tiny import build_model, build_tokenizer
-from conveyor.loop import prepare, train_and_prepare_next
+from conveyor.step_batch import prepare, train_and_prepare_next
 from conveyor.trainer.local import LocalTrainer
 from conveyor.transport.buffer import TrajectoryBuffer
 from conveyor.types import Group, Task, Trajectory

@@ -5,8 +5,9 @@ Contract
   generation requests ``("generate", chunk_id, prompts, params, version)``
   from ``inbox`` (``version``: the weights the chunk was admitted for; the
   engine takes them, waiting up to ``timeout_s``, before the chunk starts;
-  left out it is 0, the weights the engine was built with) and answers ``("done", engine_id, chunk_id, completions, stats,
-  offset)`` on ``outbox`` until ``("stop",)``: ``completions`` are those of
+  left out it is 0, the weights the engine was built with) and answers
+  ``("done", engine_id, chunk_id, completions, stats, offset)`` on
+  ``outbox`` until ``("stop",)``: ``completions`` are those of
   the chunk's prompts ``offset, offset + 1, ...`` (one list of samples per
   prompt); every prompt of a chunk is answered exactly once. ``stats`` holds
   ``busy_s`` (seconds inside generation calls so far) and ``idle_s`` (the
@@ -208,11 +209,8 @@ class _EngineServer:
             now = time.perf_counter()
             # Always right before chunks enter the engine: none of their tokens may come
             # from weights older than the version they were admitted for.
-            if new:
-                self.take_version(max(v for *_, v in new))
-                last_poll = now
-            elif now - last_poll >= WEIGHT_POLL_S:
-                self.take_weights()
+            if new or now - last_poll >= WEIGHT_POLL_S:
+                self.take_version(max((v for *_, v in new), default=0))
                 last_poll = now
             return [(chunk_id, ps) for chunk_id, ps, _ in new]
 

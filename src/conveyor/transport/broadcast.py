@@ -178,13 +178,14 @@ class BroadcastWeights:
             self._buckets = self._alloc()
             self._slots = dict(self._views(self._buckets))
             self._bucket_of = {name: b for name, _, b, _ in self.layout}
+            self._per_bucket = [0] * len(self.sizes)  # tensors per bucket
+            for b in self._bucket_of.values():
+                self._per_bucket[b] += 1
             self._stream = torch.cuda.Stream() if self.backend == "nccl" else None
         serial = int(self._serial.value)
         self._wait_acks(serial)  # after an aborted publish, nobody waited for its receivers
         self._filled, self._pending_version = set(), int(version)
-        self._left = [0] * len(self.sizes)
-        for b in self._bucket_of.values():
-            self._left[b] += 1
+        self._left = list(self._per_bucket)
         self._next, self._works, self._sent = 0, [], []
         self._queued: list[list] = [[] for _ in self._buckets]
         header = torch.tensor([serial + 1, version, len(self.names), sum(self.sizes)], dtype=torch.long,
@@ -254,7 +255,6 @@ class BroadcastWeights:
         except RuntimeError as e:
             self._failed(e)
         self._works, self._sent, self._pending_version = [], [], None
-        self._queued = [[] for _ in self._buckets]
         if complete and wait:
             # The root's broadcast can end before the engines' receives do (the next
             # begin() waits for them in any case, before reusing the buckets).
