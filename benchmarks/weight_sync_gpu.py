@@ -8,8 +8,10 @@ does, float32 masters and a bf16 compute copy, and publishes them as the RL loop
 (``publish_all(..., wait=False)``): ``--source float32`` casts the masters into the
 buckets, ``bfloat16`` copies the compute copy. Each engine process (GPU i) receives in
 its thread and applies every version to its own copy of the weights, as an engine does.
-Reported per source: publish ms (the trainer's side: what ``weight_publish_ms`` logs in
-the loop) and, per engine, announce -> applied ms; median, p10 and p90 over ``--reps``.
+Reported per source: publish ms (the trainer's side, what ``weight_publish_ms`` logs in
+the loop: the copies and sends are queued and the trainer trains on), sent ms (until the
+root's sends end) and, per engine, announce -> applied ms (the end-to-end weight sync an
+engine sees when it polls at once); median, p10 and p90 over ``--reps``.
 One JSON per run in ``--out``. No model weights are needed: the shapes come from the
 configuration (random values).
 """
@@ -50,8 +52,8 @@ class _Engine:
         items = list(items)
         if self.own is None:
             self.own = {n: torch.empty_like(t) for n, t in items}
-        for name, t in items:
-            self.own[name].copy_(t)
+        # One foreach copy, as NativeEngine.update_weights does.
+        torch._foreach_copy_([self.own[n] for n, _ in items], [t for _, t in items])
         self.version = version
 
 
@@ -109,10 +111,10 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     masters = [(n, torch.randn(s, generator=gen, device=device) * 0.02) for n, s in specs]
     copies = [(n, t.to(dtype)) for n, t in masters]
-    results, announced, measured, version = {}, {}, set(), 0
+    results, sent, announced, measured, version = {}, {}, {}, {}, 0
     for source in sources:
         items = masters if source == "float32" else copies
-        times = []
+        times, sent[source] = [], []
         for rep in range(args.reps + 2):  # the first two warm the group and the allocator
             version += 1
             if gpu:
@@ -120,9 +122,12 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             announced[version] = time.time()
             publish_all([bw], items, version, wait=False)
+            t1 = time.perf_counter()
+            bw._drain()  # the loop's trainer trains on meanwhile; here: when the root's sends end
             if rep >= 2:
-                times.append((time.perf_counter() - t0) * 1e3)
-                measured.add(version)
+                times.append((t1 - t0) * 1e3)
+                sent[source].append((time.perf_counter() - t0) * 1e3)
+                measured[version] = source
             time.sleep(0.05)  # the engines apply it (the next publish would wait for their receives)
         results[source] = times
     applied = dict(out.get(timeout=600) for _ in procs)
@@ -139,8 +144,9 @@ def main(argv=None) -> int:
               "bytes": sum(torch.Size(s).numel() for _, s in specs) * 2, "tensors": len(specs),
               "device": torch.cuda.get_device_name(0) if gpu else "cpu", "date": time.strftime("%Y-%m-%d"),
               "publish_ms": {src: summary(ts) for src, ts in results.items()},
-              "applied_ms": {str(e): summary([(t - announced[v]) * 1e3 for v, t in got if v in measured])
-                             for e, got in applied.items()},
+              "sent_ms": {src: summary(ts) for src, ts in sent.items()},
+              "applied_ms": {src: {str(e): summary([(t - announced[v]) * 1e3 for v, t in got if measured.get(v) == src])
+                                   for e, got in applied.items()} for src in sources},
               "versions_applied": {str(e): len(got) for e, got in applied.items()}}
     dest = Path(args.out)
     dest.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,7 @@ It knows nothing of tasks, rewards or the admission rule.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -337,3 +338,7 @@ def trainer_process(spec: dict, conn, transports: list) -> None:
         trainer = FSDPTrainer(spec["path"], cfg, **kwargs)
     conn.send(("ok", "ready"))
     serve_rpc(TrainerHost(trainer, transports, spec["publish_dtype"]), conn)
+    for t in transports:  # a broadcast whose transfer is still running ends before the process does
+        if hasattr(t, "close"):
+            with contextlib.suppress(Exception):  # the engines are stopping too
+                t.close()

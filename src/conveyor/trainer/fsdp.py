@@ -86,24 +86,39 @@ def _buckets(tensors: list[torch.Tensor], dtype: torch.dtype, cap_bytes: float, 
         yield bucket
 
 
-def _pack(local: list[torch.Tensor], shapes: list[tuple[int, ...]], world: int) -> torch.Tensor:
-    """This rank's dim-0 shards, each padded to its full share of rows, in one flat tensor."""
-    flat = []
-    for t, shape in zip(local, shapes):
-        pad = _rows(shape, world) - t.shape[0]
-        t = t.reshape(t.shape[0], *shape[1:])
-        flat.append(torch.cat([t, t.new_zeros(pad, *shape[1:])]).reshape(-1) if pad else t.reshape(-1))
-    return torch.cat(flat)
+def _pack(local: list[torch.Tensor], shapes: list[tuple[int, ...]], world: int,
+          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This rank's dim-0 shards, each in its full share of rows, in one flat tensor of ``dtype``:
+    one foreach copy (and cast) for the bucket, not a cast and a cat per tensor. The padding
+    rows of a shorter share are left unset: unpacking drops them."""
+    sizes = [_rows(shape, world) * math.prod(shape[1:]) for shape in shapes]
+    flat = torch.empty(sum(sizes), dtype=dtype or local[0].dtype, device=local[0].device)
+    dst, src, off = [], [], 0
+    for t, n in zip(local, sizes):
+        if t.numel():
+            dst.append(flat[off:off + t.numel()])
+            src.append(t.reshape(-1))
+        off += n
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return flat
 
 
 def _unpack(parts: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-    """``[world, packed]`` gathered shards -> the full tensors (padding rows dropped)."""
-    world, out, off = parts.shape[0], [], 0
+    """``[world, packed]`` gathered shards -> the full tensors (padding rows dropped), each
+    contiguous, made by one foreach copy for the bucket."""
+    world, out, dst, src, off = parts.shape[0], [], [], [], 0
     for shape in shapes:
         rows, rest = _rows(shape, world), tuple(shape[1:])
         n = rows * math.prod(rest)
-        out.append(parts[:, off:off + n].reshape(world * rows, *rest)[:shape[0]])
+        full = parts.new_empty(world * rows, *rest)
+        if n:
+            dst.append(full.view(world, n))
+            src.append(parts[:, off:off + n])
+        out.append(full[:shape[0]])
         off += n
+    if dst:
+        torch._foreach_copy_(dst, src)
     return out
 
 
@@ -381,6 +396,7 @@ class FSDPTrainer(LocalTrainer):
         dtype = dtype or torch.float32
         items = list(self.model.state_dict(keep_vars=True).items())
         unique = list({id(t): t for _, t in items}.values())
+        last = {id(t): i for i, (_, t) in enumerate(items)}  # where each tensor's last name is
         full: dict[int, torch.Tensor] = {}
         emitted = 0
         for bucket in _buckets(unique, dtype, bucket_mb * 2**20, self.world):
@@ -391,7 +407,7 @@ class FSDPTrainer(LocalTrainer):
                 yield name, full[id(t)]
                 emitted += 1
             for t in bucket:  # keep only what a later (tied) name still needs
-                if all(id(u) != id(t) for _, u in items[emitted:]):
+                if last[id(t)] < emitted:
                     full.pop(id(t), None)
 
     def _gather(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -403,7 +419,7 @@ class FSDPTrainer(LocalTrainer):
                 out[id(t)] = t.detach().to(dtype).full_tensor()
         if sharded:
             shapes = [tuple(t.shape) for t in sharded]
-            mine = _pack([t.to_local().detach().to(dtype) for t in sharded], shapes, self.world)
+            mine = _pack([t.to_local().detach() for t in sharded], shapes, self.world, dtype)
             parts = torch.empty(self.world, mine.numel(), dtype=dtype, device=mine.device)
             if self.device.type == "cuda":
                 dist.all_gather_into_tensor(parts, mine)

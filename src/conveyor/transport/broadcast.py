@@ -19,9 +19,13 @@ Contract
   foreach call, so a writer's tensors must stay valid until ``commit``).
   ``commit`` sends a trailer ``[serial]`` and
   returns once every engine has received all of it (the root's broadcast
-  may end first); ``commit(wait=False)`` returns when the root's sends are
-  done, for callers whose engines wait for the version a chunk was admitted
-  for (the RL loop's publishes). A publish that fails or lacks a tensor sends the
+  may end first). ``commit(wait=False)``, for callers whose engines wait for
+  the version a chunk was admitted for (the RL loop's publishes), returns
+  as soon as the copies and sends are queued: on CUDA the transfer runs on
+  its own stream while the caller trains on (its next kernels are queued
+  after the copies, so changing the weights afterwards is safe), and the
+  next ``begin`` (or ``close``) waits for it and raises its failure.
+  A publish that fails or lacks a tensor sends the
   rest and a trailer ``[-1]`` instead, and the engines discard it (they keep
   the version they have; a received but unapplied one is dropped too). The
   first publish opens the group: a TCPStore on ``port`` hosted by the writer
@@ -102,6 +106,8 @@ class BroadcastWeights:
         self._slots: dict[str, torch.Tensor] = {}
         self._filled: set[str] = set()
         self._pending_version: int | None = None
+        self._works, self._sent = [], []   # broadcasts queued and not yet waited for
+        self._draining: int | None = None  # version whose transfer commit(wait=False) left running
         # reader side
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -182,6 +188,7 @@ class BroadcastWeights:
             for b in self._bucket_of.values():
                 self._per_bucket[b] += 1
             self._stream = torch.cuda.Stream() if self.backend == "nccl" else None
+        self._drain()  # the last publish's transfer, if commit(wait=False) left it running
         serial = int(self._serial.value)
         self._wait_acks(serial)  # after an aborted publish, nobody waited for its receivers
         self._filled, self._pending_version = set(), int(version)
@@ -247,18 +254,30 @@ class BroadcastWeights:
             self._send(self._buckets[b])
         self._next = len(self._buckets)
         self._send(torch.tensor([serial if complete else -1], dtype=torch.long, device=self._device()))
+        if not wait and complete:
+            # The transfer overlaps the caller's next work; begin() or close() drains it.
+            self._draining, self._pending_version = self._pending_version, None
+            return
+        self._drain(self._pending_version)
+        if complete and wait:
+            # The root's broadcast can end before the engines' receives do (the next
+            # begin() waits for them in any case, before reusing the buckets).
+            self._wait_acks(serial)
+
+    def _drain(self, version: int | None = None) -> None:
+        """Wait until the root's sends of the last publish are done (they read the buckets)."""
+        if not self._works:
+            return
+        self._pending_version = self._draining if version is None else version  # named by _failed
         try:
             for w in self._works:
                 w.wait()
             if self._stream is not None:
                 self._stream.synchronize()  # completion is real (and timed) on the host
         except RuntimeError as e:
+            self._works, self._sent = [], []
             self._failed(e)
-        self._works, self._sent, self._pending_version = [], [], None
-        if complete and wait:
-            # The root's broadcast can end before the engines' receives do (the next
-            # begin() waits for them in any case, before reusing the buckets).
-            self._wait_acks(serial)
+        self._works, self._sent, self._pending_version, self._draining = [], [], None, None
 
     def _wait_acks(self, serial: int) -> None:
         """Until every engine has received announcement ``serial`` (the last announced version)."""
@@ -314,7 +333,9 @@ class BroadcastWeights:
             self._lock.release()
 
     def close(self) -> None:
+        """Reader: stop the receiver thread. Writer: wait for a transfer still running."""
         self._stop.set()
+        self._drain()
 
     def _receive_loop(self, engine_id: int, device: torch.device) -> None:
         import traceback

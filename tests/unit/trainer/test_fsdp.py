@@ -273,6 +273,11 @@ def test_bucketed_gather_layout_reassembles_uneven_shards(world):
     assert len({p.numel() for p in per_rank}) == 1  # equal sizes, as an all-gather needs
     back = _unpack(torch.stack(per_rank), shapes)
     for a, b in zip(back, full):
-        assert a.shape == b.shape and torch.equal(a, b)
+        assert a.shape == b.shape and a.is_contiguous() and torch.equal(a, b)
+    # Cast while packing (bf16 engines): the same values as casting the full tensors.
+    halves = [_pack([list(t.chunk(world))[r] if r < len(t.chunk(world)) else t[:0] for t in full], shapes, world,
+                    torch.bfloat16) for r in range(world)]
+    for a, b in zip(_unpack(torch.stack(halves), shapes), full):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b.to(torch.bfloat16))
     groups = list(_buckets(full, torch.float32, cap_bytes=4 * 30, world=world))
     assert [t for g in groups for t in g] == full and len(groups) > 1

@@ -8,6 +8,7 @@ import torch.multiprocessing as mp
 
 from conveyor.launch.placement import free_port
 from conveyor.transport.broadcast import BroadcastWeights, WeightSyncError, _layout
+from conveyor.transport.weights import WeightSyncTimeout, publish_all
 
 SPECS = [("a", (3, 4), torch.float32), ("b", (1000,), torch.float32), ("c", (5,), torch.float32)]
 
@@ -107,4 +108,44 @@ def test_an_engine_that_never_joins_stops_the_writer_with_a_named_error():
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError, match="trainer .rank 0. could not join the group"):
         bw.publish([(n, torch.zeros(s)) for n, s, _ in SPECS], 0)
+    assert time.monotonic() - t0 < 30
+
+
+def _weights(v):
+    return [("a", torch.full((3, 4), float(v))), ("b", torch.arange(1000.0) + v), ("c", torch.full((5,), -v))]
+
+
+def test_a_publish_that_does_not_wait_sends_the_values_it_was_given(monkeypatch):
+    bw, out, procs = _serve(monkeypatch, engines=2, versions=3)
+    for v in range(3):
+        named = _weights(v)
+        publish_all([bw], named, v, wait=False)
+        for _, t in named:  # the caller trains on at once: its tensors change under the transfer
+            t.fill_(-99.0)
+        time.sleep(0.2)
+    bw.close()  # the writer waits for the last transfer
+    assert not bw._works
+    results = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    for i in range(2):
+        assert [v for v, _ in results[i]] == [0, 1, 2]
+        for v, w in results[i]:
+            assert w["a"] == [[float(v)] * 4] * 3 and w["c"] == [float(-v)] * 5
+            assert w["b"] == [float(x + v) for x in range(1000)]
+
+
+def test_an_engine_that_dies_fails_the_next_publish_with_a_named_error(monkeypatch):
+    bw, out, (proc,) = _serve(monkeypatch, engines=1, versions=99)
+    bw.timeout_s = 5.0
+    publish_all([bw], _weights(1), 1, wait=False)
+    deadline = time.monotonic() + 30
+    while bw._acks[0] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.kill()
+    proc.join(10)
+    t0 = time.monotonic()
+    with pytest.raises((WeightSyncError, WeightSyncTimeout), match="engine|version 2") as err:
+        publish_all([bw], _weights(2), 2, wait=False)
+        publish_all([bw], _weights(3), 3, wait=False)  # the failed transfer of 2 is found here
     assert time.monotonic() - t0 < 30
