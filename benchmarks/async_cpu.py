@@ -56,6 +56,13 @@ CONFIGS = {
     # Staleness without the off-policy correction (algo.loss=auto would pick decoupled PPO).
     "async-s2-ppo": ["loop.max_staleness=2", "launch.placement=disaggregated", "algo.loss=ppo"],
     "async-s2-2gpu-ppo": ["loop.max_staleness=2", "launch.placement=disaggregated", "algo.loss=ppo"],
+    # The GPU trainer's numerics, one GPU each (sync): float32 weights under autocast without
+    # our kernels (the earlier trainer), then the bf16 compute copy and the kernels one at a time.
+    "sync-fp32-nokernels": ["loop.max_staleness=0", "launch.placement=colocated", "trainer.param_dtype=float32",
+                            "trainer.kernels=false"],
+    "sync-fp32-kernels": ["loop.max_staleness=0", "launch.placement=colocated", "trainer.param_dtype=float32"],
+    "sync-bf16-nokernels": ["loop.max_staleness=0", "launch.placement=colocated", "trainer.param_dtype=bfloat16",
+                            "trainer.kernels=false"],
 }
 COMMON = ["observe.progress=false", "observe.tensorboard=false", "loop.eval_every=0",
           "launch.engine_threads=1", "launch.trainer_threads=1", "loop.time_limit_s=null"]

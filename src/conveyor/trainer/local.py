@@ -465,6 +465,10 @@ class LocalTrainer:
             metrics["critic_grad_norm"] = totals["critic_grad_norm"] / updates
         for key, value in means.result().items():
             metrics[f"loss_fn/{key}" if key in metrics else key] = value
+        if self.device.type == "cuda":
+            # The step ends when its optimizer kernels do: time_s and the loop's weight-sync
+            # clock start there, and the publish that follows does not absorb their tail.
+            torch.cuda.synchronize(self.device)
         metrics["time_s"] = time.perf_counter() - start
         if self.device.type == "cuda":
             # Allocator retries (a cudaFree/cudaMalloc storm when varying shapes fragment the

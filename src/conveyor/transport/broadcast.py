@@ -195,12 +195,20 @@ class BroadcastWeights:
         self._left = list(self._per_bucket)
         self._next, self._works, self._sent = 0, [], []
         self._queued: list[list] = [[] for _ in self._buckets]
-        header = torch.tensor([serial + 1, version, len(self.names), sum(self.sizes)], dtype=torch.long,
-                              device=self._device())
+        header = self._small([serial + 1, version, len(self.names), sum(self.sizes)])
         self._version.value = int(version)
         self._published_at.value = time.time()
         self._serial.value = serial + 1  # announce: receivers post their receives now
         self._send(header)
+
+    def _small(self, values: list[int]) -> torch.Tensor:
+        """Header or trailer on the group's device. A plain copy to the GPU would wait for
+        every kernel queued before it (the optimizer's tail, the bucket copies): from
+        pinned memory it is queued like them and the host goes on."""
+        t = torch.tensor(values, dtype=torch.long)
+        if self.backend != "nccl":
+            return t
+        return t.pin_memory().to(self._device(), non_blocking=True)
 
     def _send(self, tensor: torch.Tensor) -> None:
         """Start broadcasting ``tensor``. On CUDA the broadcast stream first waits for the
@@ -253,7 +261,7 @@ class BroadcastWeights:
             self._fill(b)
             self._send(self._buckets[b])
         self._next = len(self._buckets)
-        self._send(torch.tensor([serial if complete else -1], dtype=torch.long, device=self._device()))
+        self._send(self._small([serial if complete else -1]))
         if not wait and complete:
             # The transfer overlaps the caller's next work; begin() or close() drains it.
             self._draining, self._pending_version = self._pending_version, None
