@@ -5,11 +5,14 @@ Contract (see ``trainer/api.py`` for the loss-function and output alignment)
   holds the policy in float32 on one device (``cfg.device``; "auto" picks CUDA
   when available): ``model`` is the master weights that the optimizer steps,
   checkpoints save and ``named_weights`` publishes. Forward and backward run on
-  ``compute``: with ``cfg.param_dtype`` bfloat16 (auto on CUDA) a bf16 copy
-  whose gradients are summed into the masters' in float32 and which is
-  refreshed after every optimizer step; with float32 ``model`` itself, under
-  bf16 autocast on CUDA if ``cfg.autocast_bf16``. On CPU (auto) nothing is
-  cast, so CPU runs are exact and deterministic.
+  ``compute`` under bf16 autocast (on CUDA if ``cfg.autocast_bf16``): with
+  ``cfg.param_dtype`` bfloat16 (auto on CUDA) a module that holds the weights
+  of its linear layers as bf16 copies (gradients summed into the masters' in
+  float32, copies refreshed after every optimizer step) and shares every other
+  tensor with ``model`` (embeddings, norms, biases stay float32, as autocast
+  leaves them): the numbers of float32 weights under autocast without a cast
+  of every weight in every micro-batch. With float32 ``model`` itself. On CPU
+  (auto) nothing is cast, so CPU runs are exact and deterministic.
 - ``train(batch, loss_fn)`` makes ``cfg.ppo_epochs`` passes; each pass cuts
   the batch into ``cfg.mini_batches`` contiguous chunks (same chunks every
   pass, sizes differing by at most one) and takes one optimizer step per
@@ -210,6 +213,25 @@ def compute_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.param_dtype)
 
 
+def _linear_copy(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, list]:
+    """``model`` with the weights of its linear layers as ``dtype`` copies, each feeding its
+    gradient to its master, and every other tensor shared with ``model``. A weight tied to an
+    embedding stays shared: autocast casts it for the head and the lookup stays float32.
+    (Everything in bf16, embeddings and norms included, learned clearly less on W2.)"""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)} - embedded
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in linear}
+    compute = copy.deepcopy(model, memo)  # memo entries are reused, not copied
+    copies = []
+    for w, m in zip(compute.parameters(), model.parameters()):
+        if id(m) in linear:
+            w.data = w.data.to(dtype)
+            if m.requires_grad:
+                w.register_post_accumulate_grad_hook(functools.partial(_into_master, m))
+            copies.append((w, m))
+    return compute, copies
+
+
 def _into_master(master: nn.Parameter, param: nn.Parameter) -> None:
     """Post-accumulate hook of a compute weight: move its gradient into the float32 master's
     (summing micro-batches in float32, not bf16) and free the low-precision one."""
@@ -327,12 +349,7 @@ class LocalTrainer:
         # bf16 whose gradients flow into the masters' (no autocast casts on every op).
         self.compute, self._copies = self.model, []
         if dtype != torch.float32:
-            self.compute = copy.deepcopy(self.model).to(dtype)
-            for w, m in zip(self.compute.parameters(), self.model.parameters()):
-                w.requires_grad_(m.requires_grad)
-                if m.requires_grad:
-                    w.register_post_accumulate_grad_hook(functools.partial(_into_master, m))
-                self._copies.append((w, m))
+            self.compute, self._copies = _linear_copy(self.model, dtype)
         if self.reference is not None:
             self.reference.to(self.device, dtype).eval().requires_grad_(False)
         if cfg.gradient_checkpointing:
@@ -368,7 +385,10 @@ class LocalTrainer:
 
     # ----------------------------------------------------------------- forward
     def _autocast(self, model: nn.Module):
-        # A bf16 compute copy runs as it is; float32 weights get bf16 autocast on a GPU.
+        # The compute copy's bf16 linear weights meet float32 activations: autocast, on any
+        # device; float32 weights get bf16 autocast on a GPU.
+        if self._copies and model is self.compute:
+            return torch.autocast(self.device.type, dtype=self._copies[0][0].dtype)
         floats = next(model.parameters()).dtype == torch.float32
         if self.device.type == "cuda" and self.cfg.autocast_bf16 and floats:
             return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -553,10 +573,14 @@ class LocalTrainer:
     # ----------------------------------------------------- weights and files
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Live policy tensors (no copy) named as in ``state_dict()``; copy before the next train().
-        With ``dtype`` equal to the compute copy's (bf16 engines), the compute copy's tensors: the
-        masters rounded the same way, and same-dtype copies let a publish batch its copies."""
+        With ``dtype`` equal to the compute copy's (bf16 engines), the copy's linear weights (the
+        masters rounded the same way, no cast at publish time) and the other masters cast."""
         copy_dtype = self._copies[0][0].dtype if self._copies else None
-        yield from (self.compute if dtype is not None and dtype == copy_dtype else self.model).state_dict().items()
+        if dtype is None or dtype != copy_dtype:
+            yield from self.model.state_dict().items()
+            return
+        for name, t in self.compute.state_dict().items():
+            yield name, t if t.dtype == dtype else t.to(dtype)
 
     def training_state(self) -> dict[str, Any]:
         """Optimizer, scheduler and step state (everything but weights and RNG) for checkpoints."""

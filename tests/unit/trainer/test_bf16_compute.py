@@ -1,4 +1,5 @@
-"""param_dtype=bfloat16: forward and backward on a bf16 copy, float32 master weights and gradients."""
+"""param_dtype=bfloat16: forward and backward on bf16 copies of the linear weights (every other tensor shared
+with the float32 masters) under autocast, float32 master weights and gradients."""
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -18,9 +19,17 @@ def params(model):
 
 
 def assert_copy_matches_masters(trainer):
+    linear = {id(m.weight) for m in trainer.model.modules() if isinstance(m, torch.nn.Linear)}
+    embedded = {id(m.weight) for m in trainer.model.modules() if isinstance(m, torch.nn.Embedding)}
+    copied = 0
     for w, m in zip(trainer.compute.parameters(), trainer.model.parameters()):
-        assert w.dtype == torch.bfloat16 and m.dtype == torch.float32
-        assert torch.equal(w, m.to(torch.bfloat16))
+        assert m.dtype == torch.float32
+        if id(m) in linear - embedded:
+            assert w.dtype == torch.bfloat16 and torch.equal(w, m.to(torch.bfloat16))
+            copied += 1
+        else:
+            assert w is m  # embeddings, norms, biases: the masters themselves
+    assert copied == len(trainer._copies) > 0
 
 
 def test_a_bf16_step_updates_float32_masters_like_a_float32_step(make_model, make_batch, pg_loss):
@@ -55,12 +64,15 @@ def test_bf16_gradients_of_micro_batches_sum_in_float32(make_model, make_batch, 
 
 def test_bf16_logprobs_come_from_the_copy(make_model, make_batch):
     batch = make_batch([7, 5])
-    exact = LocalTrainer(make_model(), cfg(), total_steps=1).logprobs(batch)
+    exact = LocalTrainer(make_model(), cfg(), total_steps=1)
     half = LocalTrainer(make_model(), cfg(param_dtype="bfloat16"), total_steps=1).logprobs(batch)
-    for a, b in zip(exact, half):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = exact.logprobs(batch)
+    for a, b, c in zip(exact.logprobs(batch), half, autocast):
         assert b.dtype == torch.float32
         torch.testing.assert_close(b, a, rtol=0, atol=5e-2)
         assert not torch.equal(a, b)  # really computed in bf16
+        assert torch.equal(b, c)  # the numbers of float32 weights under autocast
 
 
 def test_checkpoints_hold_the_float32_masters(make_model, make_batch, pg_loss, tmp_path):
