@@ -208,7 +208,9 @@ def collect(spec: dict, outcome: dict, threshold: float | None = None, eval_befo
                    bytes_per_param=bpp, recompute=recompute)
     summary = M.summarize(steps, trajs, sps, cap=cfg.rollout.max_new_tokens,
                           rl_start_unix=result.get("rl_start_unix"), threshold=threshold,
-                          n_params=bnd["params"], peak_flops=bnd["peak_flops"], recompute=recompute,
+                          # Training tokens/s sums every trainer rank: MFU is per trainer GPU.
+                          n_params=bnd["params"], recompute=recompute,
+                          peak_flops=bnd["peak_flops"] * cfg.launch.trainer_ranks if bnd["peak_flops"] else None,
                           decode_bound=bnd["decode_bound_tokens_per_s"])
     rec = {
         "name": spec["name"], "workload": spec["workload"], "system": spec["system"],

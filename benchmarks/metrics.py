@@ -18,7 +18,8 @@ run has no more than that, the window is every step and ``steady`` is False)
   engines, so it is per rollout device); MBU = that / the decode bound.
 - training tokens/s = prompt + completion tokens (every position goes
   through forward and backward) / sum of ``time/train``; MFU = that x 6N
-  (8N with recompute) / peak FLOP/s.
+  (8N with recompute) / peak FLOP/s of all trainer GPUs (the caller passes
+  one GPU's peak x the trainer ranks).
 - engine idle = 1 - engine busy / (engines x step), the busy time scaled up
   by 1 / ``engine_report_coverage`` when some steps carry no engine report;
   trainer idle = 1 - (prepare + train) / step (reward scoring, weight sync

@@ -131,9 +131,10 @@ class TrainerConfig(_Section):
         "ops of norms, rotary and activations; the first steps pay for compilation (minutes on a GPU)"))
     autocast_bf16: bool = Field(True, description="bf16 autocast on GPU (ignored on CPU)")
     param_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
-        "dtype of the weights that forward and backward run on (single-device trainer); the optimizer "
-        "keeps float32 master weights either way. auto: bfloat16 on a GPU with autocast_bf16 (a bf16 "
-        "copy of the model, gradients summed in float32: no per-op casts), float32 on CPU (exact)"))
+        "dtype of the linear layers' weights that forward and backward run on (single-device trainer); "
+        "the optimizer keeps float32 master weights either way. auto: bfloat16 on a GPU with autocast_bf16 "
+        "(bf16 copies of the linear weights under autocast, gradients summed in float32; embeddings, norms "
+        "and biases stay float32: autocast's numbers without its per-op weight casts), float32 on CPU (exact)"))
     kernels: bool = Field(True, description=(
         "on a GPU with Triton, our fused kernels for the logprob head (one read of the logits per pass) "
         "and for RMSNorm and the SwiGLU product (Llama/Qwen/Mistral); false = plain torch ops"))
