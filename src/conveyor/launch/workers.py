@@ -31,7 +31,9 @@ Contract
     enter the engine, so a chunk admitted after version v was published never
     decodes a token with older weights (the admission rule's staleness bound
     stays exact); tokens after a swap carry the new version, the KV cache of
-    earlier tokens is kept.
+    earlier tokens is kept. A chunk admitted for a version still on its way
+    waits outside the engine while the running rows decode on, and joins at
+    the first step after the version is in (only an idle engine blocks for it).
   - Waves (no ``partial``, or an engine that cannot stream): the first
     request plus every waiting one with the same params (but seed) is one
     ``engine.generate`` call; its chunks are reported when it returns. With
@@ -184,6 +186,7 @@ class _EngineServer:
         """One ``generate_stream`` call that starts with ``first`` and takes compatible chunks as they come."""
         first_id, prompts, params, version = _request(first)
         pending = [(first_id, prompts, version)]
+        running = [0]  # prompts handed to the engine and not yet reported
         last_poll = float("-inf")
         t0 = time.perf_counter()
         evaluation: list = [None] * len(prompts)  # an evaluation request is answered whole
@@ -211,11 +214,20 @@ class _EngineServer:
             # Always right before chunks enter the engine: none of their tokens may come
             # from weights older than the version they were admitted for.
             if new or now - last_poll >= WEIGHT_POLL_S:
-                self.take_version(max((v for *_, v in new), default=0))
+                need = max((v for *_, v in new), default=0)
+                self.take_weights()
                 last_poll = now
+                if need > self.version and running[0]:
+                    # Their version is still on its way: the running rows decode on and
+                    # these chunks join at a later step, once it is in.
+                    pending[:] = new
+                    return []
+                self.take_version(need)
+            running[0] += sum(len(ps) for _, ps, _ in new)
             return [(chunk_id, ps) for chunk_id, ps, _ in new]
 
         def on_done(chunk_id, i, samples) -> None:
+            running[0] -= 1
             busy = self.busy_s + time.perf_counter() - t0
             if chunk_id >= 0:
                 self.report(chunk_id, [samples], busy, offset=i)

@@ -218,6 +218,37 @@ def test_a_chunk_waits_for_the_version_it_was_admitted_for(model, tok, params, s
     stop(inbox, t)
 
 
+def test_running_rows_decode_on_while_a_chunk_waits_for_its_version(model, tok, params, short_long, monkeypatch):
+    """A chunk admitted for a version still in transfer does not stop the running call: the
+    running sample keeps decoding on the old version and the chunk joins once the version is in."""
+    monkeypatch.setattr(workers, "WEIGHT_POLL_S", 60.0)  # only polls before chunks enter
+    _, long = short_long
+    other = tiny(tok, seed=7)
+    weights = StagedWeights(specs(model))
+    eng = fast(model, tok)
+    real, count = eng.runner.decode, [0]
+
+    def decode(running):
+        count[0] += 1
+        if count[0] == 3:
+            inbox.put(("generate", 1, [long], params, 1))  # admitted for version 1, not yet published
+        if count[0] == 12:
+            weights.publish(other.state_dict().items(), version=1)
+        return real(running)
+    eng.runner.decode = decode
+    inbox, outbox, t = serve(eng, weights, timeout_s=5.0)
+    inbox.put(("generate", 0, [long], params, 0))
+    log = read(outbox, "done", 2)
+    assert [(m[0], m[2]) for m in log] == [("weights", 1), ("done", 0), ("done", 1)]
+    done = {m[2]: m[3][0][0] for m in log if m[0] == "done"}
+    # Chunk 0 decoded on version 0 from before chunk 1 arrived (step 3) until the publish (step 12).
+    first_new = done[0].versions.index(1)
+    assert first_new >= 12 and set(done[0].versions[:first_new]) == {0}
+    assert done[1].versions == [1] * len(done[1].token_ids)
+    assert done[1].token_ids == fast(other, tok).generate([long], params)[0][0].token_ids
+    stop(inbox, t)
+
+
 def test_a_version_that_never_comes_is_a_named_error(model, tok, params, short_long):
     _, long = short_long
     inbox, outbox, t = serve(fast(model, tok), StagedWeights(specs(model)), timeout_s=0.5)
