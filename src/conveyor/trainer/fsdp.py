@@ -7,9 +7,13 @@ Contract (see ``trainer/api.py`` and ``trainer/local.py``; only differences here
   caller has called ``torch.cuda.set_device``) or "cpu" (gloo) when
   ``cfg.device`` resolves to cpu. Every decoder layer (``_no_split_modules``)
   and then the root are ``fully_shard``-ed, as are the frozen reference and
-  the critic. On CUDA with ``cfg.autocast_bf16`` parameters are gathered in
-  bf16 and gradients reduced in fp32 (fp32 master weights and AdamW state);
-  on CPU everything is fp32, so CPU runs match LocalTrainer to rounding.
+  the critic. With ``cfg.param_dtype`` bfloat16 (auto on CUDA with
+  ``cfg.autocast_bf16``) the layers' linear weights and biases are gathered in
+  bf16, norms (units of their own), embeddings and the head in fp32, gradients
+  reduced in fp32 (fp32 master weights and AdamW state), and forward runs under
+  autocast: LocalTrainer's numbers. With float32 everything is gathered in
+  fp32 (under autocast on CUDA); on CPU (auto) everything is fp32, so CPU runs
+  match LocalTrainer to rounding.
 - Every public method is COLLECTIVE: call it on every rank with identical
   arguments (the full Batch); every rank returns the same result.
 - ``train``: LocalTrainer's epochs, mini-batches and LR schedule. Each
@@ -40,7 +44,6 @@ It does not start processes, pick ranks or set devices: the launcher does.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -57,8 +60,8 @@ from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.local import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
-                                    _load_policy, _MetricMean, compile_layers, decoder_layers, fuse_layers,
-                                    head_start, logprob_fn, no_cudnn_attention, resolve_device)
+                                    _load_policy, _MetricMean, compile_layers, compute_dtype, decoder_layers,
+                                    fuse_layers, head_start, logprob_fn, no_cudnn_attention, resolve_device)
 from conveyor.trainer.microbatch import _check_aligned, collate, plan_microbatches
 from conveyor.types import Batch
 
@@ -136,14 +139,29 @@ def balance(lengths: list[int], world: int) -> list[list[int]]:
     return shares
 
 
-def _shard(module: nn.Module, mesh, mp_policy) -> nn.Module:
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm")
 
+
+def _shard(module: nn.Module, mesh, dtype: torch.dtype) -> nn.Module:
+    """Shard ``module`` (float32 masters). With a low-precision ``dtype`` the decoder layers'
+    linear weights and biases are gathered in it, and the norms, embeddings and head in
+    float32 (units of their own), for forward under autocast: the numbers of float32 weights
+    under autocast, as the single-device trainer computes (everything in bf16 learned less)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    exact = MixedPrecisionPolicy()
+    low = exact if dtype == torch.float32 else \
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     # One FSDP unit per decoder layer bounds the gathered weights to a layer
     # at a time; a model without _no_split_modules is sharded as one unit.
     for layer in decoder_layers(module):
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(module, mesh=mesh, mp_policy=mp_policy)
+        if low is not exact:
+            for m in [m for m in layer.modules() if _is_norm(m)]:
+                # Tiny: kept gathered between forward and backward (no second gather).
+                fully_shard(m, mesh=mesh, mp_policy=exact, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, mp_policy=low)
+    fully_shard(module, mesh=mesh, mp_policy=exact)
     for m in module.modules():
         if isinstance(m, FSDPModule):
             # The loss is already normalised by GLOBAL totals, so rank gradients
@@ -165,7 +183,6 @@ class FSDPTrainer(LocalTrainer):
         if temperature <= 0:
             raise ValueError(f"FSDPTrainer: temperature must be > 0 (got {temperature})")
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         self.cfg, self.total_steps = cfg, int(total_steps)
         self.temperature, self.pad_token_id = float(temperature), int(pad_token_id)
@@ -191,13 +208,11 @@ class FSDPTrainer(LocalTrainer):
             compile_layers(model)
         self._token_logprobs = logprob_fn(cfg)
         mesh = init_device_mesh(self.device.type, (self.world,))
-        mp = MixedPrecisionPolicy()
-        if self.device.type == "cuda" and cfg.autocast_bf16:
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        self.model = _shard(model, mesh, mp).eval()
+        self._dtype = compute_dtype(cfg, self.device)
+        self.model = _shard(model, mesh, self._dtype).eval()
         self.compute, self._copies = self.model, []  # sharded float32 masters, cast by the policy
-        self.reference = _shard(reference, mesh, mp).eval() if reference is not None else None
-        self.critic = _shard(critic, mesh, mp) if critic is not None else None
+        self.reference = _shard(reference, mesh, self._dtype).eval() if reference is not None else None
+        self.critic = _shard(critic, mesh, self._dtype) if critic is not None else None
         self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), cfg.lr)
         self.critic_optimizer = self.critic_scheduler = None
         if self.critic is not None:
@@ -206,7 +221,11 @@ class FSDPTrainer(LocalTrainer):
 
     # ----------------------------------------------------------- collectives
     def _autocast(self, model: nn.Module):
-        return contextlib.nullcontext()  # MixedPrecisionPolicy casts instead
+        # The policy gathers the linear weights in the low dtype; autocast casts activations
+        # for them (and the float32 head), as over float32 weights.
+        if self._dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=self._dtype)
+        return super()._autocast(model)
 
     def _agree(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn`` here; if it raised on ANY rank, raise on every rank (nobody waits in a collective)."""

@@ -36,6 +36,7 @@ CFG = dict(device="cpu", lr=1e-4, critic_lr=1e-4, warmup_steps=1, lr_schedule="l
 ALGO = dict(advantage="gae", entropy_coef=0.01, loss_agg="seq-mean-token-mean")  # uses num_seqs, entropy, values
 POISON = 1  # sample 1 (3 tokens) is rank 1's second micro-batch of mini-batch 0
 DEADLINE_S = 240
+HALF = dict(device="cpu", lr=1e-3, mini_batches=2, micro_batch_tokens=10, param_dtype="bfloat16")
 
 
 class Loss(PolicyLoss):
@@ -64,11 +65,11 @@ def make_batch(seed: int, behaviour: list[torch.Tensor], poison: bool = False) -
     return Batch(ids, masks, fields)
 
 
-def full_weights(trainer) -> dict[str, torch.Tensor]:
+def full_weights(trainer, critic: bool = True) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     out = {f"policy.{k}": v.detach().cpu().clone() for k, v in trainer.named_weights()}
-    for k, v in trainer.critic.state_dict().items():
+    for k, v in (trainer.critic.state_dict() if critic else {}).items():
         out[f"critic.{k}"] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
     return out
 
@@ -111,6 +112,12 @@ def worker(rank: int, work: Path) -> None:
     res["w_after_nan"], res["step_after_nan"] = full_weights(resumed), resumed.step
     resumed.train(b[3], loss)
     res["w4b"] = full_weights(resumed)
+
+    # bf16 linear weights (norms, embeddings, head float32) under autocast, as LocalTrainer's copy.
+    half = FSDPTrainer(tiny, TrainerConfig(**HALF), total_steps=6)
+    res["half_lp0"] = half.logprobs(b[0])
+    res["half_m"] = half.train(b[0], PolicyLoss(AlgoConfig()))
+    res["half_w"], res["half_lp1"] = full_weights(half, critic=False), half.logprobs(b[0])
     torch.save(res, work / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -162,6 +169,10 @@ def job(tiny_dir, tmp_path_factory):
     ref["w2"], ref["lp2"] = full_weights(local), local.logprobs(batches[0])
     local.train(batches[2], loss)
     ref["w3"] = full_weights(local)
+    half = LocalTrainer(tiny_dir, TrainerConfig(**HALF), total_steps=6)
+    ref["half_lp0"] = half.logprobs(batches[0])
+    ref["half_m"] = half.train(batches[0], PolicyLoss(AlgoConfig()))
+    ref["half_w"], ref["half_lp1"] = full_weights(half, critic=False), half.logprobs(batches[0])
     return work, ranks, ref
 
 
@@ -194,6 +205,19 @@ def test_per_sample_outputs_match_local_trainer(job):
             assert got0.dtype == torch.float32 and got0.shape == want.shape
             torch.testing.assert_close(got0, want, atol=1e-5, rtol=0)
     assert ranks[0]["bf16"] == ["torch.bfloat16"]
+
+
+def test_bf16_linear_weights_match_the_local_trainers_copy(job):
+    """param_dtype=bfloat16: the ranks gather the linear weights in bf16 and keep norms, embeddings
+    and the head in float32 under autocast, which is what LocalTrainer's bf16 copy computes."""
+    _, ranks, ref = job
+    for key in ("half_lp0", "half_lp1"):
+        for got0, got1, want in zip(ranks[0][key], ranks[1][key], ref[key]):
+            assert torch.equal(got0, got1)
+            torch.testing.assert_close(got0, want, atol=1e-5, rtol=0)
+    assert ranks[0]["half_m"]["loss"] == pytest.approx(ref["half_m"]["loss"], rel=1e-4, abs=1e-6)
+    assert max_diff(ranks[0]["half_w"], ref["half_w"]) <= 1e-6
+    assert max_diff(ranks[0]["half_w"], ranks[1]["half_w"]) == 0.0
 
 
 def test_resume_continues_exactly(job):
