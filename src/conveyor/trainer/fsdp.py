@@ -60,9 +60,10 @@ from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.local import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
-                                    _load_policy, _MetricMean, compile_layers, compute_dtype, decoder_layers,
-                                    fuse_layers, head_start, logprob_fn, no_cudnn_attention, resolve_device)
+                                    _load_policy, _MetricMean, compile_layers, decoder_layers, fuse_layers,
+                                    head_start, logprob_fn, no_cudnn_attention, resolve_device)
 from conveyor.trainer.microbatch import _check_aligned, collate, plan_microbatches
+from conveyor.trainer.precision import compute_dtype
 from conveyor.types import Batch
 
 

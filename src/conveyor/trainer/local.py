@@ -56,6 +56,7 @@ from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.logprobs import kernel_available, token_logprobs
 from conveyor.trainer.microbatch import collate, plan_microbatches
+from conveyor.trainer.precision import compute_dtype, linear_copy
 from conveyor.types import Batch
 
 
@@ -207,41 +208,6 @@ def fuse_layers(cfg: TrainerConfig, model: nn.Module, device: torch.device) -> N
         use_fused_layers(model)
 
 
-def compute_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
-    if cfg.param_dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" and cfg.autocast_bf16 else torch.float32
-    return getattr(torch, cfg.param_dtype)
-
-
-def _linear_copy(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, list]:
-    """``model`` with the weights of its linear layers as ``dtype`` copies, each feeding its
-    gradient to its master, and every other tensor shared with ``model``. A weight tied to an
-    embedding stays shared: autocast casts it for the head and the lookup stays float32.
-    (Everything in bf16, embeddings and norms included, learned clearly less on W2.)"""
-    embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)} - embedded
-    memo = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in linear}
-    compute = copy.deepcopy(model, memo)  # memo entries are reused, not copied
-    copies = []
-    for w, m in zip(compute.parameters(), model.parameters()):
-        if id(m) in linear:
-            w.data = w.data.to(dtype)
-            if m.requires_grad:
-                w.register_post_accumulate_grad_hook(functools.partial(_into_master, m))
-            copies.append((w, m))
-    return compute, copies
-
-
-def _into_master(master: nn.Parameter, param: nn.Parameter) -> None:
-    """Post-accumulate hook of a compute weight: move its gradient into the float32 master's
-    (summing micro-batches in float32, not bf16) and free the low-precision one."""
-    if master.grad is None:
-        master.grad = param.grad.float()
-    else:
-        master.grad.add_(param.grad)
-    param.grad = None
-
-
 @contextlib.contextmanager
 def profiled(cfg: TrainerConfig, step: int, rank: int, device: torch.device):
     """Record this train() call with torch.profiler when ``step`` is in ``cfg.profile_steps``:
@@ -349,7 +315,7 @@ class LocalTrainer:
         # bf16 whose gradients flow into the masters' (no autocast casts on every op).
         self.compute, self._copies = self.model, []
         if dtype != torch.float32:
-            self.compute, self._copies = _linear_copy(self.model, dtype)
+            self.compute, self._copies = linear_copy(self.model, dtype)
         if self.reference is not None:
             self.reference.to(self.device, dtype).eval().requires_grad_(False)
         if cfg.gradient_checkpointing:

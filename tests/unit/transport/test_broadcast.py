@@ -145,7 +145,7 @@ def test_an_engine_that_dies_fails_the_next_publish_with_a_named_error(monkeypat
     proc.kill()
     proc.join(10)
     t0 = time.monotonic()
-    with pytest.raises((WeightSyncError, WeightSyncTimeout), match="engine|version 2") as err:
+    with pytest.raises((WeightSyncError, WeightSyncTimeout), match="engine|version 2"):
         publish_all([bw], _weights(2), 2, wait=False)
         publish_all([bw], _weights(3), 3, wait=False)  # the failed transfer of 2 is found here
     assert time.monotonic() - t0 < 30
