@@ -222,7 +222,8 @@ class _EngineServer:
                     # these chunks join at a later step, once it is in.
                     pending[:] = new
                     return []
-                self.take_version(need)
+                if need > self.version:  # nothing else runs: wait for it here
+                    self.take_version(need)
             running[0] += sum(len(ps) for _, ps, _ in new)
             return [(chunk_id, ps) for chunk_id, ps, _ in new]
 

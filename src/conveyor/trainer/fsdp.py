@@ -221,13 +221,6 @@ class FSDPTrainer(LocalTrainer):
         self._step = 0
 
     # ----------------------------------------------------------- collectives
-    def _autocast(self, model: nn.Module):
-        # The policy gathers the linear weights in the low dtype; autocast casts activations
-        # for them (and the float32 head), as over float32 weights.
-        if self._dtype != torch.float32:
-            return torch.autocast(self.device.type, dtype=self._dtype)
-        return super()._autocast(model)
-
     def _agree(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn`` here; if it raised on ANY rank, raise on every rank (nobody waits in a collective)."""
         err, result = None, None

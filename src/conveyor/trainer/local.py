@@ -309,15 +309,17 @@ class LocalTrainer:
             backbone = copy.deepcopy(self.model.base_model)
             self.critic = ValueModel(backbone, self.model.config.hidden_size).to(self.device)
         self.model.to(self.device)
-        dtype = compute_dtype(cfg, self.device)
+        self._dtype = compute_dtype(cfg, self.device)
         # self.model holds the float32 master weights (optimizer, checkpoints, publishing);
-        # self.compute is what forward and backward run on: the same module, or a copy in
-        # bf16 whose gradients flow into the masters' (no autocast casts on every op).
+        # self.compute is what forward and backward run on: the same module, or one whose
+        # linear weights are bf16 copies feeding their gradients to the masters'.
         self.compute, self._copies = self.model, []
-        if dtype != torch.float32:
-            self.compute, self._copies = linear_copy(self.model, dtype)
         if self.reference is not None:
-            self.reference.to(self.device, dtype).eval().requires_grad_(False)
+            self.reference.to(self.device).eval().requires_grad_(False)
+        if self._dtype != torch.float32:
+            self.compute, self._copies = linear_copy(self.model, self._dtype)
+            if self.reference is not None:  # frozen: its float32 linear weights are not kept
+                self.reference = linear_copy(self.reference, self._dtype)[0]
         if cfg.gradient_checkpointing:
             _enable_checkpointing(self.compute)
             if self.critic is not None:
@@ -350,13 +352,13 @@ class LocalTrainer:
         return self._step
 
     # ----------------------------------------------------------------- forward
-    def _autocast(self, model: nn.Module):
-        # The compute copy's bf16 linear weights meet float32 activations: autocast, on any
-        # device; float32 weights get bf16 autocast on a GPU.
-        if self._copies and model is self.compute:
-            return torch.autocast(self.device.type, dtype=self._copies[0][0].dtype)
-        floats = next(model.parameters()).dtype == torch.float32
-        if self.device.type == "cuda" and self.cfg.autocast_bf16 and floats:
+    def _autocast(self):
+        # Low-precision linear weights (the copies here, the gathered ones under FSDP) meet
+        # float32 activations under autocast, on any device; float32 weights get bf16 autocast
+        # on a GPU.
+        if self._dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=self._dtype)
+        if self.device.type == "cuda" and self.cfg.autocast_bf16:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -376,7 +378,7 @@ class LocalTrainer:
         ids, am = mb["input_ids"], mb["attention_mask"]
         start = start if _keeps_logits(type(model)) else 0
         keep = {"logits_to_keep": ids.shape[1] - start} if start else {}
-        with self._autocast(model):
+        with self._autocast():
             logits = model(**model_inputs(mb, self.cfg.attention_mask), use_cache=False, **keep).logits
         lp, ent = self._token_logprobs(logits, ids[:, start:], am[:, start:], self.temperature, with_entropy)
         out = {"logprobs": F.pad(lp, (start, 0))}
@@ -385,7 +387,7 @@ class LocalTrainer:
         return out
 
     def _values_out(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        with self._autocast(self.critic):
+        with self._autocast():
             v = self.critic(**model_inputs(mb, self.cfg.attention_mask))
         return shift_right(v, mb["attention_mask"])
 
@@ -541,8 +543,7 @@ class LocalTrainer:
         """Live policy tensors (no copy) named as in ``state_dict()``; copy before the next train().
         With ``dtype`` equal to the compute copy's (bf16 engines), the copy's linear weights (the
         masters rounded the same way, no cast at publish time) and the other masters cast."""
-        copy_dtype = self._copies[0][0].dtype if self._copies else None
-        if dtype is None or dtype != copy_dtype:
+        if not self._copies or dtype != self._dtype:
             yield from self.model.state_dict().items()
             return
         for name, t in self.compute.state_dict().items():

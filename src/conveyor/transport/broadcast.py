@@ -107,7 +107,7 @@ class BroadcastWeights:
         self._filled: set[str] = set()
         self._pending_version: int | None = None
         self._works, self._sent = [], []   # broadcasts queued and not yet waited for
-        self._draining: int | None = None  # version whose transfer commit(wait=False) left running
+        self._sending: int | None = None   # the version those broadcasts carry
         # reader side
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -190,8 +190,8 @@ class BroadcastWeights:
             self._stream = torch.cuda.Stream() if self.backend == "nccl" else None
         self._drain()  # the last publish's transfer, if commit(wait=False) left it running
         serial = int(self._serial.value)
-        self._wait_acks(serial)  # after an aborted publish, nobody waited for its receivers
-        self._filled, self._pending_version = set(), int(version)
+        self._wait_acks(serial)  # after wait=False or an aborted publish, nobody waited for the receivers
+        self._filled, self._pending_version, self._sending = set(), int(version), int(version)
         self._left = list(self._per_bucket)
         self._next, self._works, self._sent = 0, [], []
         self._queued: list[list] = [[] for _ in self._buckets]
@@ -225,8 +225,8 @@ class BroadcastWeights:
             self._failed(e)
 
     def _failed(self, e: Exception):
-        version, self._pending_version = self._pending_version, None
-        raise WeightSyncError(f"weight broadcast of version {version} to {self.engines} engine(s) failed: "
+        self._works, self._sent, self._pending_version = [], [], None
+        raise WeightSyncError(f"weight broadcast of version {self._sending} to {self.engines} engine(s) failed: "
                               f"{str(e).splitlines()[0][:300]}; an engine process died or stalled") from None
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
@@ -262,30 +262,29 @@ class BroadcastWeights:
             self._send(self._buckets[b])
         self._next = len(self._buckets)
         self._send(self._small([serial if complete else -1]))
-        if not wait and complete:
+        if complete and not wait:
             # The transfer overlaps the caller's next work; begin() or close() drains it.
-            self._draining, self._pending_version = self._pending_version, None
+            self._pending_version = None
             return
-        self._drain(self._pending_version)
-        if complete and wait:
+        self._drain()
+        self._pending_version = None
+        if complete:
             # The root's broadcast can end before the engines' receives do (the next
             # begin() waits for them in any case, before reusing the buckets).
             self._wait_acks(serial)
 
-    def _drain(self, version: int | None = None) -> None:
+    def _drain(self) -> None:
         """Wait until the root's sends of the last publish are done (they read the buckets)."""
         if not self._works:
             return
-        self._pending_version = self._draining if version is None else version  # named by _failed
         try:
             for w in self._works:
                 w.wait()
             if self._stream is not None:
                 self._stream.synchronize()  # completion is real (and timed) on the host
         except RuntimeError as e:
-            self._works, self._sent = [], []
             self._failed(e)
-        self._works, self._sent, self._pending_version, self._draining = [], [], None, None
+        self._works, self._sent = [], []
 
     def _wait_acks(self, serial: int) -> None:
         """Until every engine has received announcement ``serial`` (the last announced version)."""

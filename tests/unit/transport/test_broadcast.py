@@ -48,6 +48,24 @@ def _serve(monkeypatch, engines: int, versions: int):
     return bw, out, procs
 
 
+def _weights(v):
+    return [("a", torch.full((3, 4), float(v))), ("b", torch.arange(1000.0) + v), ("c", torch.full((5,), -v))]
+
+
+def _applied(out, procs) -> dict:
+    """engine id -> [(version, weights)] as each reader applied them."""
+    results = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    return results
+
+
+def _assert_whole(w, v):
+    """The weights of version ``v`` (as ``_weights(v)`` makes them), none of another."""
+    assert w["a"] == [[float(v)] * 4] * 3 and w["c"] == [float(-v)] * 5
+    assert w["b"] == [float(x + v) for x in range(1000)]
+
+
 def test_layout_packs_buckets_up_to_the_cap():
     # 2 KiB of float32 = 512 elements per bucket; "b" is larger and gets its own.
     lay = _layout(SPECS, torch.float32, 2 / 1024)
@@ -63,43 +81,34 @@ def test_every_engine_receives_every_version_exactly(monkeypatch):
                     ("c", torch.full((5,), -v, dtype=torch.float64)), ("ignored", torch.zeros(1))], v)
         assert list(bw._acks) == [v + 1] * 2  # publish returns once every engine holds the version
         time.sleep(0.2)  # let the engines apply each version before the next
-    results = dict(out.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(10)
+    results = _applied(out, procs)
     for i in range(2):
         assert [v for v, _ in results[i]] == [0, 1, 2]
         for v, w in results[i]:
-            assert w["a"] == [[float(v)] * 4] * 3
-            assert w["b"] == [float(x + v) for x in range(1000)]
-            assert w["c"] == [float(-v)] * 5
+            _assert_whole(w, v)
     assert bw.version == 2
 
 
 def test_a_missing_tensor_is_named_and_the_engines_keep_the_last_whole_version(monkeypatch):
     bw, out, (proc,) = _serve(monkeypatch, engines=1, versions=2)
-
-    def full(v):
-        return [("a", torch.full((3, 4), float(v))), ("b", torch.arange(1000.0) + v), ("c", torch.full((5,), -v))]
-
-    bw.publish(full(1), 1)
+    bw.publish(_weights(1), 1)
     # Bucket 0 ("a") is already on its way when the publish turns out to be incomplete.
     with pytest.raises(KeyError, match="version 7: missing tensors .'c'.; the engines keep the previous"):
-        bw.publish(full(7)[:2], 7)
+        bw.publish(_weights(7)[:2], 7)
 
     def failing():
         yield "a", torch.full((3, 4), 8.0)
         raise RuntimeError("gather failed")
     with pytest.raises(RuntimeError, match="gather failed"):
         bw.publish(failing(), 8)
-    bw.publish(full(2), 2)
+    bw.publish(_weights(2), 2)
     engine_id, got = out.get(timeout=60)
     proc.join(10)
     # Version 1 may or may not have been applied before the aborted publishes dropped it;
     # what was applied is whole, and nothing of versions 7 and 8 ever was.
     assert [v for v, _ in got][-1] == 2 and {v for v, _ in got} <= {1, 2}
     for v, w in got:
-        assert w["a"] == [[float(v)] * 4] * 3 and w["c"] == [float(-v)] * 5
-        assert w["b"] == [float(x + v) for x in range(1000)]
+        _assert_whole(w, v)
 
 
 def test_an_engine_that_never_joins_stops_the_writer_with_a_named_error():
@@ -109,10 +118,6 @@ def test_an_engine_that_never_joins_stops_the_writer_with_a_named_error():
     with pytest.raises(WeightSyncError, match="trainer .rank 0. could not join the group"):
         bw.publish([(n, torch.zeros(s)) for n, s, _ in SPECS], 0)
     assert time.monotonic() - t0 < 30
-
-
-def _weights(v):
-    return [("a", torch.full((3, 4), float(v))), ("b", torch.arange(1000.0) + v), ("c", torch.full((5,), -v))]
 
 
 def test_a_publish_that_does_not_wait_sends_the_values_it_was_given(monkeypatch):
@@ -125,14 +130,11 @@ def test_a_publish_that_does_not_wait_sends_the_values_it_was_given(monkeypatch)
         time.sleep(0.2)
     bw.close()  # the writer waits for the last transfer
     assert not bw._works
-    results = dict(out.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(10)
+    results = _applied(out, procs)
     for i in range(2):
         assert [v for v, _ in results[i]] == [0, 1, 2]
         for v, w in results[i]:
-            assert w["a"] == [[float(v)] * 4] * 3 and w["c"] == [float(-v)] * 5
-            assert w["b"] == [float(x + v) for x in range(1000)]
+            _assert_whole(w, v)
 
 
 def test_an_engine_that_dies_fails_the_next_publish_with_a_named_error(monkeypatch):
