@@ -314,6 +314,7 @@ class LocalTrainer:
         # self.compute is what forward and backward run on: the same module, or one whose
         # linear weights are bf16 copies feeding their gradients to the masters'.
         self.compute, self._copies = self.model, []
+        self._publish_list: list | None = None  # named_weights(bf16), listed on first use
         if self.reference is not None:
             self.reference.to(self.device).eval().requires_grad_(False)
         if self._dtype != torch.float32:
@@ -542,12 +543,15 @@ class LocalTrainer:
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Live policy tensors (no copy) named as in ``state_dict()``; copy before the next train().
         With ``dtype`` equal to the compute copy's (bf16 engines), the copy's linear weights (the
-        masters rounded the same way, no cast at publish time) and the other masters cast."""
+        masters rounded the same way, no cast at publish time) and the other float32 masters
+        as they are: transports cast while they copy. The list is made once (the tensors are
+        updated in place), so a publish costs no state_dict walk, cast or allocation."""
         if not self._copies or dtype != self._dtype:
             yield from self.model.state_dict().items()
             return
-        for name, t in self.compute.state_dict().items():
-            yield name, t if t.dtype == dtype else t.to(dtype)
+        if self._publish_list is None:
+            self._publish_list = list(self.compute.state_dict().items())
+        yield from self._publish_list
 
     def training_state(self) -> dict[str, Any]:
         """Optimizer, scheduler and step state (everything but weights and RNG) for checkpoints."""

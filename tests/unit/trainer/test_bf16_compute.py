@@ -97,6 +97,19 @@ def test_weights_for_bf16_engines_are_the_masters_rounded(make_model, make_batch
     masters = dict(trainer.named_weights())
     rounded = dict(trainer.named_weights(torch.bfloat16))
     assert rounded.keys() == masters.keys()
+    linear = {n + ".weight" for n, m in trainer.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    copies = {n for n, t in rounded.items() if t.dtype == torch.bfloat16}
+    assert copies and copies <= linear
     for name, t in rounded.items():
-        assert t.dtype == torch.bfloat16 and torch.equal(t, masters[name].to(torch.bfloat16)), name
+        if name in copies:  # the compute copy: the masters rounded, no cast per publish
+            assert torch.equal(t, masters[name].to(torch.bfloat16)), name
+        else:  # the master itself: transports cast while copying
+            assert t.data_ptr() == masters[name].data_ptr(), name
+    before = {n: t.clone() for n, t in rounded.items()}
+    trainer.train(make_batch(LENGTHS), pg_loss)  # the listed tensors follow the next step
+    again = dict(trainer.named_weights(torch.bfloat16))
+    assert all(again[n] is rounded[n] for n in rounded)
+    assert any(not torch.equal(again[n], before[n]) for n in copies)
+    for name, t in dict(trainer.named_weights()).items():
+        assert torch.equal(again[name].to(torch.bfloat16), t.to(torch.bfloat16)), name
     assert {t.dtype for t in dict(trainer.named_weights(torch.float16)).values()} == {torch.float32}
