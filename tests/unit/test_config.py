@@ -68,3 +68,6 @@ def test_auto_loss_corrects_for_staleness_only_when_there_is_some():
     assert load_config(None, ["loop.max_staleness=2"]).algo.loss == "decoupled_ppo"
     assert load_config(None, ["loop.max_staleness=2", "algo.loss=ppo"]).algo.loss == "ppo"
     assert load_config(None, ["algo.loss=gspo"]).algo.loss == "gspo"
+    # What `conveyor train loop.max_staleness=2` runs: the recipe must not pin plain PPO.
+    assert load_config(DEFAULT_RECIPE, ["loop.max_staleness=2"]).algo.loss == "decoupled_ppo"
+    assert load_config(DEFAULT_RECIPE, []).algo.loss == "ppo"
