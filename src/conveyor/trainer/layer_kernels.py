@@ -18,16 +18,10 @@ The MLP's ``silu(gate) * up`` is two kernels forward and three backward in
 torch, over the widest activations of the layer; here one each way, with
 ``silu(gate)`` rounded to the input dtype before the product, as torch does.
 
-Under autocast a norm whose output only feeds linear layers writes it in
-the autocast dtype: the float32 result rounded as each consumer's autocast
-cast would round it, once instead of once per consumer. (Its gradient then
-arrives summed over the consumers in that dtype, not in float32.)
-
 Contract: ``use_fused_layers(model) -> int`` swaps the forward of every
 supported norm and SiLU MLP module of ``model`` (by class name) for
-``rms_norm`` / ``swiglu`` and returns how many; ``rms_norm(x, weight, eps,
-out_dtype=None)`` works on any ``[..., H]``, ``swiglu(gate, up)`` on any two
-equal shapes.
+``rms_norm`` / ``swiglu`` and returns how many; ``rms_norm(x, weight, eps)``
+works on any ``[..., H]``, ``swiglu(gate, up)`` on any two equal shapes.
 Set ``TRITON_INTERPRET=1`` before importing to run on CPU tensors (tests do).
 """
 from __future__ import annotations
@@ -81,11 +75,11 @@ def _backward(x, w, dy, rstd_in, dx, dw_part, rows, H: tl.constexpr, BLOCK: tl.c
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
         shape, h = x.shape, x.shape[-1]
         x2 = x.reshape(-1, h).contiguous()
         rows = x2.shape[0]
-        out_dtype = out_dtype or torch.promote_types(weight.dtype, x.dtype)
+        out_dtype = torch.promote_types(weight.dtype, x.dtype)
         y = torch.empty((rows, h), dtype=out_dtype, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(h)
@@ -106,7 +100,7 @@ class _RMSNorm(torch.autograd.Function):
         if rows:
             _backward[(programs,)](x2, weight, dy2, rstd, dx, part, rows, H=h,
                                    BLOCK=triton.next_power_of_2(h), PER=ROWS_PER_PROGRAM, num_warps=4)
-        return dx.view(ctx.shape), part.sum(0).to(weight.dtype), None, None
+        return dx.view(ctx.shape), part.sum(0).to(weight.dtype), None
 
 
 @triton.jit
@@ -156,10 +150,8 @@ class _SwiGLU(torch.autograd.Function):
         return d_gate, d_up
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``weight * normed(x)`` computed in float32, stored in ``out_dtype`` (default: the promoted
-    dtype of ``x`` and ``weight``, as Hugging Face's module returns)."""
-    return _RMSNorm.apply(x, weight, eps, out_dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _RMSNorm.apply(x, weight, eps)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -170,14 +162,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _norm_forward(module, hidden_states: torch.Tensor) -> torch.Tensor:
-    out_dtype = None
-    device = hidden_states.device.type
-    if module.feeds_linear and torch.is_autocast_enabled(device):
-        # Under autocast every consumer (q/k/v, gate/up, the head) casts this float32 output
-        # to the autocast dtype: writing that dtype here gives them the same numbers and
-        # saves a cast per consumer and half the bytes.
-        out_dtype = torch.get_autocast_dtype(device)
-    return rms_norm(hidden_states, module.weight, module.variance_epsilon, out_dtype)
+    # The output stays float32 under autocast. Writing it in bf16 (the same forward numbers)
+    # made autograd sum the q/k/v (or gate/up) gradients in bf16; with it, on H100, the W2
+    # warm start no longer reached its target loss (0.76-0.84 after its 1500 steps where
+    # it had stopped at 0.58 after 1100) and RL on it gained less (docs/benchmarks.md).
+    return rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
 
 def _mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
@@ -186,11 +175,9 @@ def _mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
 
 def use_fused_layers(model: torch.nn.Module) -> int:
     count = 0
-    for path, m in model.named_modules():
+    for m in model.modules():
         name = type(m).__name__
         if name in NORMS and hasattr(m, "variance_epsilon"):
-            # Qwen3's per-head q_norm / k_norm feed the rotary embedding, not a linear layer.
-            m.feeds_linear = not path.endswith(("q_norm", "k_norm"))
             m.forward = types.MethodType(_norm_forward, m)
         elif name in MLPS and getattr(getattr(m, "config", None), "hidden_act", None) in ("silu", "swish"):
             m.forward = types.MethodType(_mlp_forward, m)

@@ -33,8 +33,10 @@ Contract
 - Reader: ``poll(engine)``, called by the engine's worker between decode
   steps or requests, starts the receiver thread on its first call and
   applies the newest fully received version to the engine (a device-local
-  copy from the staging buckets) and returns it, or None. The receiver
-  thread receives into the staging buckets whenever a version is announced,
+  copy from the staging buckets; on CUDA queued on the engine's stream, so
+  its next step sees the version and the host does not wait for the copy)
+  and returns it, or None. The receiver thread (woken by the announcement,
+  not polling) receives into the staging buckets whenever a version is announced,
   so the trainer never waits for a generation to finish; the engine decides
   when to swap (the admission rule and partial rollouts are unchanged).
   The header is checked against the announcement and the layout: a
@@ -97,6 +99,10 @@ class BroadcastWeights:
         self._published_at = ctx.Value("d", 0.0, lock=False)
         self._opened = ctx.Value("b", 0, lock=False)      # the writer hosts the store from now on
         self._acks = ctx.Array("q", self.engines, lock=False)  # per engine: last serial received
+        # Per engine: released at each announcement. A receiver blocks on it instead of
+        # polling, so it takes the GIL from the engine's decode loop only when a version comes.
+        # (Not an Event: its set() waits for every waiting process, a dead one included.)
+        self._wake = [ctx.Semaphore(0) for _ in range(self.engines)]
         self._shared = set(self.__dict__) | {"_shared"}  # what travels to other processes
         self._local()
 
@@ -114,6 +120,7 @@ class BroadcastWeights:
         self._lock = threading.Lock()
         self._received = (0, -1)   # (serial, version) in the staging buckets
         self._applied = 0          # serial applied to the engine
+        self._copied = None        # CUDA event: the engine's copy out of the staging is done
         self._error: str | None = None
 
     def __getstate__(self):
@@ -199,6 +206,8 @@ class BroadcastWeights:
         self._version.value = int(version)
         self._published_at.value = time.time()
         self._serial.value = serial + 1  # announce: receivers post their receives now
+        for wake in self._wake:
+            wake.release()
         self._send(header)
 
     def _small(self, values: list[int]) -> torch.Tensor:
@@ -333,7 +342,14 @@ class BroadcastWeights:
             if serial <= self._applied:  # an aborted publish overwrote the staging meanwhile
                 return None
             engine.update_weights(self._views(self._staging), version)
-            synchronize(self._staging[0].device)  # the copy must finish before the next receive
+            if self.backend == "nccl":
+                # The next receive waits for this copy on the GPU (_receive_loop), so decoding
+                # is not paused until the queued steps and the copy are done. Later kernels of
+                # this stream (the next decode step) run after the copy: they see the version.
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+            else:
+                synchronize(self._staging[0].device)
             self._applied = serial
             return version
         finally:
@@ -361,10 +377,14 @@ class BroadcastWeights:
             while not self._stop.is_set():
                 announced = int(self._serial.value)
                 if announced <= seen:
-                    time.sleep(0.0005)
+                    if self._wake[engine_id].acquire(timeout=0.05):
+                        while self._wake[engine_id].acquire(block=False):
+                            pass  # several announcements: the serial read next covers them
                     continue
                 _acquire(self._lock, self.timeout_s, f"engine {engine_id} receiving weights")
                 try:
+                    if self._copied is not None:  # the engine's last copy out of the staging
+                        stream.wait_event(self._copied)
                     self._broadcast([header] + self._staging + [trailer], stream)
                     serial, version, count, numel = (int(x) for x in header.tolist())
                     if serial != seen + 1 or count != len(self.names) or numel != sum(self.sizes):

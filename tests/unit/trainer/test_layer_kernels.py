@@ -57,35 +57,6 @@ a.square().mean().backward()
 b.square().mean().backward()
 for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
     torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
-
-# Under autocast a norm that feeds linear layers writes bf16: its float32 output rounded once, as
-# the consumers' casts would round it. (Triton's interpreter truncates where a GPU rounds to
-# nearest, so here the two may differ by one bf16 step.)
-norm = fused.model.layers[0].input_layernorm
-x = torch.randn(2, 9, 64, generator=g)
-norms = [m for m in fused.modules() if hasattr(m, "feeds_linear")]
-assert len(norms) == 5 and all(m.feeds_linear for m in norms)
-with torch.autocast("cpu", dtype=torch.bfloat16):
-    y = norm(x)
-    full = rms_norm(x, norm.weight, norm.variance_epsilon)
-    assert y.dtype == torch.bfloat16 and full.dtype == torch.float32
-    step = 2.0 ** (torch.floor(torch.log2(full.abs())) - 7)  # one bf16 step at each value
-    assert bool(((y.float() - full).abs() <= step).all())
-    b = fused(input_ids=ids).logits
-    for m in norms:
-        m.feeds_linear = False  # float32 outputs, cast by each consumer
-    assert norm(x).dtype == torch.float32
-    a = fused(input_ids=ids).logits
-torch.testing.assert_close(b.float(), a.float(), rtol=0, atol=0.1)
-grads = []
-for flag in (True, False):  # gradients through a bf16 norm output agree with the float32 one
-    for m in norms:
-        m.feeds_linear = flag
-    fused.zero_grad()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        fused(input_ids=ids).logits.float().square().mean().backward()
-    grads.append(torch.cat([p.grad.float().reshape(-1) for p in fused.parameters()]))
-assert float(torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0)) > 0.99
 print("norm ok")
 """
 
