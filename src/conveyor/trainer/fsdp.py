@@ -9,9 +9,10 @@ Contract (see ``trainer/api.py`` and ``trainer/local.py``; only differences here
   and then the root are ``fully_shard``-ed, as are the frozen reference and
   the critic. With ``cfg.param_dtype`` bfloat16 (auto on CUDA with
   ``cfg.autocast_bf16``) the layers' linear weights and biases are gathered in
-  bf16, norms (units of their own), embeddings and the head in fp32, gradients
-  reduced in fp32 (fp32 master weights and AdamW state), and forward runs under
-  autocast: LocalTrainer's numbers. With float32 everything is gathered in
+  bf16, embeddings and the head in fp32, gradients reduced in fp32 (fp32
+  master weights and AdamW state), the layers' norm weights are not sharded
+  (fp32 on every rank, gradients summed by one all-reduce per optimizer step),
+  and forward runs under autocast: LocalTrainer's numbers. With float32 everything is gathered in
   fp32 (under autocast on CUDA); on CPU (auto) everything is fp32, so CPU runs
   match LocalTrainer to rounding.
 - Every public method is COLLECTIVE: call it on every rank with identical
@@ -144,11 +145,13 @@ def _is_norm(m: nn.Module) -> bool:
     return isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm")
 
 
-def _shard(module: nn.Module, mesh, dtype: torch.dtype) -> nn.Module:
+def _shard(module: nn.Module, mesh, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Shard ``module`` (float32 masters). With a low-precision ``dtype`` the decoder layers'
-    linear weights and biases are gathered in it, and the norms, embeddings and head in
-    float32 (units of their own), for forward under autocast: the numbers of float32 weights
-    under autocast, as the single-device trainer computes (everything in bf16 learned less)."""
+    linear weights and biases are gathered in it, the embeddings and head in float32, and the
+    layers' norm weights are not sharded at all (float32, whole on every rank, gradients
+    summed by ``_sum_replicated``), for forward under autocast: the numbers of float32
+    weights under autocast, as the single-device trainer computes (everything in bf16
+    learned less)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     exact = MixedPrecisionPolicy()
@@ -156,13 +159,19 @@ def _shard(module: nn.Module, mesh, dtype: torch.dtype) -> nn.Module:
         MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     # One FSDP unit per decoder layer bounds the gathered weights to a layer
     # at a time; a model without _no_split_modules is sharded as one unit.
+    replicated: set[nn.Parameter] = set()
     for layer in decoder_layers(module):
+        norms: set[nn.Parameter] = set()
         if low is not exact:
-            for m in [m for m in layer.modules() if _is_norm(m)]:
-                # Tiny: kept gathered between forward and backward (no second gather).
-                fully_shard(m, mesh=mesh, mp_policy=exact, reshard_after_forward=False)
-        fully_shard(layer, mesh=mesh, mp_policy=low)
-    fully_shard(module, mesh=mesh, mp_policy=exact)
+            # A few KB each: as FSDP units of their own (one dtype per unit) they cost an
+            # all-gather, a reduce-scatter and four hooks per micro-batch each, about half
+            # of a step's collectives (profile in docs/benchmarks.md).
+            norms = {p for m in layer.modules() if _is_norm(m) for p in m.parameters(recurse=False)}
+        fully_shard(layer, mesh=mesh, mp_policy=low, ignored_params=norms or None)
+        replicated |= norms
+    fully_shard(module, mesh=mesh, mp_policy=exact, ignored_params=replicated or None)
+    for p in replicated:  # FSDP moves only what it manages
+        p.data = p.data.to(device)
     for m in module.modules():
         if isinstance(m, FSDPModule):
             # The loss is already normalised by GLOBAL totals, so rank gradients
@@ -210,15 +219,33 @@ class FSDPTrainer(LocalTrainer):
         self._token_logprobs = logprob_fn(cfg)
         mesh = init_device_mesh(self.device.type, (self.world,))
         self._dtype = compute_dtype(cfg, self.device)
-        self.model = _shard(model, mesh, self._dtype).eval()
+        self.model = _shard(model, mesh, self._dtype, self.device).eval()
         self.compute, self._copies = self.model, []  # sharded float32 masters, cast by the policy
-        self.reference = _shard(reference, mesh, self._dtype).eval() if reference is not None else None
-        self.critic = _shard(critic, mesh, self._dtype) if critic is not None else None
+        self.reference = _shard(reference, mesh, self._dtype, self.device).eval() if reference is not None else None
+        self.critic = _shard(critic, mesh, self._dtype, self.device) if critic is not None else None
         self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), cfg.lr)
         self.critic_optimizer = self.critic_scheduler = None
         if self.critic is not None:
             self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic.parameters(), cfg.critic_lr)
         self._step = 0
+
+    def _param_groups(self, params) -> list[dict]:
+        # Fused and foreach AdamW take sharded (DTensor) and whole (replicated) tensors in
+        # separate calls, which a param group each gives them.
+        params = [p for p in params if p.requires_grad]
+        kinds = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+        return [{"params": g} for g in kinds if g]
+
+    def _sum_replicated(self) -> None:
+        """Sum the gradients of the replicated (norm) weights over ranks, as FSDP's
+        reduce-scatter sums the sharded ones. Every rank holds the same list: every
+        parameter is in every rank's graph (``_pass``'s anchor)."""
+        grads = [p.grad for m in self._trained() for p in m.parameters()
+                 if not isinstance(p, DTensor) and p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     # ----------------------------------------------------------- collectives
     def _agree(self, fn: Callable[[], Any], what: str) -> Any:
@@ -361,6 +388,7 @@ class FSDPTrainer(LocalTrainer):
                 local.add(metrics, float(mb["loss_mask"].sum()))
         totals["microbatches"] += sum(map(len, plans))
         self._merge_means(means, local)
+        self._sum_replicated()
         self._step_optimizers(totals, where)
 
     def _exchange(self, value: float, failed: bool) -> list[list[float]]:
@@ -385,16 +413,24 @@ class FSDPTrainer(LocalTrainer):
         params = [p for p in params if p.grad is not None]
         if not params:
             return 0.0
-        total = torch.nn.utils.get_total_norm([p.grad for p in params])
-        # Each rank holds a partial norm of its shards; full_tensor() all-reduces it.
-        total = total.full_tensor() if isinstance(total, DTensor) else total
+        kinds = [[p for p in params if isinstance(p.grad, DTensor)], [p for p in params if not isinstance(p.grad, DTensor)]]
+        squares = []
+        for kind in kinds:  # norms are taken per kind: one call cannot mix DTensors and tensors
+            if kind:
+                part = torch.nn.utils.get_total_norm([p.grad for p in kind])
+                # Each rank holds a partial norm of its shards; full_tensor() all-reduces it.
+                # The replicated gradients are whole and equal on every rank: counted once.
+                squares.append((part.full_tensor() if isinstance(part, DTensor) else part).float() ** 2)
+        total = torch.stack(squares).sum().sqrt()
         norm = float(total)
         if not math.isfinite(norm):
             raise NonFiniteLossError(
                 f"trainer step {self._step}, {where}: gradient norm is {norm}; no optimizer step was taken "
                 "(the loss is finite but its gradient is not; check for log(0) or division by ~0 in the loss)")
         if self.cfg.max_grad_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.max_grad_norm, total)
+            for kind in kinds:
+                if kind:
+                    torch.nn.utils.clip_grads_with_norm_(kind, self.cfg.max_grad_norm, total)
         return norm
 
     # ----------------------------------------------------- weights and files

@@ -337,11 +337,15 @@ class LocalTrainer:
             self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic.parameters(), cfg.critic_lr)
         self._step = 0
 
+    def _param_groups(self, params) -> list[dict]:
+        return [{"params": [p for p in params if p.requires_grad]}]
+
     def _optimizer(self, params, lr: float):
-        params = [p for p in params if p.requires_grad]
+        groups = self._param_groups(params)
+        params = [p for g in groups for p in g["params"]]
         # On a GPU one fused kernel updates every tensor; the default launches several per tensor.
         fused = bool(params) and all(p.device.type == "cuda" for p in params)
-        opt = torch.optim.AdamW(params, lr=lr, betas=tuple(self.cfg.betas),
+        opt = torch.optim.AdamW(groups, lr=lr, betas=tuple(self.cfg.betas),
                                 weight_decay=self.cfg.weight_decay, fused=fused or None)
         cfg, total = self.cfg, self.total_steps
         sched = torch.optim.lr_scheduler.LambdaLR(
