@@ -243,9 +243,10 @@ def test_bf16_ranks_keep_norm_weights_whole_and_train_resume_like_the_local_trai
     assert whole and all(n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")) for n in whole)
     assert ref["half_m"]["grad_norm"] > HALF["max_grad_norm"] and ref["half_m2"]["grad_norm"] > HALF["max_grad_norm"]
     assert ranks[0]["half_m2"]["grad_norm"] == pytest.approx(ref["half_m2"]["grad_norm"], rel=1e-4)
-    # A few steps on, float32 sums taken in another order (rank partials, autograd's order
-    # around FSDP's hooks; 1e-7) flip the bf16 rounding of a few weights, which the next
-    # steps amplify: 2.5e-5 here, against the 1e-3 a wrong or missing gradient moves a weight.
+    # Each rank rounds its partial gradient of a bf16 linear weight to bf16 before the sum,
+    # LocalTrainer the whole batch's (about one bf16 step apart). AdamW's first steps hardly
+    # see it (their updates are near +-lr), later ones do: 2.5e-5 after four steps here,
+    # against the 1e-3 a wrong or missing gradient moves a weight.
     assert max_diff(ranks[0]["half_w2"], ref["half_w2"]) <= 1e-4
     assert max_diff(ranks[0]["half_w2"], ranks[1]["half_w2"]) == 0.0
     assert max_diff(ranks[0]["half_w2"], ranks[0]["half_w"]) > 1e-5  # the second step moved them
