@@ -130,6 +130,9 @@ def worker(rank: int, work: Path) -> None:
     again.load(work / "half_ckpt")
     again.train(b[1], PolicyLoss(AlgoConfig()))
     res["half_w2b"] = full_weights(again, critic=False)
+    # The critic's norm weights are whole too: its gradients are summed and stepped the same way.
+    hc = FSDPTrainer(tiny, TrainerConfig(**HALF, critic=True, critic_lr=1e-3), total_steps=6)
+    res["hc_m"], res["hc_w"] = hc.train(b[0], loss), full_weights(hc)
     torch.save(res, work / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -187,6 +190,8 @@ def job(tiny_dir, tmp_path_factory):
     ref["half_w"], ref["half_lp1"] = full_weights(half, critic=False), half.logprobs(batches[0])
     ref["half_m2"] = half.train(batches[1], PolicyLoss(AlgoConfig()))
     ref["half_w2"] = full_weights(half, critic=False)
+    hc = LocalTrainer(tiny_dir, TrainerConfig(**HALF, critic=True, critic_lr=1e-3), total_steps=6)
+    ref["hc_m"], ref["hc_w"] = hc.train(batches[0], loss), full_weights(hc)
     return work, ranks, ref
 
 
@@ -252,6 +257,11 @@ def test_bf16_ranks_keep_norm_weights_whole_and_train_resume_like_the_local_trai
     assert max_diff(ranks[0]["half_w2"], ranks[0]["half_w"]) > 1e-5  # the second step moved them
     for res in ranks:
         assert max_diff(res["half_w2b"], res["half_w2"]) == 0.0
+    critic = {k: v for k, v in ranks[0]["hc_w"].items() if k.startswith("critic.")}
+    assert any("layernorm" in k for k in critic)
+    assert max_diff(critic, {k: ref["hc_w"][k] for k in critic}) <= 1e-6
+    assert max_diff(ranks[0]["hc_w"], ranks[1]["hc_w"]) == 0.0
+    assert ranks[0]["hc_m"]["critic_grad_norm"] == pytest.approx(ref["hc_m"]["critic_grad_norm"], rel=1e-4)
 
 
 def test_resume_continues_exactly(job):
