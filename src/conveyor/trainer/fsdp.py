@@ -141,6 +141,13 @@ def balance(lengths: list[int], world: int) -> list[list[int]]:
     return shares
 
 
+def _kinds(params) -> tuple[list, list]:
+    """Sharded (DTensor) and whole (replicated norm) parameters: foreach and fused kernels
+    (AdamW, norms, clipping) take one kind per call."""
+    params = list(params)
+    return [p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]
+
+
 def _is_norm(m: nn.Module) -> bool:
     return isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm")
 
@@ -230,18 +237,13 @@ class FSDPTrainer(LocalTrainer):
         self._step = 0
 
     def _param_groups(self, params) -> list[dict]:
-        # Fused and foreach AdamW take sharded (DTensor) and whole (replicated) tensors in
-        # separate calls, which a param group each gives them.
-        params = [p for p in params if p.requires_grad]
-        kinds = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
-        return [{"params": g} for g in kinds if g]
+        return [{"params": g} for g in _kinds(p for p in params if p.requires_grad) if g]
 
     def _sum_replicated(self) -> None:
         """Sum the gradients of the replicated (norm) weights over ranks, as FSDP's
         reduce-scatter sums the sharded ones. Every rank holds the same list: every
         parameter is in every rank's graph (``_pass``'s anchor)."""
-        grads = [p.grad for m in self._trained() for p in m.parameters()
-                 if not isinstance(p, DTensor) and p.grad is not None]
+        grads = [p.grad for m in self._trained() for p in _kinds(m.parameters())[1] if p.grad is not None]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat)
@@ -413,14 +415,13 @@ class FSDPTrainer(LocalTrainer):
         params = [p for p in params if p.grad is not None]
         if not params:
             return 0.0
-        kinds = [[p for p in params if isinstance(p.grad, DTensor)], [p for p in params if not isinstance(p.grad, DTensor)]]
+        kinds = [kind for kind in _kinds(params) if kind]
         squares = []
-        for kind in kinds:  # norms are taken per kind: one call cannot mix DTensors and tensors
-            if kind:
-                part = torch.nn.utils.get_total_norm([p.grad for p in kind])
-                # Each rank holds a partial norm of its shards; full_tensor() all-reduces it.
-                # The replicated gradients are whole and equal on every rank: counted once.
-                squares.append((part.full_tensor() if isinstance(part, DTensor) else part).float() ** 2)
+        for kind in kinds:
+            part = torch.nn.utils.get_total_norm([p.grad for p in kind])
+            # Each rank holds a partial norm of its shards; full_tensor() all-reduces it.
+            # The replicated gradients are whole and equal on every rank: counted once.
+            squares.append((part.full_tensor() if isinstance(part, DTensor) else part).float() ** 2)
         total = torch.stack(squares).sum().sqrt()
         norm = float(total)
         if not math.isfinite(norm):
@@ -429,8 +430,7 @@ class FSDPTrainer(LocalTrainer):
                 "(the loss is finite but its gradient is not; check for log(0) or division by ~0 in the loss)")
         if self.cfg.max_grad_norm is not None:
             for kind in kinds:
-                if kind:
-                    torch.nn.utils.clip_grads_with_norm_(kind, self.cfg.max_grad_norm, total)
+                torch.nn.utils.clip_grads_with_norm_(kind, self.cfg.max_grad_norm, total)
         return norm
 
     # ----------------------------------------------------- weights and files
