@@ -61,6 +61,7 @@ def step_view(rec: dict) -> dict:
             "trainer_busy_s": float(rec.get("time/prepare") or 0.0) + float(rec.get("time/train") or 0.0),
             "weight_sync_ms": rec.get("weight_sync_ms"), "staleness_hist": hist,
             "weight_publish_ms": rec.get("weight_publish_ms"), "weight_pause_ms": rec.get("weight_pause_ms"),
+            "weight_transfer_ms": rec.get("weight_transfer_ms"),
             "num_seqs": float(rec.get("num_seqs") or 0.0), "clip_frac": rec.get("clip_frac")}
 
 
@@ -120,6 +121,7 @@ def throughput(steps: list[dict], chunks: list[list[dict]], samples_per_step: in
     sync = [v["weight_sync_ms"] for v in win if v["weight_sync_ms"] is not None]
     publish = [v["weight_publish_ms"] for v in win if v.get("weight_publish_ms") is not None]
     pause = [v["weight_pause_ms"] for v in win if v.get("weight_pause_ms") is not None]
+    transfer = [v["weight_transfer_ms"] for v in win if v.get("weight_transfer_ms") is not None]
     clip = [v["clip_frac"] for v in win if v["clip_frac"] is not None]
     return {
         "steps": len(steps), "steady": steady, "window": [lo + 1, n] if n else None,
@@ -136,6 +138,7 @@ def throughput(steps: list[dict], chunks: list[list[dict]], samples_per_step: in
         "weight_sync_ms": statistics.median(sync) if sync else None,
         "weight_publish_ms": statistics.median(publish) if publish else None,
         "weight_pause_ms": statistics.median(pause) if pause else None,
+        "weight_transfer_ms": statistics.median(transfer) if transfer else None,
         "clip_frac": statistics.mean(clip) if clip else None,
     }
 

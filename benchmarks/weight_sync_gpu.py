@@ -6,12 +6,16 @@
 The writer (this process, GPU 0) holds the weights the way the single-device trainer
 does, float32 masters and a bf16 compute copy, and publishes them as the RL loop does
 (``publish_all(..., wait=False)``): ``--source float32`` casts the masters into the
-buckets, ``bfloat16`` copies the compute copy. Each engine process (GPU i) receives in
-its thread and applies every version to its own copy of the weights, as an engine does.
-Reported per source: publish ms (the trainer's side, what ``weight_publish_ms`` logs in
-the loop: the copies and sends are queued and the trainer trains on), sent ms (until the
-root's sends end) and, per engine, announce -> applied ms (the end-to-end weight sync an
-engine sees when it polls at once); median, p10 and p90 over ``--reps``.
+buckets, ``bfloat16`` copies the compute copy, ``mixed`` is what the single-device
+trainer hands over (the bf16 copies of the layers' linear weights, float32 for the
+rest). Each engine process (GPU i) receives in its thread and applies every version to
+its own copy of the weights, as an engine's weight watcher does (woken by
+``wait_news``, stamped once the copy has run). Reported per source: publish ms (the
+trainer's side, what ``weight_publish_ms`` logs in the loop: the copies and sends are
+queued and the trainer trains on), sent ms (until the root's sends end) and, per engine,
+announce -> received ms (the whole version in the engine's staging buckets) and announce
+-> applied ms (copied into the engine: the end-to-end weight sync of an engine that is
+not decoding); median, p10 and p90 over ``--reps``.
 One JSON per run in ``--out``. No model weights are needed: the shapes come from the
 configuration (random values).
 """
@@ -63,11 +67,14 @@ def _engine(bw, engine_id: int, versions: int, device: str, out) -> None:
         torch.cuda.set_device(torch.device(device))
     engine, applied = _Engine(), []
     deadline = time.monotonic() + 600
+    bw.poll(engine, engine_id)  # starts the receiver
     while len(applied) < versions and time.monotonic() < deadline:
+        bw.wait_news(engine, 1.0)
         v = bw.poll(engine, engine_id)
         if v is not None:
-            applied.append((v, time.time()))
-        time.sleep(0.0002)
+            if device.startswith("cuda"):
+                torch.cuda.current_stream().synchronize()  # the copy has run: the engine serves v
+            applied.append((v, time.time(), bw.received_at))
     out.put((engine_id, applied))
 
 
@@ -77,7 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
     p.add_argument("--bucket-mb", type=float, default=512.0)
-    p.add_argument("--source", default="both", choices=["float32", "bfloat16", "both"])
+    p.add_argument("--source", default="all", choices=["float32", "bfloat16", "mixed", "all"])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="runs/weight-sync")
     args = p.parse_args(argv)
@@ -95,7 +102,7 @@ def main(argv=None) -> int:
                          f"{torch.cuda.device_count()} visible; lower --engines")
     dtype = torch.bfloat16
     specs = specs_of(args.model)
-    sources = ["float32", "bfloat16"] if args.source == "both" else [args.source]
+    sources = ["float32", "bfloat16", "mixed"] if args.source == "all" else [args.source]
     versions = len(sources) * (args.reps + 2)
     ctx = mp.get_context("spawn")
     bw = BroadcastWeights([(n, s, dtype) for n, s in specs], ctx, engines=args.engines, backend=backend,
@@ -111,9 +118,11 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     masters = [(n, torch.randn(s, generator=gen, device=device) * 0.02) for n, s in specs]
     copies = [(n, t.to(dtype)) for n, t in masters]
+    linear = {n for n, s in specs if "layers." in n and n.endswith(".weight") and len(s) == 2}
+    mixed = [(n, c if n in linear else m) for (n, m), (_, c) in zip(masters, copies)]
     results, sent, announced, measured, version = {}, {}, {}, {}, 0
     for source in sources:
-        items = masters if source == "float32" else copies
+        items = {"float32": masters, "bfloat16": copies, "mixed": mixed}[source]
         times, sent[source] = [], []
         for rep in range(args.reps + 2):  # the first two warm the group and the allocator
             version += 1
@@ -145,7 +154,11 @@ def main(argv=None) -> int:
               "device": torch.cuda.get_device_name(0) if gpu else "cpu", "date": time.strftime("%Y-%m-%d"),
               "publish_ms": {src: summary(ts) for src, ts in results.items()},
               "sent_ms": {src: summary(ts) for src, ts in sent.items()},
-              "applied_ms": {src: {str(e): summary([(t - announced[v]) * 1e3 for v, t in got if measured.get(v) == src])
+              "received_ms": {src: {str(e): summary([(r - announced[v]) * 1e3 for v, _, r in got
+                                                     if measured.get(v) == src])
+                                    for e, got in applied.items()} for src in sources},
+              "applied_ms": {src: {str(e): summary([(t - announced[v]) * 1e3 for v, t, _ in got
+                                                    if measured.get(v) == src])
                                    for e, got in applied.items()} for src in sources},
               "versions_applied": {str(e): len(got) for e, got in applied.items()}}
     dest = Path(args.out)

@@ -121,11 +121,19 @@ def rollout_stats(groups: list[Group], step: int) -> dict[str, float]:
 
 
 def sync_stats(producer, published_at: dict[int, float]) -> dict[str, float]:
-    """End of publish -> engine serving it (ms), and how long decoding paused for the copy."""
+    """End of the optimizer step -> engine serving the version (ms, the slowest engine), the
+    part of it until the transport held the version, and how long decoding paused for a swap."""
     events, producer.stats.weight_events = producer.stats.weight_events, []
-    lat = [(applied - published_at[v]) * 1e3 for _, v, applied, _ in events if v in published_at]
-    pause = [p * 1e3 for *_, p in events]
-    return {"weight_sync_ms": max(lat), "weight_pause_ms": max(pause)} if lat else {}
+    ours = [e for e in events if e[1] in published_at]
+    out = {}
+    if ours:
+        out["weight_sync_ms"] = max((e[2] - published_at[e[1]]) * 1e3 for e in ours)
+    received = [(e[4] - published_at[e[1]]) * 1e3 for e in ours if len(e) > 4 and e[4]]
+    if received:
+        out["weight_transfer_ms"] = max(received)
+    if events:
+        out["weight_pause_ms"] = max(e[3] for e in events) * 1e3
+    return out
 
 
 def engine_idle(engines, last: dict) -> dict[str, float]:

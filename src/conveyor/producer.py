@@ -70,7 +70,7 @@ class _Pending:
 
 @dataclass
 class ProducerStats:
-    weight_events: list = field(default_factory=list)  # (engine, version, applied_at, pause_s)
+    weight_events: list = field(default_factory=list)  # (engine, version, applied_at, pause_s, received_at)
 
 
 class Producer:

@@ -174,9 +174,15 @@ def test_weight_sync_benchmark_runs_on_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     rec = json.loads((tmp_path / "weight-sync-tiny-e2-b1.json").read_text())
     assert rec["tensors"] > 10 and rec["bytes"] > 0
-    assert set(rec["publish_ms"]) == {"float32", "bfloat16"}
+    assert set(rec["publish_ms"]) == {"float32", "bfloat16", "mixed"}
     assert all(s["median"] > 0 for s in rec["publish_ms"].values())
     # The root's sends end after the publish returns (it only queues them).
     assert all(rec["sent_ms"][k]["median"] >= rec["publish_ms"][k]["median"] for k in rec["publish_ms"])
     assert rec["versions_applied"]["0"] >= 1
-    assert {k: set(v) for k, v in rec["applied_ms"].items()} == {"float32": {"0", "1"}, "bfloat16": {"0", "1"}}
+    both = {k: {"0", "1"} for k in ("float32", "bfloat16", "mixed")}
+    assert {k: set(v) for k, v in rec["applied_ms"].items()} == both
+    assert {k: set(v) for k, v in rec["received_ms"].items()} == both
+    # An engine holds a version (received) before it has copied it in (applied).
+    for k in both:
+        for e in ("0", "1"):
+            assert 0 < rec["received_ms"][k][e]["median"] <= rec["applied_ms"][k][e]["median"]

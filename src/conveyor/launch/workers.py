@@ -14,8 +14,14 @@ Contract
   rest). Negative chunk ids are evaluation requests: never merged with other
   chunks, always answered whole (offset 0). New weights
   are taken from the transport ``weights``; each swap is reported as
-  ``("weights", engine_id, version, applied_at, pause_s)``. An exception is
+  ``("weights", engine_id, version, applied_at, pause_s, received_at)``
+  (``received_at``: when the transport held the whole version, None if it
+  does not say). An exception is
   reported as ``("error", engine_id, traceback)`` before the loop ends.
+  With ``partial``, a watcher thread applies each version as soon as the
+  transport has it (woken by ``wait_news``; the engine's lock puts the copy
+  between two decode steps) and stamps ``applied_at`` once the copy has run
+  on the device: the engine serves the version from then on.
   Two ways of serving:
   - Streaming (``partial`` and an engine with ``streams``, the native fast
     runner): continuous batching through ``engine.generate_stream``. Between
@@ -26,9 +32,8 @@ Contract
     rewards start while the rest of its chunk decodes. The first message
     that cannot join (an evaluation request, other params, "stop") is held
     and nothing more is read: the call drains, then the held message is
-    served ("stop" ends the loop). The same thread applies weights between
-    steps, polling at most every 2 ms and always right before new chunks
-    enter the engine, so a chunk admitted after version v was published never
+    served ("stop" ends the loop). The generating thread also takes weights
+    right before new chunks enter the engine, so a chunk admitted after version v was published never
     decodes a token with older weights (the admission rule's staleness bound
     stays exact); tokens after a swap carry the new version, the KV cache of
     earlier tokens is kept. A chunk admitted for a version still on its way
@@ -37,8 +42,8 @@ Contract
   - Waves (no ``partial``, or an engine that cannot stream): the first
     request plus every waiting one with the same params (but seed) is one
     ``engine.generate`` call; its chunks are reported when it returns. With
-    ``partial`` a watcher thread swaps weights between decode steps;
-    without it only between calls, so every token of a sample comes from
+    ``partial`` the watcher swaps weights between decode steps; without it
+    they change only between calls, so every token of a sample comes from
     one version.
   The same function runs in a thread (in-process roles) or as the main of a
   child process (``engine_process``), so both launch modes share one code path.
@@ -56,14 +61,18 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 import traceback
 
 from conveyor.transport.weights import WeightSyncTimeout
 
-# How often the streaming loop polls the weight transport between decode steps.
+# How often a weight watcher polls a transport that cannot wake it (wait_news).
 WEIGHT_POLL_S = 0.002
+# With partial rollouts a watcher thread applies each version as it lands. Off, swaps happen
+# only where the generating thread looks (before chunks enter, or between waves when idle).
+WATCH_WEIGHTS = True
 
 
 def engine_loop(engine, inbox, outbox, weights, engine_id: int, partial: bool, timeout_s: float = 600.0) -> None:
@@ -85,14 +94,65 @@ class _EngineServer:
         self.engine_id, self.timeout_s = engine_id, timeout_s
         self.version = getattr(engine, "version", 0)  # the weights it holds (0: those it was built with)
         self.busy_s = self.idle_s = 0.0
+        self._taking = threading.Lock()
+        self.device = _cuda_device(engine)  # where a watcher thread queues its copies
         self.held = None  # a message read while streaming that could not join the running call
 
-    def take_weights(self) -> None:
-        t0 = time.perf_counter()
-        v = self.weights.poll(self.engine, self.engine_id)
-        if v is not None:
-            self.version = v
-            self.outbox.put(("weights", self.engine_id, v, time.time(), time.perf_counter() - t0))
+    def take_weights(self, settle: bool = False) -> None:
+        """Apply the newest published version if there is one, and report it. ``settle`` (a
+        watcher thread, which may wait): stamp the swap once its copy has run on the device,
+        the moment the engine serves the version, not when the copy was queued."""
+        with self._taking:  # the watcher and the generating thread both take weights
+            t0 = time.perf_counter()
+            v = self.weights.poll(self.engine, self.engine_id)
+            pause = time.perf_counter() - t0
+            if v is None:
+                return
+            self.version = max(self.version, v)
+            if settle and self.device is not None:
+                import torch
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+        if settle and self.device is not None:
+            done.synchronize()
+        self.outbox.put(("weights", self.engine_id, v, time.time(), pause,
+                         getattr(self.weights, "received_at", None)))
+
+    @contextlib.contextmanager
+    def watching(self, on: bool):
+        """While the body runs, a thread swaps weights as soon as a version arrives (the engine's
+        lock puts the copy between two decode steps), so a version does not wait for the
+        generating thread to look."""
+        stop = threading.Event()
+        device = self.device
+
+        def watch() -> None:
+            try:
+                if device is not None:
+                    import torch
+                    torch.cuda.set_device(device)  # the device is per thread; a new one starts on GPU 0
+                wait = getattr(self.weights, "wait_news", None)
+                while not stop.is_set():
+                    self.take_weights(settle=True)
+                    if wait is None:
+                        time.sleep(WEIGHT_POLL_S)
+                    else:
+                        wait(self.engine, 0.05)
+            except Exception:  # noqa: BLE001 - reported to the controller, which stops the run
+                self.outbox.put(("error", self.engine_id, traceback.format_exc()))
+
+        watcher = threading.Thread(target=watch, name=f"engine{self.engine_id}-weights", daemon=True) if on else None
+        if watcher is not None:
+            watcher.start()
+        try:
+            yield
+        except Exception:  # noqa: BLE001 - reported before waiting for the watcher below
+            self.outbox.put(("error", self.engine_id, traceback.format_exc()))
+        finally:
+            stop.set()
+            if watcher is not None:
+                # A watcher still copying weights on the GPU at interpreter exit aborts the process.
+                watcher.join(timeout=10)
 
     def take_version(self, need: int) -> None:
         """Apply weights now and, if chunks about to start were admitted for a later version
@@ -127,23 +187,9 @@ class _EngineServer:
 
     # ----- waves ----------------------------------------------------------------------
     def serve_waves(self, partial: bool) -> None:
-        stop = threading.Event()
-
-        def watch() -> None:
-            try:
-                while not stop.is_set():
-                    self.take_weights()
-                    time.sleep(WEIGHT_POLL_S)
-            except Exception:  # noqa: BLE001 - reported to the controller, which stops the run
-                self.outbox.put(("error", self.engine_id, traceback.format_exc()))
-
-        watcher = threading.Thread(target=watch, name=f"engine{self.engine_id}-weights", daemon=True) \
-            if partial else None
-        if watcher is not None:
-            watcher.start()
-        try:
+        with self.watching(partial and WATCH_WEIGHTS):
             while True:
-                if watcher is None:
+                if not partial:
                     self.take_weights()
                 msg = self.next_message()
                 if msg is None:
@@ -163,38 +209,30 @@ class _EngineServer:
                     i += len(ps)
                 if stop_after:
                     break
-        except Exception:  # noqa: BLE001 - reported before waiting for the watcher below
-            self.outbox.put(("error", self.engine_id, traceback.format_exc()))
-        finally:
-            stop.set()
-            if watcher is not None:
-                # A watcher still copying weights on the GPU at interpreter exit aborts the process.
-                watcher.join(timeout=10)
 
     # ----- streaming ------------------------------------------------------------------
     def serve_stream(self) -> None:
-        while True:
-            msg = self.next_message()
-            if msg is None:
-                self.take_weights()  # idle: keep the engine current
-                continue
-            if msg[0] == "stop":
-                break
-            self.stream_call(msg)
+        with self.watching(WATCH_WEIGHTS):
+            while True:
+                msg = self.next_message()
+                if msg is None:
+                    self.take_weights()  # idle: keep the engine current
+                    continue
+                if msg[0] == "stop":
+                    break
+                self.stream_call(msg)
 
     def stream_call(self, first) -> None:
         """One ``generate_stream`` call that starts with ``first`` and takes compatible chunks as they come."""
         first_id, prompts, params, version = _request(first)
         pending = [(first_id, prompts, version)]
         running = [0]  # prompts handed to the engine and not yet reported
-        last_poll = float("-inf")
         t0 = time.perf_counter()
         evaluation: list = [None] * len(prompts)  # an evaluation request is answered whole
         if not prompts:
             self.report(first_id, [], self.busy_s)
 
         def intake() -> list:
-            nonlocal last_poll
             new, pending[:] = pending[:], []
             # An evaluation call takes nothing else; otherwise read until the first message
             # that cannot join, then stop reading so the call drains and that message is next.
@@ -210,13 +248,12 @@ class _EngineServer:
                     new.append((chunk_id, chunk_prompts, version))
                 else:
                     self.held = msg
-            now = time.perf_counter()
             # Always right before chunks enter the engine: none of their tokens may come
-            # from weights older than the version they were admitted for.
-            if new or now - last_poll >= WEIGHT_POLL_S:
-                need = max((v for *_, v in new), default=0)
+            # from weights older than the version they were admitted for. (Otherwise the
+            # watcher swaps each version as it lands.)
+            if new:
+                need = max(v for *_, v in new)
                 self.take_weights()
-                last_poll = now
                 if need > self.version and running[0]:
                     # Their version is still on its way: the running rows decode on and
                     # these chunks join at a later step, once it is in.
@@ -280,11 +317,20 @@ def _joins(msg, first_id: int, params) -> bool:
             and dataclasses.replace(msg[3], seed=None) == dataclasses.replace(params, seed=None))
 
 
+def _cuda_device(engine):
+    """The GPU an engine computes on (its runner's device), or None (CPU, or not known)."""
+    device = getattr(getattr(engine, "runner", None), "device", None)
+    return device if getattr(device, "type", None) == "cuda" else None
+
+
 def engine_process(spec: dict, inbox, outbox, weights, engine_id: int, partial: bool) -> None:
     """Main of an engine child process: build the engine, then serve."""
     from conveyor.config import RolloutConfig
     from conveyor.rollout.factory import make_engine
     _bind_device(spec["device"])
+    # The weight receiver and watcher threads must get the GIL from the decode loop within
+    # a fraction of a millisecond, not the default 5 ms: that wait is weight-sync latency.
+    sys.setswitchinterval(0.0005)
     engine = make_engine(RolloutConfig.model_validate(spec["rollout"]), spec["path"])
     weights.poll(engine, engine_id)
     outbox.put(("ready", engine_id, engine.context_limit))

@@ -119,6 +119,8 @@ class BroadcastWeights:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._received = (0, -1)   # (serial, version) in the staging buckets
+        self.received_at = 0.0     # when the newest complete version was in them (time.time())
+        self._news = threading.Event()  # set when a complete version is received
         self._applied = 0          # serial applied to the engine
         self._copied = None        # CUDA event: the engine's copy out of the staging is done
         self._error: str | None = None
@@ -161,18 +163,25 @@ class BroadcastWeights:
         else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
+            # The transfer runs beside a training step (writer) and decode steps (readers) that
+            # fill every SM; a high-priority stream gets its kernels' blocks scheduled first.
+            opts.is_high_priority_stream = True
             group = dist.ProcessGroupNCCL(prefix, rank, self.engines + 1, opts)
         self._store, self._group = store, group
         return group
 
-    def _broadcast(self, tensors: list[torch.Tensor], stream) -> None:
+    def _broadcast(self, tensors: list[torch.Tensor], stream, host: torch.Tensor | None = None) -> None:
         # One work per tensor, then wait for all; on CUDA the dedicated stream is
-        # synchronised so that completion is real (and timed) on the host.
+        # synchronised so that completion is real (and timed) on the host. ``host`` (pinned)
+        # gets the first and last tensors (header and trailer) in the same synchronisation:
+        # every further GPU read would take the GIL back from the engine's decode loop.
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             works = [self._group.broadcast(t, 0) for t in tensors]
             for w in works:
                 w.wait()
+            if host is not None:
+                host.copy_(torch.cat([tensors[0], tensors[-1]]), non_blocking=True)
         if stream is not None:
             stream.synchronize()
 
@@ -258,9 +267,14 @@ class BroadcastWeights:
 
     def _fill(self, b: int) -> None:
         pairs, self._queued[b] = self._queued[b], []
-        if pairs:
-            with torch.no_grad():
-                torch._foreach_copy_([slot for slot, _ in pairs], [t for _, t in pairs])
+        # One foreach call per source dtype: a list that mixes dtypes (bf16 linear copies and
+        # float32 norms) leaves the fused multi-tensor kernel for a launch per tensor.
+        by_dtype: dict[torch.dtype, list] = {}
+        for pair in pairs:
+            by_dtype.setdefault(pair[1].dtype, []).append(pair)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                torch._foreach_copy_([slot for slot, _ in group], [t for _, t in group])
 
     def _finish(self, complete: bool, wait: bool = True) -> None:
         """Send what is left and the trailer (the serial if ``complete``, else -1: readers then
@@ -341,7 +355,7 @@ class BroadcastWeights:
             serial, version = self._received
             if serial <= self._applied:  # an aborted publish overwrote the staging meanwhile
                 return None
-            engine.update_weights(self._views(self._staging), version)
+            engine.update_weights(self._staged, version)
             if self.backend == "nccl":
                 # The next receive waits for this copy on the GPU (_receive_loop), so decoding
                 # is not paused until the queued steps and the copy are done. Later kernels of
@@ -354,6 +368,16 @@ class BroadcastWeights:
             return version
         finally:
             self._lock.release()
+
+    def wait_news(self, engine, timeout: float) -> bool:
+        """Block until a version that ``poll`` would apply is received, or ``timeout`` passes
+        (an engine's weight watcher: it wakes when a version lands, not on a timer)."""
+        if self._received[0] > self._applied:
+            return True
+        self._news.clear()
+        if self._received[0] > self._applied:  # landed between the check and the clear
+            return True
+        return self._news.wait(timeout) and self._received[0] > self._applied
 
     def close(self) -> None:
         """Reader: stop the receiver thread. Writer: wait for a transfer still running."""
@@ -370,9 +394,12 @@ class BroadcastWeights:
                     return
             self._open(engine_id + 1)
             self._staging = self._alloc()
+            # Named views made once: building ~300 of them per swap cost ~2 ms of the engine's time.
+            self._staged = self._views(self._staging)
             stream = torch.cuda.Stream() if self.backend == "nccl" else None
             header = torch.zeros(4, dtype=torch.long, device=self._device())
             trailer = torch.zeros(1, dtype=torch.long, device=self._device())
+            host = torch.zeros(5, dtype=torch.long).pin_memory() if stream is not None else None
             seen = 0
             while not self._stop.is_set():
                 announced = int(self._serial.value)
@@ -385,16 +412,18 @@ class BroadcastWeights:
                 try:
                     if self._copied is not None:  # the engine's last copy out of the staging
                         stream.wait_event(self._copied)
-                    self._broadcast([header] + self._staging + [trailer], stream)
-                    serial, version, count, numel = (int(x) for x in header.tolist())
+                    self._broadcast([header] + self._staging + [trailer], stream, host)
+                    serial, version, count, numel, last = (host if host is not None
+                                                           else torch.cat([header, trailer])).tolist()
                     if serial != seen + 1 or count != len(self.names) or numel != sum(self.sizes):
                         raise WeightSyncError(
                             f"engine {engine_id} received serial {serial} version {version} ({count} tensors, "
                             f"{numel} elements) but expected serial {seen + 1} with {len(self.names)} tensors "
                             f"and {sum(self.sizes)} elements; trainer and engine disagree on the weight layout")
                     seen = serial
-                    if int(trailer.item()) == serial:
-                        self._received = (serial, version)
+                    if last == serial:
+                        self._received, self.received_at = (serial, version), time.time()
+                        self._news.set()
                     else:
                         # The writer aborted mid-publish: the staging buckets hold a mix of
                         # versions, so a received but not yet applied version is lost too.

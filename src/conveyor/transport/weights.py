@@ -8,7 +8,8 @@ time and several transports can be fed from one pass). The reader side,
 ``poll(engine)``, is called by an engine's worker between generation steps:
 if a newer version than the engine serves is published, it copies the
 weights into the engine (``engine.update_weights``) and returns the new
-version. Every lock wait has a deadline and raises ``WeightSyncTimeout``
+version; ``wait_news(engine, timeout)`` blocks until ``poll`` would do so
+(a watcher thread wakes on it instead of polling on a timer). Every lock wait has a deadline and raises ``WeightSyncTimeout``
 naming the side, the version and the wait.
 
 ``StagedWeights`` keeps one staging copy of the weights, allocated once: the
@@ -106,11 +107,13 @@ class StagedWeights:
         if ctx is None:
             self._serial, self._version, self._published_at = _Cell(0), _Cell(-1), _Cell(0.0)
             self._lock = threading.Lock()
+            self._news = threading.Event()  # set by each commit: an in-process watcher wakes on it
         else:
             self._serial = ctx.Value("q", 0, lock=False)
             self._version = ctx.Value("q", -1, lock=False)
             self._published_at = ctx.Value("d", 0.0, lock=False)
             self._lock = ctx.Lock()
+            self._news = None  # across processes readers check the serial every millisecond
         self._seen: dict[int, int] = {}  # per reader (engine id) in this process: last serial applied
 
     def __getstate__(self):
@@ -155,6 +158,8 @@ class StagedWeights:
             self._version.value = self._pending
             self._published_at.value = time.time()
             self._serial.value += 1
+            if self._news is not None:
+                self._news.set()
         finally:
             self._pending = None
             self._lock.release()
@@ -185,6 +190,22 @@ class StagedWeights:
             self._lock.release()
 
 
+    def wait_news(self, engine, timeout: float) -> bool:
+        """Until ``poll`` would apply a version to ``engine`` or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while self._serial.value <= self._seen.get(id(engine), 0):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._news is None:
+                time.sleep(min(left, 0.001))
+            else:
+                self._news.clear()
+                if self._serial.value <= self._seen.get(id(engine), 0):
+                    self._news.wait(left)
+        return True
+
+
 class Fanin:
     """An engine fed by several writers: poll each; the last one with news wins."""
 
@@ -194,6 +215,11 @@ class Fanin:
     @property
     def version(self) -> int:
         return max(t.version for t in self.transports)
+
+    def wait_news(self, engine, timeout: float) -> bool:
+        # The last writer is the trainer; the others (the warm start) are checked without waiting.
+        return (any(t.wait_news(engine, 0.0) for t in self.transports[:-1])
+                or self.transports[-1].wait_news(engine, timeout))
 
     def poll(self, engine, engine_id: int = 0) -> int | None:
         got = None

@@ -163,9 +163,9 @@ def test_evaluation_other_params_and_stop_wait_for_the_running_call(model, tok, 
 
 
 def test_weights_published_mid_call_reach_running_and_later_chunks(model, tok, params, short_long, monkeypatch):
-    # No periodic polls during a call: only the poll right before a new chunk enters the engine
-    # can apply the update, which is the rule that keeps the staleness bound exact.
-    monkeypatch.setattr(workers, "WEIGHT_POLL_S", 60.0)
+    # No watcher: only the poll right before a new chunk enters the engine can apply the
+    # update, which is the rule that keeps the staleness bound exact.
+    monkeypatch.setattr(workers, "WATCH_WEIGHTS", False)
     _, long = short_long
     other = tiny(tok, seed=7)
     weights = StagedWeights(specs(model))
@@ -197,6 +197,49 @@ def test_weights_published_mid_call_reach_running_and_later_chunks(model, tok, p
     stop(inbox, t)
 
 
+def test_the_watcher_swaps_a_version_between_two_steps_without_a_new_chunk(model, tok, params, short_long,
+                                                                           monkeypatch):
+    """With partial rollouts a version published mid-call reaches the running sample at the next
+    step although no chunk arrives: the watcher applies it while the generating thread samples
+    (the engine's lock is free then), and reports when it was received and served."""
+    from conveyor.rollout.native import paged_loop
+    _, long = short_long
+    other = tiny(tok, seed=7)
+    weights = StagedWeights(specs(model))
+    eng = fast(model, tok)
+    real, calls, seen = paged_loop.sample, [0], []
+
+    def sample(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:  # decode step 4 (call 1 samples the prefill's token)
+            def probe():  # another thread can take the engine's lock while this one samples
+                if eng._lock.acquire(timeout=1):
+                    seen.append(True)
+                    eng._lock.release()
+            p = threading.Thread(target=probe)
+            p.start()
+            p.join()
+            weights.publish(other.state_dict().items(), version=1)
+            deadline = time.monotonic() + 10
+            while eng.version != 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(paged_loop, "sample", sample)
+    inbox, outbox, t = serve(eng, weights)
+    t_publish = time.time()
+    inbox.put(("generate", 0, [long], params))
+    log = read(outbox, "done", 1)
+    assert seen == [True]
+    assert [(m[0], m[2]) for m in log] == [("weights", 1), ("done", 0)]
+    _, _, _, applied_at, pause_s, received_at = log[0]
+    assert received_at is None and t_publish < applied_at < time.time() and 0 <= pause_s < 5
+    done = log[1][3][0][0]
+    # The prefill's token and decode steps 1-4 ran on version 0, every later step on version 1.
+    assert done.versions == [0] * 5 + [1] * (len(done.versions) - 5)
+    assert done.token_ids[:5] == fast(model, tok).generate([long], params)[0][0].token_ids[:5]
+    stop(inbox, t)
+
+
 @pytest.mark.parametrize("partial", [True, False])
 def test_a_chunk_waits_for_the_version_it_was_admitted_for(model, tok, params, short_long, partial):
     """The loop publishes without waiting for the engines' receives; a chunk admitted for
@@ -221,7 +264,6 @@ def test_a_chunk_waits_for_the_version_it_was_admitted_for(model, tok, params, s
 def test_running_rows_decode_on_while_a_chunk_waits_for_its_version(model, tok, params, short_long, monkeypatch):
     """A chunk admitted for a version still in transfer does not stop the running call: the
     running sample keeps decoding on the old version and the chunk joins once the version is in."""
-    monkeypatch.setattr(workers, "WEIGHT_POLL_S", 60.0)  # only polls before chunks enter
     _, long = short_long
     other = tiny(tok, seed=7)
     weights = StagedWeights(specs(model))

@@ -34,15 +34,27 @@ def _reader(bw, engine_id, versions, out):
     out.put((engine_id, got))
 
 
-def _serve(monkeypatch, engines: int, versions: int):
+def _waiting_reader(bw, engine_id, versions, out):
+    """Sleeps in wait_news (no polling loop) and applies each version it is woken for."""
+    engine, got = _Engine(), []
+    bw.poll(engine, engine_id)  # starts the receiver
+    while len(got) < versions:
+        woke = bw.wait_news(engine, 30.0)
+        v = bw.poll(engine, engine_id)
+        got.append((woke, v, bw.received_at, {k: t.tolist() for k, t in engine.w.items()}))
+    got.append(bw.wait_news(engine, 0.2))  # nothing more comes: times out
+    out.put((engine_id, got))
+
+
+def _serve(monkeypatch, engines: int, versions: int, reader=_reader, bucket_mb: float = 2 / 1024):
     """A gloo writer and ``engines`` reader processes, each waiting for ``versions`` versions."""
     # Spawned children import this module to find _reader.
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
     ctx = mp.get_context("spawn")
-    bw = BroadcastWeights(SPECS, ctx, engines=engines, backend="gloo", port=free_port(), bucket_mb=2 / 1024,
+    bw = BroadcastWeights(SPECS, ctx, engines=engines, backend="gloo", port=free_port(), bucket_mb=bucket_mb,
                           timeout_s=60)
     out = ctx.Queue()
-    procs = [ctx.Process(target=_reader, args=(bw, i, versions, out), daemon=True) for i in range(engines)]
+    procs = [ctx.Process(target=reader, args=(bw, i, versions, out), daemon=True) for i in range(engines)]
     for p in procs:
         p.start()
     return bw, out, procs
@@ -87,6 +99,23 @@ def test_every_engine_receives_every_version_exactly(monkeypatch):
         for v, w in results[i]:
             _assert_whole(w, v)
     assert bw.version == 2
+
+
+def test_a_reader_sleeping_in_wait_news_is_woken_for_each_version_of_mixed_dtype_tensors(monkeypatch):
+    # One bucket whose tensors come in three dtypes: each dtype is copied by a call of its own.
+    bw, out, procs = _serve(monkeypatch, engines=1, versions=2, reader=_waiting_reader, bucket_mb=1.0)
+    for v in (1, 2):
+        t0 = time.time()
+        bw.publish([("a", torch.full((3, 4), float(v), dtype=torch.bfloat16)), ("b", torch.arange(1000.0) + v),
+                    ("c", torch.full((5,), -v, dtype=torch.float64))], v)
+        while bw._acks[0] < v:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the reader applies it before the next publish
+    got = _applied(out, procs)[0]
+    assert got[-1] is False
+    for (woke, v, received_at, w), want in zip(got[:-1], (1, 2)):
+        assert woke is True and v == want and t0 - 5 < received_at <= time.time()
+        _assert_whole(w, v)
 
 
 def test_a_missing_tensor_is_named_and_the_engines_keep_the_last_whole_version(monkeypatch):

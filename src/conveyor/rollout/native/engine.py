@@ -224,7 +224,7 @@ class NativeEngine:
             if target is None:
                 raise ValueError(f"update_weights: unknown parameter {name!r}; names must match "
                                  f"model.named_parameters() (e.g. {next(iter(self._targets))!r})")
-            if tuple(target.shape) != tuple(tensor.shape):
+            if target.shape != tensor.shape:
                 raise ValueError(f"update_weights: parameter {name!r} has shape {tuple(target.shape)}, "
                                  f"got {tuple(tensor.shape)}; send weights of the same architecture")
             dst.append(target)

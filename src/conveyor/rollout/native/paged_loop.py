@@ -23,8 +23,11 @@ Contract
   a different random stream); top-k / top-p and the CPU use ``sampling.sample``.
 - One host synchronisation per step: the sampled tokens and their float32
   logprobs come back to the host together.
-- A step holds the engine's lock and records the version at its start, so a
-  weight update from another thread (or from ``feed``) lands between steps.
+- A step holds the engine's lock while it queues the forward (prefill or
+  decode) and records the version at its start; it samples and waits for the
+  GPU after releasing it. A weight update from another thread (or from
+  ``feed``) therefore lands between two steps' forwards: on CUDA its copy is
+  queued on the same stream after this step's kernels and before the next.
 - ``engine.pause()`` stops scheduling between steps (the KV blocks stay);
   ``engine.resume()`` continues; ``engine.abort()`` ends the call: unfinished
   requests (running or still waiting) get finish_reason "abort" with the
@@ -82,7 +85,8 @@ class PagedLoop:
                 if admitted:
                     with self.engine._lock:
                         version = self.engine.version
-                        self._sample(admitted, self.runner.prefill(admitted), version)
+                        logits = self.runner.prefill(admitted)
+                    self._sample(admitted, logits, version)
                     self._retire(sched)
                 if sched.running:
                     self._decode(sched)
@@ -102,7 +106,10 @@ class PagedLoop:
             sched.preempt(self.runner.ensure_slots(sched.running))
             if not sched.running:
                 return
-            self._sample(sched.running, self.runner.decode(sched.running), version)
+            logits = self.runner.decode(sched.running)
+        # Sampling reads only the logits, so the lock is free while the host waits for this
+        # step: a weight copy queued meanwhile runs after the step's kernels, before the next.
+        self._sample(sched.running, logits, version)
         self._retire(sched)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, version: int) -> None:
