@@ -41,6 +41,10 @@ from collections import Counter
 from benchmarks.lengths import length_stats
 
 WARMUP_STEPS = 2
+# Weight sync, per step in the loop's metrics: end of step -> engine serving the version, its
+# parts until the writer announced it and until the engine held it, the trainer's publish
+# call, and the decode pause for the swap (medians over the steady window here).
+WEIGHT_KEYS = ("weight_sync_ms", "weight_announce_ms", "weight_transfer_ms", "weight_publish_ms", "weight_pause_ms")
 
 
 def step_view(rec: dict) -> dict:
@@ -59,9 +63,7 @@ def step_view(rec: dict) -> dict:
     hist = {k.split("/", 1)[1]: float(v) for k, v in rec.items() if k.startswith("staleness_hist/")}
     return {"step_s": step_s, "engine_busy_s": busy, "train_s": float(rec.get("time/train") or 0.0),
             "trainer_busy_s": float(rec.get("time/prepare") or 0.0) + float(rec.get("time/train") or 0.0),
-            "weight_sync_ms": rec.get("weight_sync_ms"), "staleness_hist": hist,
-            "weight_publish_ms": rec.get("weight_publish_ms"), "weight_pause_ms": rec.get("weight_pause_ms"),
-            "weight_transfer_ms": rec.get("weight_transfer_ms"),
+            "staleness_hist": hist, **{k: rec.get(k) for k in WEIGHT_KEYS},
             "num_seqs": float(rec.get("num_seqs") or 0.0), "clip_frac": rec.get("clip_frac")}
 
 
@@ -118,10 +120,7 @@ def throughput(steps: list[dict], chunks: list[list[dict]], samples_per_step: in
     rollout_tps = comp_tok / gen_s if gen_s > 0 and win_chunks else None  # per busy engine
     train_tps = all_tok / train_s if train_s > 0 and win_chunks else None
     flops = (8 if recompute else 6) * n_params if n_params else None
-    sync = [v["weight_sync_ms"] for v in win if v["weight_sync_ms"] is not None]
-    publish = [v["weight_publish_ms"] for v in win if v.get("weight_publish_ms") is not None]
-    pause = [v["weight_pause_ms"] for v in win if v.get("weight_pause_ms") is not None]
-    transfer = [v["weight_transfer_ms"] for v in win if v.get("weight_transfer_ms") is not None]
+    weights = {k: [v[k] for v in win if v.get(k) is not None] for k in WEIGHT_KEYS}
     clip = [v["clip_frac"] for v in win if v["clip_frac"] is not None]
     return {
         "steps": len(steps), "steady": steady, "window": [lo + 1, n] if n else None,
@@ -135,10 +134,7 @@ def throughput(steps: list[dict], chunks: list[list[dict]], samples_per_step: in
         "engine_report_coverage": covered / step_s if step_s > 0 else None,
         "seconds": {"step": step_s, "engine_busy": gen_s, "train": train_s,
                     "trainer_busy": sum(v["trainer_busy_s"] for v in win)},
-        "weight_sync_ms": statistics.median(sync) if sync else None,
-        "weight_publish_ms": statistics.median(publish) if publish else None,
-        "weight_pause_ms": statistics.median(pause) if pause else None,
-        "weight_transfer_ms": statistics.median(transfer) if transfer else None,
+        **{k: statistics.median(xs) if xs else None for k, xs in weights.items()},
         "clip_frac": statistics.mean(clip) if clip else None,
     }
 

@@ -52,6 +52,7 @@ COLUMNS = [
     ("engine idle", lambda r: H.fmt(r["metrics"]["engine_idle_frac"], pct=True)),
     ("trainer idle", lambda r: H.fmt(r["metrics"]["trainer_idle_frac"], pct=True)),
     ("sync ms", lambda r: H.fmt(r["metrics"]["weight_sync_ms"])),
+    ("announce ms", lambda r: H.fmt(r["metrics"].get("weight_announce_ms"))),
     ("transfer ms", lambda r: H.fmt(r["metrics"].get("weight_transfer_ms"))),
     ("publish ms", lambda r: H.fmt(r["metrics"].get("weight_publish_ms"))),
     ("pause ms", lambda r: H.fmt(r["metrics"].get("weight_pause_ms"))),

@@ -87,6 +87,8 @@ def main(argv=None) -> int:
     p.add_argument("--source", default="all", choices=["float32", "bfloat16", "mixed", "all"])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="runs/weight-sync")
+    p.add_argument("--profile", action="store_true",
+                   help="also write a torch profiler table (host time per op) of one more publish per source")
     args = p.parse_args(argv)
 
     import torch
@@ -103,7 +105,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16
     specs = specs_of(args.model)
     sources = ["float32", "bfloat16", "mixed"] if args.source == "all" else [args.source]
-    versions = len(sources) * (args.reps + 2)
+    versions = len(sources) * (args.reps + 2 + int(args.profile))
     ctx = mp.get_context("spawn")
     bw = BroadcastWeights([(n, s, dtype) for n, s in specs], ctx, engines=args.engines, backend=backend,
                           dtype=dtype, port=free_port(), bucket_mb=args.bucket_mb, timeout_s=300)
@@ -139,6 +141,17 @@ def main(argv=None) -> int:
                 measured[version] = source
             time.sleep(0.05)  # the engines apply it (the next publish would wait for their receives)
         results[source] = times
+        if args.profile:  # one more publish, profiled: where the trainer's host time goes
+            from torch.profiler import ProfilerActivity, profile
+            version += 1
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+            with profile(activities=activities) as prof:
+                publish_all([bw], items, version, wait=False)
+                bw._drain()
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"weight-sync-{args.model}-{source}-profile.txt").write_text(table)
+            time.sleep(0.05)
     applied = dict(out.get(timeout=600) for _ in procs)
     for pr in procs:
         pr.join(30)

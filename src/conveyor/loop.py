@@ -8,8 +8,10 @@ while ``staleness.may_admit(issued, batch_size, version, max_staleness)``
 holds for the version published here. With ``max_staleness = 0`` nothing of
 step v+1 starts before version v+1 is published: synchronous on-policy RL is
 this same loop. Each step waits (with a deadline) for ``batch_size`` scored
-groups from ``c.buffer``, trains on them in admission order, publishes the
-new weights and logs metrics; evaluation and checkpoints run when due.
+groups from ``c.buffer``, trains on them in admission order (the trainer
+publishes the new weights as its step ends, ``train_and_publish``), lets the
+producer admit against the new version and logs metrics; evaluation and
+checkpoints run when due.
 The loop knows no formulas (``objective``/``algo``), no model internals and
 not where the roles run.
 """
@@ -80,12 +82,10 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
                 groups, batch, stats, extra = prepare(c, items, need)
         else:
             (groups, batch, stats, extra), ahead = ahead, None
-        with timer.phase("train"):
-            train_m, ahead = train_and_prepare_next(c, batch, loss_fn, need)
-        with timer.phase("publish"):
-            published_at[step + 1] = time.time()  # the optimizer step has just ended
-            publish_s = c.trainer.publish(step + 1)
-            c.producer.version = step + 1
+        with timer.phase("train"):  # the trainer publishes version step + 1 as its step ends
+            (train_m, published_at[step + 1], publish_s), ahead = train_and_prepare_next(
+                c, batch, loss_fn, need, version=step + 1)
+        c.producer.version = step + 1
         metrics = {**stats, **train_m, **rollout_stats(groups, step), "weight_publish_ms": publish_s * 1e3,
                    "buffer_depth": len(c.buffer), **sync_stats(c.producer, published_at),
                    **engine_idle(c.producer.engines, engine_busy),
@@ -122,15 +122,17 @@ def rollout_stats(groups: list[Group], step: int) -> dict[str, float]:
 
 def sync_stats(producer, published_at: dict[int, float]) -> dict[str, float]:
     """End of the optimizer step -> engine serving the version (ms, the slowest engine), the
-    part of it until the transport held the version, and how long decoding paused for a swap."""
+    parts of it until the writer announced the version and until the engine's transport held
+    it, and how long decoding paused for a swap."""
     events, producer.stats.weight_events = producer.stats.weight_events, []
     ours = [e for e in events if e[1] in published_at]
     out = {}
     if ours:
         out["weight_sync_ms"] = max((e[2] - published_at[e[1]]) * 1e3 for e in ours)
-    received = [(e[4] - published_at[e[1]]) * 1e3 for e in ours if len(e) > 4 and e[4]]
-    if received:
-        out["weight_transfer_ms"] = max(received)
+    for key, i in (("weight_announce_ms", 5), ("weight_transfer_ms", 4)):  # the writer began; the engine held it
+        times = [(e[i] - published_at[e[1]]) * 1e3 for e in ours if len(e) > i and e[i]]
+        if times:
+            out[key] = max(times)
     if events:
         out["weight_pause_ms"] = max(e[3] for e in events) * 1e3
     return out

@@ -14,9 +14,9 @@ Contract
   rest). Negative chunk ids are evaluation requests: never merged with other
   chunks, always answered whole (offset 0). New weights
   are taken from the transport ``weights``; each swap is reported as
-  ``("weights", engine_id, version, applied_at, pause_s, received_at)``
-  (``received_at``: when the transport held the whole version, None if it
-  does not say). An exception is
+  ``("weights", engine_id, version, applied_at, pause_s, received_at, announced_at)``
+  (when the transport held the whole version, and when its writer announced
+  it; None where the transport does not say). An exception is
   reported as ``("error", engine_id, traceback)`` before the loop ends.
   With ``partial``, a watcher thread applies each version as soon as the
   transport has it (woken by ``wait_news``; the engine's lock puts the copy
@@ -50,7 +50,8 @@ Contract
 - ``TrainerHost(trainer, transports)`` wraps a trainer (one rank of it) for
   ``serve_rpc`` and adds ``publish(version)``: one pass over the trainer's
   weights (collective for a sharded trainer: every rank runs it) feeding the
-  transports this rank writes to (possibly none).
+  transports this rank writes to (possibly none); ``train_and_publish(batch,
+  loss_fn, version)`` is a step whose weights leave as it ends.
 - ``trainer_process`` / ``engine_process`` are the mains of the child
   processes: they bind the process to its device, join the trainer ranks'
   process group (``world`` > 1), build the role and serve.
@@ -116,7 +117,7 @@ class _EngineServer:
         if settle and self.device is not None:
             done.synchronize()
         self.outbox.put(("weights", self.engine_id, v, time.time(), pause,
-                         getattr(self.weights, "received_at", None)))
+                         getattr(self.weights, "received_at", None), getattr(self.weights, "announced_at", None)))
 
     @contextlib.contextmanager
     def watching(self, on: bool):
@@ -356,6 +357,15 @@ class TrainerHost:
 
     def step(self) -> int:
         return self.trainer.step
+
+    def train_and_publish(self, batch, loss_fn, version: int) -> tuple[dict, float, float]:
+        """``train``, then publish ``version`` at once, in this process: the weights leave as the
+        optimizer step ends, not after a round trip through the controller (whose other threads
+        may hold its GIL for milliseconds). Returns (metrics, end of the step as time.time(),
+        publish seconds)."""
+        metrics = self.trainer.train(batch, loss_fn)
+        ended = time.time()  # train() returns once the step's kernels are done
+        return metrics, ended, self.publish(version)
 
     def publish(self, version: int) -> float:
         from conveyor.transport.weights import publish_all

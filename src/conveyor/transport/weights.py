@@ -211,6 +211,15 @@ class Fanin:
 
     def __init__(self, transports: list):
         self.transports = list(transports)
+        self._last = None  # the transport that delivered the version applied last
+
+    @property
+    def received_at(self):
+        return getattr(self._last, "received_at", None)
+
+    @property
+    def announced_at(self):
+        return getattr(self._last, "announced_at", None)
 
     @property
     def version(self) -> int:
@@ -225,7 +234,8 @@ class Fanin:
         got = None
         for t in self.transports:
             v = t.poll(engine, engine_id)
-            got = v if v is not None else got
+            if v is not None:
+                got, self._last = v, t
         return got
 
 

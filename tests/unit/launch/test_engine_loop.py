@@ -231,8 +231,8 @@ def test_the_watcher_swaps_a_version_between_two_steps_without_a_new_chunk(model
     log = read(outbox, "done", 1)
     assert seen == [True]
     assert [(m[0], m[2]) for m in log] == [("weights", 1), ("done", 0)]
-    _, _, _, applied_at, pause_s, received_at = log[0]
-    assert received_at is None and t_publish < applied_at < time.time() and 0 <= pause_s < 5
+    _, _, _, applied_at, pause_s, received_at, announced_at = log[0]
+    assert received_at is None and announced_at is None and t_publish < applied_at < time.time() and 0 <= pause_s < 5
     done = log[1][3][0][0]
     # The prefill's token and decode steps 1-4 ran on version 0, every later step on version 1.
     assert done.versions == [0] * 5 + [1] * (len(done.versions) - 5)

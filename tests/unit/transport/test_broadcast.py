@@ -41,7 +41,7 @@ def _waiting_reader(bw, engine_id, versions, out):
     while len(got) < versions:
         woke = bw.wait_news(engine, 30.0)
         v = bw.poll(engine, engine_id)
-        got.append((woke, v, bw.received_at, {k: t.tolist() for k, t in engine.w.items()}))
+        got.append((woke, v, bw.announced_at, bw.received_at, {k: t.tolist() for k, t in engine.w.items()}))
     got.append(bw.wait_news(engine, 0.2))  # nothing more comes: times out
     out.put((engine_id, got))
 
@@ -113,8 +113,8 @@ def test_a_reader_sleeping_in_wait_news_is_woken_for_each_version_of_mixed_dtype
         time.sleep(0.3)  # the reader applies it before the next publish
     got = _applied(out, procs)[0]
     assert got[-1] is False
-    for (woke, v, received_at, w), want in zip(got[:-1], (1, 2)):
-        assert woke is True and v == want and t0 - 5 < received_at <= time.time()
+    for (woke, v, announced_at, received_at, w), want in zip(got[:-1], (1, 2)):
+        assert woke is True and v == want and t0 - 5 < announced_at <= received_at <= time.time()
         _assert_whole(w, v)
 
 
