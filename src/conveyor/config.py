@@ -138,6 +138,11 @@ class TrainerConfig(_Section):
     kernels: bool = Field(True, description=(
         "on a GPU with Triton, our fused kernels for the logprob head (one read of the logits per pass) "
         "and for RMSNorm and the SwiGLU product (Llama/Qwen/Mistral); false = plain torch ops"))
+    fsdp_reshard: Literal["micro-batch", "step"] = Field("micro-batch", description=(
+        "several trainer ranks (FSDP2): when a decoder layer's gathered weights are freed. micro-batch: "
+        "after its forward and again after its backward (least memory; gathered twice per micro-batch); "
+        "step: kept from the step's first forward to its last backward, so each layer is gathered once "
+        "per optimizer step (every rank then holds the whole model in the gather dtype during the step)"))
     reference: bool = Field(False, description="keep a frozen reference model (needed for a KL term)")
     critic: bool = Field(False, description="train a value head (needed for GAE / PPO with a critic)")
     critic_lr: float = Field(1e-5, gt=0)

@@ -152,13 +152,13 @@ def _is_norm(m: nn.Module) -> bool:
     return isinstance(m, nn.LayerNorm) or type(m).__name__.endswith("RMSNorm")
 
 
-def _shard(module: nn.Module, mesh, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def _shard(module: nn.Module, mesh, dtype: torch.dtype, device: torch.device, keep: bool = False) -> nn.Module:
     """Shard ``module`` (float32 masters). With a low-precision ``dtype`` the decoder layers'
     linear weights and biases are gathered in it, the embeddings and head in float32, and the
     layers' norm weights are not sharded at all (float32, whole on every rank, gradients
     summed by ``_sum_replicated``), for forward under autocast: the numbers of float32
     weights under autocast, as the single-device trainer computes (everything in bf16
-    learned less)."""
+    learned less). ``keep``: the layers stay gathered after their forward (``fsdp_reshard=step``)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     exact = MixedPrecisionPolicy()
@@ -174,7 +174,7 @@ def _shard(module: nn.Module, mesh, dtype: torch.dtype, device: torch.device) ->
             # all-gather, a reduce-scatter and four hooks per micro-batch each, about half
             # of a step's collectives (profile in docs/benchmarks.md).
             norms = {p for m in layer.modules() if _is_norm(m) for p in m.parameters(recurse=False)}
-        fully_shard(layer, mesh=mesh, mp_policy=low, ignored_params=norms or None)
+        fully_shard(layer, mesh=mesh, mp_policy=low, ignored_params=norms or None, reshard_after_forward=not keep)
         replicated |= norms
     fully_shard(module, mesh=mesh, mp_policy=exact, ignored_params=replicated or None)
     for p in replicated:  # FSDP moves only what it manages
@@ -226,10 +226,11 @@ class FSDPTrainer(LocalTrainer):
         self._token_logprobs = logprob_fn(cfg)
         mesh = init_device_mesh(self.device.type, (self.world,))
         self._dtype = compute_dtype(cfg, self.device)
-        self.model = _shard(model, mesh, self._dtype, self.device).eval()
+        self._keep = cfg.fsdp_reshard == "step"
+        self.model = _shard(model, mesh, self._dtype, self.device, self._keep).eval()
         self.compute, self._copies = self.model, []  # sharded float32 masters, cast by the policy
         self.reference = _shard(reference, mesh, self._dtype, self.device).eval() if reference is not None else None
-        self.critic = _shard(critic, mesh, self._dtype, self.device) if critic is not None else None
+        self.critic = _shard(critic, mesh, self._dtype, self.device, self._keep) if critic is not None else None
         self.optimizer, self.scheduler = self._optimizer(self.model.parameters(), cfg.lr)
         self.critic_optimizer = self.critic_scheduler = None
         if self.critic is not None:
@@ -301,6 +302,7 @@ class FSDPTrainer(LocalTrainer):
             mb = collate(batch, mine[j], self.pad_token_id, self.cfg.pad_multiple)
             values = fn(self._to_device(mb)).float().cpu()
             local += [(i, values[row, : lengths[i]].clone()) for row, i in enumerate(mine[j])]
+        self._release()
         parts: list[Any] = [None] * self.world
         dist.all_gather_object(parts, local)
         result: list[torch.Tensor | None] = [None] * len(batch)
@@ -341,6 +343,19 @@ class FSDPTrainer(LocalTrainer):
         for m in self._trained():
             m.set_requires_gradient_sync(True)
         self._pass(self._dummy(), False, 0)[1].backward()
+        self._release()
+
+    def _release(self) -> None:
+        """With ``fsdp_reshard=step``: free every gathered weight. FSDP re-gathers only what it has
+        freed, so after an optimizer step (or a forward-only pass) a layer still gathered would
+        run on stale weights."""
+        if not self._keep:
+            return
+        from torch.distributed.fsdp import FSDPModule
+        for model in self._trained():
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def _update(self, mini: Batch, loss_fn: LossFn, means: _MetricMean, totals: dict, where: str) -> None:
         """One optimizer step on one mini-batch, its micro-batches spread over the ranks."""
@@ -356,6 +371,8 @@ class FSDPTrainer(LocalTrainer):
                 # Reduce-scatter once, after the last backward. Until then each rank
                 # holds UNSHARDED gradients (full model size, fp32): comms traded for memory.
                 m.set_requires_gradient_sync(j == passes - 1)
+                if self._keep:  # the weights stay gathered until the last backward
+                    m.set_reshard_after_backward(j == passes - 1)
             real = j < len(mine)
             cpu_mb = collate(mini, mine[j], self.pad_token_id, self.cfg.pad_multiple) if real else None
             mb = self._to_device(cpu_mb) if real else self._dummy()
@@ -389,6 +406,7 @@ class FSDPTrainer(LocalTrainer):
             if real:
                 local.add(metrics, float(mb["loss_mask"].sum()))
         totals["microbatches"] += sum(map(len, plans))
+        self._release()
         self._merge_means(means, local)
         self._sum_replicated()
         self._step_optimizers(totals, where)

@@ -104,6 +104,13 @@ def worker(rank: int, work: Path) -> None:
     tr.train(b[3], loss)
     res["w4"] = full_weights(tr)
 
+    # Weights kept gathered for a whole step: the same numbers, fresh weights after every step.
+    kept = FSDPTrainer(tiny, cfg.model_copy(update={"fsdp_reshard": "step"}), total_steps=6)
+    res["kept_lp0"] = kept.logprobs(b[0])
+    res["kept_metrics"] = [kept.train(b[0], loss), kept.train(b[1], loss)]
+    res["kept_w2"], res["kept_lp2"] = full_weights(kept), kept.logprobs(b[0])
+    del kept
+
     resumed = FSDPTrainer(tiny, cfg, total_steps=6)
     res["extra"], res["step_loaded"] = resumed.load(work / "ckpt"), resumed.step
     res["m3b"] = resumed.train(b[2], loss)
@@ -214,6 +221,19 @@ def test_train_matches_local_trainer(job):
             assert got0[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     assert ref["metrics"][0]["grad_norm"] > CFG["max_grad_norm"]  # so clipping is exercised
     assert max_diff(ranks[0]["w3"], ref["w3"]) <= 1e-6
+
+
+def test_weights_kept_gathered_for_a_step_give_the_same_numbers(job):
+    """fsdp_reshard=step gathers each layer once per step; a layer left gathered across an
+    optimizer step would compute with stale weights, which the second step and the logprobs
+    after it would show."""
+    _, ranks, _ = job
+    for r in ranks:
+        assert max_diff(r["kept_w2"], r["w2"]) == 0.0
+        for got, want in zip(r["kept_lp0"] + r["kept_lp2"], r["lp0"] + r["lp2"]):
+            assert torch.equal(got, want)
+        for got, want in zip(r["kept_metrics"], r["metrics"]):
+            assert {k: v for k, v in got.items() if k != "time_s"} == {k: v for k, v in want.items() if k != "time_s"}
 
 
 def test_per_sample_outputs_match_local_trainer(job):
