@@ -240,6 +240,35 @@ def test_the_watcher_swaps_a_version_between_two_steps_without_a_new_chunk(model
     stop(inbox, t)
 
 
+class _FailingWeights:
+    """A transport whose receiver broke: it announces news, and poll raises."""
+
+    def __init__(self):
+        self.broken = threading.Event()
+
+    def wait_news(self, engine, timeout):
+        return self.broken.wait(timeout)
+
+    def poll(self, engine, engine_id=0):
+        if self.broken.is_set():
+            raise RuntimeError(f"engine {engine_id} weight receiver failed: the writer died")
+        return None
+
+
+def test_a_weight_watcher_that_fails_reports_the_error_while_the_engine_decodes(model, tok, params, short_long):
+    _, long = short_long
+    weights = _FailingWeights()
+    eng = fast(model, tok)
+    inbox, outbox, t = serve(eng, weights)
+    on_decode_step(eng, 3, weights.broken.set)  # fails mid-call, nothing else wrong
+    inbox.put(("generate", 0, [long], params))
+    (err,) = messages(outbox, "error", 1)
+    assert err[1] == 0 and "engine 0 weight receiver failed: the writer died" in err[2]
+    # The generating thread's own poll (idle, after the call) fails too and ends the loop.
+    t.join(timeout=10)
+    assert not t.is_alive()
+
+
 @pytest.mark.parametrize("partial", [True, False])
 def test_a_chunk_waits_for_the_version_it_was_admitted_for(model, tok, params, short_long, partial):
     """The loop publishes without waiting for the engines' receives; a chunk admitted for
