@@ -59,7 +59,7 @@ from typing import Iterable
 
 import torch
 
-from conveyor.transport.weights import WeightSyncTimeout, _acquire, publish_all, synchronize
+from conveyor.transport.weights import WeightSyncTimeout, _acquire, copy_pairs, publish_all, synchronize
 
 
 class WeightSyncError(RuntimeError):
@@ -273,14 +273,7 @@ class BroadcastWeights:
 
     def _fill(self, b: int) -> None:
         pairs, self._queued[b] = self._queued[b], []
-        # One foreach call per source dtype: a list that mixes dtypes (bf16 linear copies and
-        # float32 norms) leaves the fused multi-tensor kernel for a launch per tensor.
-        by_dtype: dict[torch.dtype, list] = {}
-        for pair in pairs:
-            by_dtype.setdefault(pair[1].dtype, []).append(pair)
-        with torch.no_grad():
-            for group in by_dtype.values():
-                torch._foreach_copy_([slot for slot, _ in group], [t for _, t in group])
+        copy_pairs(pairs)
 
     def _finish(self, complete: bool, wait: bool = True) -> None:
         """Send what is left and the trailer (the serial if ``complete``, else -1: readers then

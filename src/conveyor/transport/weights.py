@@ -44,6 +44,9 @@ class WeightSyncTimeout(TimeoutError):
     pass
 
 
+FLUSH_BYTES = 256 * 2**20  # a staged publish copies its queued tensors in groups of this size
+
+
 def weight_specs(path: str, trust_remote_code: bool = False,
                  dedupe_tied: bool = True) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """Names, shapes and dtypes of a checkpoint's state dict as the trainer holds it (float32
@@ -70,6 +73,18 @@ def synchronize(device: torch.device) -> None:
     the memory next, and on CUDA a returned copy_ may still be running."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy every (destination, source) pair, one foreach call per dtype and device combination:
+    a list that mixes them (bf16 linear copies and float32 norms) leaves the fused multi-tensor
+    kernel for a launch per tensor, and a copy per tensor costs a launch (and a Python call) each."""
+    groups: dict[tuple, list] = {}
+    for dst, src in pairs:
+        groups.setdefault((dst.dtype, src.dtype, dst.device, src.device), []).append((dst, src))
+    with torch.no_grad():
+        for group in groups.values():
+            torch._foreach_copy_([d for d, _ in group], [s for _, s in group])
 
 
 def _acquire(lock, timeout: float, what: str) -> None:
@@ -101,6 +116,8 @@ class StagedWeights:
         self._index = {n: i for i, n in enumerate(self.names)}
         self._filled: set[str] = set()
         self._pending: int | None = None
+        self._queued: list = []  # (staging, source) pairs put and not yet copied
+        self._queued_bytes = 0
         # ``serial`` counts publishes; ``version`` is the policy version they carry.
         # Readers follow the serial, so re-publishing a version (the warm-started
         # policy is version 0 like the initial one) still reaches every engine.
@@ -119,7 +136,7 @@ class StagedWeights:
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_seen"] = {}  # a new process has applied nothing yet
-        state["_filled"], state["_pending"] = set(), None
+        state["_filled"], state["_pending"], state["_queued"], state["_queued_bytes"] = set(), None, [], 0
         return state
 
     @property
@@ -142,14 +159,24 @@ class StagedWeights:
         i = self._index.get(name)
         if i is None:
             return  # not staged (a tied duplicate)
-        with torch.no_grad():
-            self.tensors[i].copy_(tensor.detach())
+        # Copied in groups (copy_pairs) once FLUSH_BYTES are queued, and at commit: the
+        # writer's tensors stay valid until then (live weights, or a sharded trainer's
+        # gathers, whose memory the flush bounds).
+        self._queued.append((self.tensors[i], tensor))
+        self._queued_bytes += tensor.numel() * tensor.element_size()
+        if self._queued_bytes >= FLUSH_BYTES:
+            self._flush()
         self._filled.add(name)
+
+    def _flush(self) -> None:
+        pairs, self._queued, self._queued_bytes = self._queued, [], 0
+        copy_pairs(pairs)
 
     def commit(self, wait: bool = True) -> None:
         """Announce the version (complete once this returns; ``wait`` is for transports whose
         readers may still be receiving)."""
         try:
+            self._flush()
             missing = [n for n in self.names if n not in self._filled]
             if missing:
                 raise KeyError(f"weight publish of version {self._pending}: missing tensors {missing[:3]}")
@@ -167,7 +194,7 @@ class StagedWeights:
     def abort(self) -> None:
         """Give up a begun publish (the writer failed mid-way): readers keep the last version."""
         if self._pending is not None:
-            self._pending = None  # nothing announced
+            self._pending, self._queued, self._queued_bytes = None, [], 0  # nothing announced
             self._lock.release()
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
