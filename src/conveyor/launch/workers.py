@@ -33,10 +33,10 @@ Contract
     that cannot join (an evaluation request, other params, "stop") is held
     and nothing more is read: the call drains, then the held message is
     served ("stop" ends the loop). The generating thread also takes weights
-    right before new chunks enter the engine, so a chunk admitted after version v was published never
-    decodes a token with older weights (the admission rule's staleness bound
-    stays exact); tokens after a swap carry the new version, the KV cache of
-    earlier tokens is kept. A chunk admitted for a version still on its way
+    right before new chunks enter the engine, so a chunk admitted after
+    version v was published never decodes a token with older weights (the
+    admission rule's staleness bound stays exact); tokens after a swap carry
+    the new version, the KV cache of earlier tokens is kept. A chunk admitted for a version still on its way
     waits outside the engine while the running rows decode on, and joins at
     the first step after the version is in (only an idle engine blocks for it).
   - Waves (no ``partial``, or an engine that cannot stream): the first
