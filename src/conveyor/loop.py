@@ -130,7 +130,7 @@ def sync_stats(producer, published_at: dict[int, float]) -> dict[str, float]:
     if ours:
         out["weight_sync_ms"] = max((e[2] - published_at[e[1]]) * 1e3 for e in ours)
     for key, i in (("weight_announce_ms", 5), ("weight_transfer_ms", 4)):  # the writer began; the engine held it
-        times = [(e[i] - published_at[e[1]]) * 1e3 for e in ours if len(e) > i and e[i]]
+        times = [(e[i] - published_at[e[1]]) * 1e3 for e in ours if e[i] is not None]
         if times:
             out[key] = max(times)
     if events:

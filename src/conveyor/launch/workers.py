@@ -110,11 +110,12 @@ class _EngineServer:
             if v is None:
                 return
             self.version = max(self.version, v)
+            done = None
             if settle and self.device is not None:
                 import torch
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
-        if settle and self.device is not None:
+        if done is not None:
             done.synchronize()
         self.outbox.put(("weights", self.engine_id, v, time.time(), pause,
                          getattr(self.weights, "received_at", None), getattr(self.weights, "announced_at", None)))

@@ -12,9 +12,9 @@ Contract (see ``trainer/api.py`` and ``trainer/local.py``; only differences here
   bf16, embeddings and the head in fp32, gradients reduced in fp32 (fp32
   master weights and AdamW state), the layers' norm weights are not sharded
   (fp32 on every rank, gradients summed by one all-reduce per optimizer step),
-  and forward runs under autocast: LocalTrainer's numbers. With float32 everything is gathered in
-  fp32 (under autocast on CUDA); on CPU (auto) everything is fp32, so CPU runs
-  match LocalTrainer to rounding.
+  and forward runs under autocast: LocalTrainer's numbers. With float32
+  everything is gathered in fp32 (under autocast on CUDA); on CPU (auto)
+  everything is fp32, so CPU runs match LocalTrainer to rounding.
 - Every public method is COLLECTIVE: call it on every rank with identical
   arguments (the full Batch); every rank returns the same result.
 - ``train``: LocalTrainer's epochs, mini-batches and LR schedule. Each
@@ -63,7 +63,7 @@ from conveyor.trainer.api import LossFn
 from conveyor.trainer.local import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
                                     _load_policy, _MetricMean, compile_layers, decoder_layers, fuse_layers,
                                     head_start, logprob_fn, no_cudnn_attention, resolve_device)
-from conveyor.trainer.microbatch import _check_aligned, collate, plan_microbatches
+from conveyor.trainer.microbatch import _check_aligned, balance, collate, plan_microbatches
 from conveyor.trainer.precision import compute_dtype
 from conveyor.types import Batch
 
@@ -127,20 +127,6 @@ def _unpack(parts: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Te
     return out
 
 
-def balance(lengths: list[int], world: int) -> list[list[int]]:
-    """Deal sample indices to ``world`` ranks by tokens: longest first onto the least-loaded rank.
-
-    Deterministic (ties go to the lower index and rank), so every rank computes
-    every rank's share without communicating.
-    """
-    loads, shares = [0] * world, [[] for _ in range(world)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = min(range(world), key=lambda r: (loads[r], r))
-        shares[r].append(i)
-        loads[r] += lengths[i]
-    return shares
-
-
 def _kinds(params) -> tuple[list, list]:
     """Sharded (DTensor) and whole (replicated norm) parameters: foreach and fused kernels
     (AdamW, norms, clipping) take one kind per call."""
@@ -179,6 +165,8 @@ def _shard(module: nn.Module, mesh, dtype: torch.dtype, device: torch.device, ke
     fully_shard(module, mesh=mesh, mp_policy=exact, ignored_params=replicated or None)
     for p in replicated:  # FSDP moves only what it manages
         p.data = p.data.to(device)
+    if keep:  # gathered until _release, after the step's last backward
+        module.set_reshard_after_backward(False)
     for m in module.modules():
         if isinstance(m, FSDPModule):
             # The loss is already normalised by GLOBAL totals, so rank gradients
@@ -346,9 +334,8 @@ class FSDPTrainer(LocalTrainer):
         self._release()
 
     def _release(self) -> None:
-        """With ``fsdp_reshard=step``: free every gathered weight. FSDP re-gathers only what it has
-        freed, so after an optimizer step (or a forward-only pass) a layer still gathered would
-        run on stale weights."""
+        """``fsdp_reshard=step``: free every gathered weight (FSDP re-gathers only what it freed:
+        a layer still gathered after an optimizer step would run on stale weights)."""
         if not self._keep:
             return
         from torch.distributed.fsdp import FSDPModule
@@ -371,8 +358,6 @@ class FSDPTrainer(LocalTrainer):
                 # Reduce-scatter once, after the last backward. Until then each rank
                 # holds UNSHARDED gradients (full model size, fp32): comms traded for memory.
                 m.set_requires_gradient_sync(j == passes - 1)
-                if self._keep:  # the weights stay gathered until the last backward
-                    m.set_reshard_after_backward(j == passes - 1)
             real = j < len(mine)
             cpu_mb = collate(mini, mine[j], self.pad_token_id, self.cfg.pad_multiple) if real else None
             mb = self._to_device(cpu_mb) if real else self._dummy()

@@ -9,6 +9,8 @@ Contract
   first (longest) member's length rounded up to ``multiple``.
   A single sequence longer than the budget gets a micro-batch of its own: it
   is never dropped or truncated, so the budget is a target, not a hard cap.
+- ``balance(lengths, world)`` deals sample indices to ``world`` data-parallel
+  ranks by tokens, before each rank plans its own micro-batches.
 - ``collate(batch, idx, pad_id, multiple=1)`` right-pads the selected samples
   into ``[b, L]`` tensors, L the longest rounded up to ``multiple`` (few
   distinct shapes let per-shape work — attention plans, allocator blocks —
@@ -93,3 +95,17 @@ def collate(batch: "Batch", idx: list[int], pad_id: int, multiple: int = 1) -> d
             raise ValueError(f"Batch field {name!r} clashes with a collated tensor; rename the field")
         out[name] = _pad([values[i].reshape(-1) for i in idx], length, 0)
     return out
+
+
+def balance(lengths: list[int], world: int) -> list[list[int]]:
+    """Deal sample indices to ``world`` ranks by tokens: longest first onto the least-loaded rank.
+
+    Deterministic (ties go to the lower index and rank), so every rank computes
+    every rank's share without communicating.
+    """
+    loads, shares = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        shares[r].append(i)
+        loads[r] += lengths[i]
+    return shares

@@ -9,8 +9,9 @@ time and several transports can be fed from one pass). The reader side,
 if a newer version than the engine serves is published, it copies the
 weights into the engine (``engine.update_weights``) and returns the new
 version; ``wait_news(engine, timeout)`` blocks until ``poll`` would do so
-(a watcher thread wakes on it instead of polling on a timer). Every lock wait has a deadline and raises ``WeightSyncTimeout``
-naming the side, the version and the wait.
+(a watcher thread wakes on it instead of polling on a timer). Every lock
+wait has a deadline and raises ``WeightSyncTimeout`` naming the side, the
+version and the wait.
 
 ``StagedWeights`` keeps one staging copy of the weights, allocated once: the
 writer copies into it under a lock and then bumps the version; readers copy
@@ -215,7 +216,6 @@ class StagedWeights:
             return version
         finally:
             self._lock.release()
-
 
     def wait_news(self, engine, timeout: float) -> bool:
         """Until ``poll`` would apply a version to ``engine`` or ``timeout`` passes."""
