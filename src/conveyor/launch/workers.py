@@ -360,13 +360,26 @@ class TrainerHost:
         return self.trainer.step
 
     def train_and_publish(self, batch, loss_fn, version: int) -> tuple[dict, float, float]:
-        """``train``, then publish ``version`` at once, in this process: the weights leave as the
-        optimizer step ends, not after a round trip through the controller (whose other threads
-        may hold its GIL for milliseconds). Returns (metrics, end of the step as time.time(),
-        publish seconds)."""
-        metrics = self.trainer.train(batch, loss_fn)
-        ended = time.time()  # train() returns once the step's kernels are done
-        return metrics, ended, self.publish(version)
+        """``train``, then publish ``version``, in this process: the weights leave as the optimizer
+        step ends, not after a round trip through the controller (whose other threads may hold
+        its GIL for milliseconds). A trainer that ``streams_publish`` runs its last optimizer
+        step group by group inside the publish, so bucket k travels while bucket k + 1 is
+        updated. Returns (metrics, end of the optimizer step as time.time(), publish seconds:
+        host time of the publish call, the streamed optimizer's launches included)."""
+        if not getattr(self.trainer, "streams_publish", False):
+            metrics = self.trainer.train(batch, loss_fn)
+            return metrics, getattr(self.trainer, "step_ended", 0.0) or time.time(), self.publish(version)
+        from conveyor.transport.weights import publish_all
+        spent = []
+
+        def publish(named) -> None:
+            t0 = time.perf_counter()
+            try:  # no wait for the engines' receives, as in publish()
+                publish_all(self.transports, named, version, wait=False)
+            finally:
+                spent.append(time.perf_counter() - t0)
+        metrics = self.trainer.train(batch, loss_fn, publish=publish, publish_dtype=self.publish_dtype)
+        return metrics, self.trainer.step_ended, sum(spent)
 
     def publish(self, version: int) -> float:
         from conveyor.transport.weights import publish_all

@@ -180,6 +180,8 @@ def _shard(module: nn.Module, mesh, dtype: torch.dtype, device: torch.device, ke
 class FSDPTrainer(LocalTrainer):
     """Policy (+ optional reference and critic) sharded over the default process group."""
 
+    streams_publish = False  # its publish is a collective gather after the step
+
     def __init__(self, model_path_or_model: Any, cfg: TrainerConfig, total_steps: int,
                  temperature: float = 1.0, pad_token_id: int = 0):
         if not (dist.is_available() and dist.is_initialized()):

@@ -55,8 +55,9 @@ from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.logprobs import kernel_available, token_logprobs
-from conveyor.trainer.microbatch import collate, plan_microbatches
+from conveyor.trainer.microbatch import collate, plan_microbatches, split_even
 from conveyor.trainer.precision import compute_dtype, linear_copy
+from conveyor.trainer.streamed import StreamPlan
 from conveyor.types import Batch
 
 
@@ -238,18 +239,6 @@ def _enable_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _split(n: int, parts: int) -> list[list[int]]:
-    if parts > n:
-        raise ValueError(f"trainer.mini_batches={parts} exceeds the batch's {n} samples; lower trainer.mini_batches")
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for k in range(parts):
-        size = base + (1 if k < extra else 0)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out
-
-
 def _to_host(rows: list[tuple[torch.Tensor, dict[str, Any], torch.Tensor]], device: torch.device):
     """``(loss, metrics, weight)`` rows with tensor entries -> the same rows as floats, in one transfer."""
     flat = [t for loss, metrics, weight in rows
@@ -290,6 +279,10 @@ class _MetricMean:
 class LocalTrainer:
     """Policy (+ optional reference and critic) on one device; implements ``Trainer``."""
 
+    streams_publish = True  # train(publish=...) steps the optimizer as the weights leave
+    _publish = _stepped = _publish_error = None  # that train call's publisher, step end, failure
+    step_ended = 0.0  # time.time() when the last train call's optimizer work was done
+
     def __init__(self, model_path_or_model: Any, cfg: TrainerConfig, total_steps: int,
                  temperature: float = 1.0, pad_token_id: int = 0):
         if temperature <= 0:
@@ -315,6 +308,7 @@ class LocalTrainer:
         # linear weights are bf16 copies feeding their gradients to the masters'.
         self.compute, self._copies = self.model, []
         self._publish_list: list | None = None  # named_weights(bf16), listed on first use
+        self._plans: dict = {}  # publish dtype -> StreamPlan
         if self.reference is not None:
             self.reference.to(self.device).eval().requires_grad_(False)
         if self._dtype != torch.float32:
@@ -423,11 +417,14 @@ class LocalTrainer:
         return self._per_sample(batch, self._values_out)
 
     # ------------------------------------------------------------------- train
-    def train(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+    def train(self, batch: Batch, loss_fn: LossFn, publish=None, publish_dtype=None) -> dict[str, float]:
+        """``publish``, if given, is called once with the new weights (``named_weights(publish_dtype)``
+        as an iterator that runs the last optimizer step while it is consumed, ``streamed.py``); a
+        publish that raises still leaves a whole step, and its error is raised after it."""
         if len(batch) == 0:
             raise ValueError("LocalTrainer.train: the batch is empty; the loop must pass at least one sample")
         start = time.perf_counter()
-        chunks = _split(len(batch), self.cfg.mini_batches)
+        chunks = split_even(len(batch), self.cfg.mini_batches)
         lr = self.optimizer.param_groups[0]["lr"]
         means = _MetricMean()
         totals = {"loss": 0.0, "grad_norm": 0.0, "critic_grad_norm": 0.0, "microbatches": 0}
@@ -438,8 +435,11 @@ class LocalTrainer:
             with profiled(self.cfg, self._step, getattr(self, "rank", 0), self.device):
                 for epoch in range(self.cfg.ppo_epochs):
                     for k, idx in enumerate(chunks):
+                        last = epoch == self.cfg.ppo_epochs - 1 and k == len(chunks) - 1
+                        self._publish = (publish, publish_dtype) if last and publish is not None else None
                         self._update(batch.select(idx), loss_fn, means, totals, f"epoch {epoch}, mini-batch {k}")
         finally:
+            self._publish = None
             # Gradients are as large as the model; free them between steps so
             # a colocated engine can use the memory.
             self._zero_grad()
@@ -458,10 +458,14 @@ class LocalTrainer:
             metrics["critic_grad_norm"] = totals["critic_grad_norm"] / updates
         for key, value in means.result().items():
             metrics[f"loss_fn/{key}" if key in metrics else key] = value
-        if self.device.type == "cuda":
-            # The step ends when its optimizer kernels do: time_s and the loop's weight-sync
-            # clock start there, and the publish that follows does not absorb their tail.
+        # The step (time_s, the loop's weight-sync clock) ends with its optimizer kernels; a streamed
+        # publish marks that with an event (a device-wide synchronize would wait for its sends).
+        stepped, self._stepped = self._stepped, None
+        if isinstance(stepped, torch.cuda.Event):
+            stepped.synchronize()
+        elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.step_ended = time.time()
         metrics["time_s"] = time.perf_counter() - start
         if self.device.type == "cuda":
             # Allocator retries (a cudaFree/cudaMalloc storm when varying shapes fragment the
@@ -469,6 +473,9 @@ class LocalTrainer:
             stats = torch.cuda.memory_stats(self.device)
             metrics["cuda_alloc_retries"] = float(stats.get("num_alloc_retries", 0))
             metrics["cuda_peak_gib"] = stats.get("allocated_bytes.all.peak", 0) / 2**30
+        error, self._publish_error = self._publish_error, None
+        if error is not None:
+            raise error
         return metrics
 
     def _zero_grad(self) -> None:
@@ -510,8 +517,15 @@ class LocalTrainer:
         if self.critic is not None:
             totals["critic_grad_norm"] += self._clip(self.critic.parameters(), f"{where} (critic)")
             self.critic_optimizer.step()
-        self.optimizer.step()
-        self._refresh_compute()
+        if self._publish is None:
+            self.optimizer.step()
+            self._refresh_compute()
+            return
+        publish, dtype = self._publish
+        if dtype not in self._plans:  # listed once: the tensors are updated in place
+            self._plans[dtype] = StreamPlan(list(self.named_weights(dtype)), self._copies,
+                                            list(self.model.parameters()))
+        self._stepped, self._publish_error = self._plans[dtype].run(self.optimizer, publish)
 
     def _check_loss(self, loss: Any, where: str) -> float:
         self._check_loss_type(loss, where)

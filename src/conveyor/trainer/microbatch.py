@@ -11,6 +11,8 @@ Contract
   is never dropped or truncated, so the budget is a target, not a hard cap.
 - ``balance(lengths, world)`` deals sample indices to ``world`` data-parallel
   ranks by tokens, before each rank plans its own micro-batches.
+- ``split_even(n, parts)`` cuts a batch into ``parts`` mini-batches of nearly
+  equal size (in order).
 - ``collate(batch, idx, pad_id, multiple=1)`` right-pads the selected samples
   into ``[b, L]`` tensors, L the longest rounded up to ``multiple`` (few
   distinct shapes let per-shape work — attention plans, allocator blocks —
@@ -109,3 +111,16 @@ def balance(lengths: list[int], world: int) -> list[list[int]]:
         shares[r].append(i)
         loads[r] += lengths[i]
     return shares
+
+
+def split_even(n: int, parts: int) -> list[list[int]]:
+    """Indices 0..n-1 in ``parts`` consecutive runs whose sizes differ by at most one (mini-batches)."""
+    if parts > n:
+        raise ValueError(f"trainer.mini_batches={parts} exceeds the batch's {n} samples; lower trainer.mini_batches")
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for k in range(parts):
+        size = base + (1 if k < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
