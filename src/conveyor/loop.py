@@ -122,8 +122,9 @@ def rollout_stats(groups: list[Group], step: int) -> dict[str, float]:
 
 def sync_stats(producer, published_at: dict[int, float]) -> dict[str, float]:
     """End of the optimizer step -> engine serving the version (ms, the slowest engine), the
-    parts of it until the writer announced the version and until the engine's transport held
-    it, and how long decoding paused for a swap."""
+    parts of it until the writer announced the version (negative when a streamed publish
+    announced it before the optimizer ran) and until the engine's transport held it, and how
+    long decoding paused for a swap."""
     events, producer.stats.weight_events = producer.stats.weight_events, []
     ours = [e for e in events if e[1] in published_at]
     out = {}

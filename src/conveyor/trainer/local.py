@@ -280,7 +280,7 @@ class LocalTrainer:
     """Policy (+ optional reference and critic) on one device; implements ``Trainer``."""
 
     streams_publish = True  # train(publish=...) steps the optimizer as the weights leave
-    _publish = _stepped = _publish_error = None  # that train call's publisher, step end, failure
+    _publish = _stepped = _publish_error = None  # that train call's publisher, plan, failure
     step_ended = 0.0  # time.time() when the last train call's optimizer work was done
 
     def __init__(self, model_path_or_model: Any, cfg: TrainerConfig, total_steps: int,
@@ -459,13 +459,11 @@ class LocalTrainer:
         for key, value in means.result().items():
             metrics[f"loss_fn/{key}" if key in metrics else key] = value
         # The step (time_s, the loop's weight-sync clock) ends with its optimizer kernels; a streamed
-        # publish marks that with an event (a device-wide synchronize would wait for its sends).
+        # publish times that on the device (a device-wide synchronize would wait for its sends).
         stepped, self._stepped = self._stepped, None
-        if isinstance(stepped, torch.cuda.Event):
-            stepped.synchronize()
-        elif self.device.type == "cuda":
+        if stepped is None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.step_ended = time.time()
+        self.step_ended = stepped.ended() if stepped is not None else time.time()
         metrics["time_s"] = time.perf_counter() - start
         if self.device.type == "cuda":
             # Allocator retries (a cudaFree/cudaMalloc storm when varying shapes fragment the
@@ -525,7 +523,8 @@ class LocalTrainer:
         if dtype not in self._plans:  # listed once: the tensors are updated in place
             self._plans[dtype] = StreamPlan(list(self.named_weights(dtype)), self._copies,
                                             list(self.model.parameters()))
-        self._stepped, self._publish_error = self._plans[dtype].run(self.optimizer, publish)
+        self._stepped = self._plans[dtype]
+        self._publish_error = self._stepped.run(self.optimizer, publish)
 
     def _check_loss(self, loss: Any, where: str) -> float:
         self._check_loss_type(loss, where)

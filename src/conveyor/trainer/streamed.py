@@ -10,14 +10,14 @@ Contract
   (one that publishes nothing joins the first) and every copy is refreshed
   after its master has stepped.
 - ``plan.run(optimizer, publish)`` calls ``publish(plan.steps(optimizer))``
-  and steps whatever a failing publish left, returning (``stepped``, its
-  error). ``plan.steps(optimizer)`` is a generator: each ``next`` steps one group's
+  and steps whatever a failing publish left, returning its error (or None).
+  ``plan.steps(optimizer)`` is a generator: each ``next`` steps one group's
   masters, refreshes its copies and yields its (name, tensor) pairs. A
   publisher that consumes it (``publish_all``) casts and sends bucket k while
   the optimizer updates the tensors of bucket k + 1, so the transfer ends
   about one bucket after the optimizer does instead of a whole transfer
-  after it. ``plan.stepped`` is set when the last group's optimizer work is
-  queued (a CUDA event on GPUs): the end of the step, before its last sends.
+  after it. ``plan.ended()`` is when the last group's optimizer work was done
+  (on a GPU read off its clock: the host is usually still queueing sends).
 - AdamW and SGD update each tensor from its own state only, so stepping the
   groups in turn gives the same bits as one ``optimizer.step()`` (tested).
 
@@ -25,6 +25,7 @@ It knows nothing of transports, versions or engines.
 """
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import torch
@@ -79,11 +80,12 @@ class StreamPlan:
         self.groups[0][0].update(id(p) for p in params if id(p) not in placed)
         self.groups[-1][1].extend((c, m) for c, m in copies if id(c) not in placed)
         self.cuda = any(p.device.type == "cuda" for p in params)
-        self.stepped = None
+        self._anchor = self._stepped = None
+        self._ended = 0.0
 
-    def run(self, optimizer: torch.optim.Optimizer, publish) -> tuple:
+    def run(self, optimizer: torch.optim.Optimizer, publish) -> Exception | None:
         """``publish(self.steps(optimizer))``, then the groups it did not consume: a publish that
-        fails still leaves a whole optimizer step. Returns (``stepped``, the publish's error)."""
+        fails still leaves a whole optimizer step. Returns the publish's error, if any."""
         steps = self.steps(optimizer)
         error = None
         try:
@@ -92,18 +94,34 @@ class StreamPlan:
             error = e
         for _ in steps:
             pass
-        return self.stepped, error
+        return error
+
+    def ended(self) -> float:
+        """``time.time()`` when the last group's optimizer work was done on the device. The host
+        may reach this call much later (it queued the publish meanwhile): the time is read off
+        the GPU's clock, from an event at the start of the step whose host time is known."""
+        if not self.cuda:
+            return self._ended
+        anchor, t0 = self._anchor
+        self._stepped.synchronize()
+        return t0 + anchor.elapsed_time(self._stepped) / 1e3
 
     def steps(self, optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
-        self.stepped = None
+        if self.cuda:
+            # The GPU is idle here (the gradient clipping read its norm on the host), so the
+            # anchor runs at once; the host time before it is, if anything, early (a longer sync).
+            t0, anchor = time.time(), torch.cuda.Event(enable_timing=True)
+            anchor.record()
+            anchor.synchronize()
+            self._anchor = (anchor, t0)
         for k, (ids, pairs, named) in enumerate(self.groups):
             step_subset(optimizer, ids)
             with torch.no_grad():
                 copy_pairs(pairs)
-            if k == len(self.groups) - 1:
-                # Recorded before the last group's bucket copies are queued; True on the CPU,
-                # where the work is done when the call returns.
-                self.stepped = torch.cuda.Event() if self.cuda else True
+            if k == len(self.groups) - 1:  # the step ends here, before the last bucket's copies
                 if self.cuda:
-                    self.stepped.record()
+                    self._stepped = torch.cuda.Event(enable_timing=True)
+                    self._stepped.record()
+                else:
+                    self._ended = time.time()
             yield from named
