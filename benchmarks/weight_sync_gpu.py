@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="qwen2.5-0.5b")
     p.add_argument("--engines", type=int, default=1)
     p.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
-    p.add_argument("--bucket-mb", type=float, default=512.0)
+    p.add_argument("--bucket-mb", type=float, default=128.0)
     p.add_argument("--source", default="all", choices=["float32", "bfloat16", "mixed", "all"])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="runs/weight-sync")

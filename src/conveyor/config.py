@@ -250,7 +250,8 @@ class LaunchConfig(_Section):
     weight_sync: Literal["auto", "shm", "ipc", "broadcast"] = Field("auto", description=(
         "auto: broadcast (NCCL) to engines on GPUs of their own, ipc to an engine on a trainer's GPU, "
         "shm on CPU; broadcast on CPU uses gloo"))
-    weight_bucket_mb: float = Field(512.0, gt=0, description="broadcast: MiB per bucket")
+    # 128 MiB: with a streamed publish only the last bucket travels after the optimizer step.
+    weight_bucket_mb: float = Field(128.0, gt=0, description="broadcast: MiB per bucket")
     engine_threads: int = Field(1, ge=1, description="CPU threads of each engine process (disaggregated)")
     trainer_threads: int = Field(1, ge=1, description="CPU threads of each trainer process (disaggregated)")
     timeout_s: float = Field(600.0, gt=0, description="deadline of every cross-role wait")
