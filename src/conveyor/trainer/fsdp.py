@@ -61,10 +61,11 @@ from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.local import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
-                                    _load_policy, _MetricMean, compile_layers, decoder_layers, fuse_layers,
+                                    _load_policy, compile_layers, decoder_layers, fuse_layers,
                                     head_start, logprob_fn, no_cudnn_attention, resolve_device)
 from conveyor.trainer.microbatch import _check_aligned, balance, collate, plan_microbatches
 from conveyor.trainer.precision import compute_dtype
+from conveyor.trainer.step_metrics import MetricMean
 from conveyor.types import Batch
 
 
@@ -346,7 +347,7 @@ class FSDPTrainer(LocalTrainer):
                 if isinstance(m, FSDPModule):
                     m.reshard()
 
-    def _update(self, mini: Batch, loss_fn: LossFn, means: _MetricMean, totals: dict, where: str) -> None:
+    def _update(self, mini: Batch, loss_fn: LossFn, means: MetricMean, totals: dict, where: str) -> None:
         """One optimizer step on one mini-batch, its micro-batches spread over the ranks."""
         self._zero_grad()
         num_tokens = max(float(mini.num_tokens), 1.0)
@@ -354,7 +355,7 @@ class FSDPTrainer(LocalTrainer):
         _check_aligned(mini, list(range(len(mini))))  # on every rank: collate would fail on one rank only
         plans = self._plans([int(x.numel()) for x in mini.input_ids])
         mine, passes = plans[self.rank], max(map(len, plans))
-        local = _MetricMean()
+        local = MetricMean()
         for j in range(passes):
             for m in self._trained():
                 # Reduce-scatter once, after the last backward. Until then each rank
@@ -405,7 +406,7 @@ class FSDPTrainer(LocalTrainer):
         dist.all_reduce(t)  # NaN/inf survive the sum of zeros, in their own row
         return t.tolist()
 
-    def _merge_means(self, means: _MetricMean, local: _MetricMean) -> None:
+    def _merge_means(self, means: MetricMean, local: MetricMean) -> None:
         parts: list[Any] = [None] * self.world
         dist.all_gather_object(parts, (local.wsum, local.plain, local.weight, local.count))
         for wsum, plain, weight, count in parts:  # rank order: the same sums on every rank

@@ -57,7 +57,9 @@ from conveyor.trainer.api import LossFn
 from conveyor.trainer.logprobs import kernel_available, token_logprobs
 from conveyor.trainer.microbatch import collate, plan_microbatches, split_even
 from conveyor.trainer.precision import compute_dtype, linear_copy
+from conveyor.trainer.step_metrics import MetricMean, to_host
 from conveyor.trainer.streamed import StreamPlan
+from conveyor.transport.weights import copy_pairs
 from conveyor.types import Batch
 
 
@@ -239,43 +241,6 @@ def _enable_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _to_host(rows: list[tuple[torch.Tensor, dict[str, Any], torch.Tensor]], device: torch.device):
-    """``(loss, metrics, weight)`` rows with tensor entries -> the same rows as floats, in one transfer."""
-    flat = [t for loss, metrics, weight in rows
-            for t in (loss, weight, *(v for v in metrics.values() if isinstance(v, torch.Tensor)))]
-    values = iter(torch.stack([t.detach().float().reshape(()).to(device) for t in flat]).tolist() if flat else [])
-    out = []
-    for _, metrics, _ in rows:
-        loss, weight = next(values), next(values)
-        out.append((loss, {k: next(values) if isinstance(v, torch.Tensor) else float(v)
-                           for k, v in metrics.items()}, weight))
-    return out
-
-
-class _MetricMean:
-    """Loss-function metrics averaged over micro-batches, weighted by their loss tokens."""
-
-    def __init__(self) -> None:
-        self.wsum: dict[str, float] = {}
-        self.plain: dict[str, float] = {}
-        self.weight = 0.0
-        self.count = 0
-
-    def add(self, metrics: dict[str, Any], weight: float) -> None:
-        for k, v in metrics.items():
-            v = float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
-            self.wsum[k] = self.wsum.get(k, 0.0) + weight * v
-            self.plain[k] = self.plain.get(k, 0.0) + v
-        self.weight += weight
-        self.count += 1
-
-    def result(self) -> dict[str, float]:
-        if self.weight > 0:
-            return {k: v / self.weight for k, v in self.wsum.items()}
-        # No loss tokens anywhere: weights are all 0, fall back to a plain mean.
-        return {k: v / max(1, self.count) for k, v in self.plain.items()}
-
-
 class LocalTrainer:
     """Policy (+ optional reference and critic) on one device; implements ``Trainer``."""
 
@@ -364,8 +329,7 @@ class LocalTrainer:
     @torch.no_grad()
     def _refresh_compute(self) -> None:
         """Copy the master weights into the compute copy (after a step or a load)."""
-        if self._copies:
-            torch._foreach_copy_([w for w, _ in self._copies], [m for _, m in self._copies])
+        copy_pairs(self._copies)
 
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
@@ -426,7 +390,7 @@ class LocalTrainer:
         start = time.perf_counter()
         chunks = split_even(len(batch), self.cfg.mini_batches)
         lr = self.optimizer.param_groups[0]["lr"]
-        means = _MetricMean()
+        means = MetricMean()
         totals = {"loss": 0.0, "grad_norm": 0.0, "critic_grad_norm": 0.0, "microbatches": 0}
         self.compute.train()
         if self.critic is not None:
@@ -483,7 +447,7 @@ class LocalTrainer:
         if self.critic_optimizer is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
 
-    def _update(self, mini: Batch, loss_fn: LossFn, means: _MetricMean, totals: dict, where: str) -> None:
+    def _update(self, mini: Batch, loss_fn: LossFn, means: MetricMean, totals: dict, where: str) -> None:
         """One optimizer step on one mini-batch: accumulate micro-batch gradients, clip, step."""
         self._zero_grad()
         num_tokens = max(float(mini.num_tokens), 1.0)
@@ -503,7 +467,7 @@ class LocalTrainer:
             pending.append((loss.detach(), metrics, mb["loss_mask"].sum()))
         # Values reach the host once per mini-batch: a read per micro-batch would stall the
         # GPU queue each time (the CPU waits, then the GPU waits for the next launches).
-        for j, (value, metrics, weight) in enumerate(_to_host(pending, self.device)):
+        for j, (value, metrics, weight) in enumerate(to_host(pending, self.device)):
             totals["loss"] += self._check_finite(value, f"{where}, micro-batch {j}")
             totals["microbatches"] += 1
             means.add(metrics, weight)

@@ -116,8 +116,7 @@ class StreamPlan:
             self._anchor = (anchor, t0)
         for k, (ids, pairs, named) in enumerate(self.groups):
             step_subset(optimizer, ids)
-            with torch.no_grad():
-                copy_pairs(pairs)
+            copy_pairs(pairs)
             if k == len(self.groups) - 1:  # the step ends here, before the last bucket's copies
                 if self.cuda:
                     self._stepped = torch.cuda.Event(enable_timing=True)
