@@ -137,7 +137,8 @@ class TrainerConfig(_Section):
         "and biases stay float32: autocast's numbers without its per-op weight casts), float32 on CPU (exact)"))
     kernels: bool = Field(True, description=(
         "on a GPU with Triton, our fused kernels for the logprob head (one read of the logits per pass) "
-        "and for RMSNorm and the SwiGLU product (Llama/Qwen/Mistral); false = plain torch ops"))
+        "and for RMSNorm, the SwiGLU product and the rotary embedding, with one GEMM for q/k/v and one for "
+        "gate/up (Llama/Qwen2/Mistral); false = plain torch ops"))
     fsdp_reshard: Literal["micro-batch", "step"] = Field("micro-batch", description=(
         "several trainer ranks (FSDP2): when a decoder layer's gathered weights are freed. micro-batch: "
         "after its forward and again after its backward (least memory; gathered twice per micro-batch); "

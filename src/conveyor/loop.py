@@ -80,11 +80,12 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
                 items = c.buffer.get(lc.batch_size, timeout=cfg.launch.timeout_s)
             with timer.phase("prepare"):
                 groups, batch, stats, extra = prepare(c, items, need)
-        else:
-            (groups, batch, stats, extra), ahead = ahead, None
+        else:  # built while the last step trained; what is not ready yet, the trainer waits for
+            with timer.phase("wait"):
+                groups, batch, stats, extra = ahead.take(cfg.launch.timeout_s)
         with timer.phase("train"):  # the trainer publishes version step + 1 as its step ends
             (train_m, published_at[step + 1], publish_s), ahead = train_and_prepare_next(
-                c, batch, loss_fn, need, version=step + 1)
+                c, batch, loss_fn, need, version=step + 1, last=step + 1 == lc.steps)
         c.producer.version = step + 1
         metrics = {**stats, **train_m, **rollout_stats(groups, step), "weight_publish_ms": publish_s * 1e3,
                    "buffer_depth": len(c.buffer), **sync_stats(c.producer, published_at),

@@ -3,13 +3,16 @@
 Contract: ``prepare(c, items, need)`` turns ``(index, group)`` items into
 ``(groups, batch, stats, extra)`` (groups in admission order; ``extra`` holds
 the trainer passes ``need`` asks for). ``train_and_prepare_next(c, batch,
-loss_fn, need, version=None)`` trains on ``batch`` (with ``version``, through
-``trainer.train_and_publish``, which publishes the new weights as that version
-as the step ends) and returns ``(trained, ahead)``: ``trained`` is what the
-trainer call returned;
-``ahead`` is the next step's ``prepare`` result when its groups were already
-buffered and preparing them needs no trainer call, else None. ``c`` is the
-loop's bundle (``cfg``, ``trainer``, ``buffer``).
+loss_fn, need, version=None, last=False)`` trains on ``batch`` (with
+``version``, through ``trainer.train_and_publish``, which publishes the new
+weights as that version as the step ends) and returns ``(trained, ahead)``:
+``trained`` is what the trainer call returned; ``ahead`` is a ``Prefetch``
+building the next step's batch on a thread, or None where the loop builds it
+itself: on the last step, when preparing needs a trainer call, or with
+``max_staleness`` 0 and the groups not yet buffered (they cannot arrive
+before the new version is published). ``Prefetch.take(timeout)`` returns the
+``prepare`` result once it is built, or raises what building it raised.
+``c`` is the loop's bundle (``cfg``, ``trainer``, ``buffer``).
 """
 from __future__ import annotations
 
@@ -33,34 +36,43 @@ def prepare(c, items, need: objective.Needs):
     return groups, batch, stats, extra
 
 
-def train_and_prepare_next(c, batch, loss_fn, need: objective.Needs, version: int | None = None):
-    """Train on ``batch``. Meanwhile, when the next step's groups are already buffered (the
-    trainer is the slower role) and preparing them asks nothing of the trainer, prepare them
-    too: batch building then stays off the trainer's critical path. The groups are the ones
-    the next step would take anyway (the admission rule fixes their staleness), so nothing
-    but timing changes; with max_staleness 0 they are never buffered yet."""
-    n = c.cfg.loop.batch_size
+class Prefetch:
+    """The next step's batch, built on a thread: it waits for the groups (with the run's
+    deadline) and prepares them as soon as they are all scored, so what arrives while the
+    trainer trains costs the trainer nothing. The buffer is FIFO, so these are the groups the
+    next step would take anyway: only timing changes."""
 
-    def train():
-        if version is None:
-            return c.trainer.train(batch, loss_fn)
-        return c.trainer.train_and_publish(batch, loss_fn, version)
-    if need.proximal or need.reference or need.values or len(c.buffer) < n:
-        return train(), None
-    result: dict = {}
+    def __init__(self, c, need: objective.Needs):
+        self._c, self._need, self._out = c, need, {}
+        self._thread = threading.Thread(target=self._build, name="prepare-next", daemon=True)
+        self._thread.start()
 
-    def build() -> None:
+    def _build(self) -> None:
+        c = self._c
         try:
-            result["ahead"] = prepare(c, c.buffer.get(n, timeout=c.cfg.launch.timeout_s), need)
-        except BaseException as e:  # noqa: BLE001 - raised below, after training
-            result["error"] = e
+            self._out["ahead"] = prepare(c, c.buffer.get(c.cfg.loop.batch_size, timeout=c.cfg.launch.timeout_s),
+                                         self._need)
+        except BaseException as e:  # noqa: BLE001 - raised by take(), in the loop's thread
+            self._out["error"] = e
 
-    worker = threading.Thread(target=build, name="prepare-next", daemon=True)
-    worker.start()
-    try:
-        trained = train()
-    finally:
-        worker.join(c.cfg.launch.timeout_s)
-    if "error" in result:
-        raise result["error"]
-    return trained, result.get("ahead")
+    def take(self, timeout: float):
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the next batch was not ready within {timeout:.0f}s (launch.timeout_s); "
+                               "generation or scoring is stalled")
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["ahead"]
+
+
+def train_and_prepare_next(c, batch, loss_fn, need: objective.Needs, version: int | None = None,
+                           last: bool = False):
+    """Train on ``batch``; meanwhile build the next step's batch (``Prefetch``) when that asks
+    nothing of the trainer and its groups can arrive during training."""
+    ahead = None
+    can_arrive = c.cfg.loop.max_staleness > 0 or len(c.buffer) >= c.cfg.loop.batch_size
+    if not (last or need.proximal or need.reference or need.values) and can_arrive:
+        ahead = Prefetch(c, need)
+    if version is None:
+        return c.trainer.train(batch, loss_fn), ahead
+    return c.trainer.train_and_publish(batch, loss_fn, version), ahead

@@ -1,4 +1,4 @@
-"""While the trainer trains, the loop builds the next batch when its groups are already buffered."""
+"""While the trainer trains, the loop builds the next batch from groups buffered or arriving meanwhile."""
 import random
 import types
 
@@ -56,7 +56,7 @@ def test_the_next_batch_is_built_from_the_buffered_groups(bundle):
     _, batch, _, _ = prepare(c, first, need)
     metrics, ahead = train_and_prepare_next(c, batch, loss, need)
     assert metrics["num_seqs"] == N * G
-    got_groups, got_batch, stats, _ = ahead
+    got_groups, got_batch, stats, _ = ahead.take(30)
     want_groups, want_batch, want_stats, _ = prepare(c, second, need)
     assert [g.task.id for g in got_groups] == [g.task.id for g in want_groups]
     assert all(torch.equal(a, b) for a, b in zip(got_batch.input_ids, want_batch.input_ids))
@@ -66,6 +66,7 @@ def test_the_next_batch_is_built_from_the_buffered_groups(bundle):
 
 def test_nothing_is_taken_without_a_full_batch_or_when_the_trainer_is_needed(bundle):
     cfg, trainer, loss = bundle
+    assert cfg.loop.max_staleness == 0  # synchronous: the next groups cannot arrive during training
     _, batch, _, _ = prepare(components(cfg, trainer, []), groups(N, 1), objective.needs(cfg.algo, True))
     c = components(cfg, trainer, groups(N - 1, 2))
     assert train_and_prepare_next(c, batch, loss, objective.needs(cfg.algo, True))[1] is None
@@ -73,6 +74,23 @@ def test_nothing_is_taken_without_a_full_batch_or_when_the_trainer_is_needed(bun
     c = components(cfg, trainer, groups(N, 2))
     proximal = objective.Needs(proximal=True, reference=False, values=False)
     assert train_and_prepare_next(c, batch, loss, proximal)[1] is None and len(c.buffer) == N
+    assert train_and_prepare_next(c, batch, loss, objective.needs(cfg.algo, True), last=True)[1] is None
+    assert len(c.buffer) == N  # the last step leaves the buffer alone
+
+
+def test_with_staleness_the_next_batch_waits_for_groups_that_arrive_during_training(bundle):
+    cfg, trainer, loss = bundle
+    cfg = cfg.model_copy(update={"loop": cfg.loop.model_copy(update={"max_staleness": 2})})
+    need = objective.needs(cfg.algo, True)
+    _, batch, _, _ = prepare(components(cfg, trainer, []), groups(N, 1), need)
+    late = groups(N, 2)
+    c = components(cfg, trainer, late[:-1])
+    _, ahead = train_and_prepare_next(c, batch, loss, need)
+    with pytest.raises(TimeoutError, match="launch.timeout_s"):
+        ahead.take(0.2)  # one group short: still waiting, nothing lost
+    c.buffer.put(late[-1], timeout=1)
+    got_groups, *_ = ahead.take(30)
+    assert [g.task.id for g in got_groups] == [g.task.id for _, g in late] and len(c.buffer) == 0
 
 
 def test_a_bad_next_batch_fails_after_the_step_trained(bundle):
@@ -81,6 +99,7 @@ def test_a_bad_next_batch_fails_after_the_step_trained(bundle):
     _, batch, _, _ = prepare(components(cfg, trainer, []), groups(N, 1), need)
     c = components(cfg, trainer, groups(N, 2, sizes={0: G - 1}))  # unequal groups: no group advantages
     step = trainer.step
-    with pytest.raises(ValueError, match="equal group sizes"):
-        train_and_prepare_next(c, batch, loss, need)
+    _, ahead = train_and_prepare_next(c, batch, loss, need)
     assert trainer.step == step + 1
+    with pytest.raises(ValueError, match="equal group sizes"):
+        ahead.take(30)

@@ -1,4 +1,4 @@
-"""RMSNorm and the SwiGLU product as one Triton kernel each way, for the trainer on a GPU.
+"""RMSNorm, the SwiGLU product and the fused MLP / attention forwards, for the trainer on a GPU.
 
 Hugging Face's Llama / Qwen2 / Qwen3 / Mistral RMSNorm is eight element-wise
 ops forward and about as many backward, each a pass over the activations
@@ -17,11 +17,17 @@ autograd takes them.
 The MLP's ``silu(gate) * up`` is two kernels forward and three backward in
 torch, over the widest activations of the layer; here one each way, with
 ``silu(gate)`` rounded to the input dtype before the product, as torch does.
+The gate and up projections run as one GEMM against both weights stacked,
+whose packed output the kernel reads in place. A norm whose output feeds one
+such GEMM (here, or the q/k/v GEMM of ``attention_kernels``) writes it in
+autocast's dtype: the bf16 numbers the GEMM's cast would make, without the
+float32 copy and the cast each way.
 
 Contract: ``use_fused_layers(model) -> int`` swaps the forward of every
-supported norm and SiLU MLP module of ``model`` (by class name) for
-``rms_norm`` / ``swiglu`` and returns how many; ``rms_norm(x, weight, eps)``
-works on any ``[..., H]``, ``swiglu(gate, up)`` on any two equal shapes.
+supported norm, SiLU MLP and attention module of ``model`` (by class name)
+and returns how many; ``rms_norm(x, weight, eps, out_dtype=None)`` works on
+any ``[..., H]``, ``swiglu(gate, up)`` on any two equal shapes and
+``swiglu(packed)`` on ``[..., 2 w]`` (gate then up in each row).
 Set ``TRITON_INTERPRET=1`` before importing to run on CPU tensors (tests do).
 """
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -75,11 +82,11 @@ def _backward(x, w, dy, rstd_in, dx, dw_part, rows, H: tl.constexpr, BLOCK: tl.c
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None):
         shape, h = x.shape, x.shape[-1]
         x2 = x.reshape(-1, h).contiguous()
         rows = x2.shape[0]
-        out_dtype = torch.promote_types(weight.dtype, x.dtype)
+        out_dtype = out_dtype or torch.promote_types(weight.dtype, x.dtype)
         y = torch.empty((rows, h), dtype=out_dtype, device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         block = triton.next_power_of_2(h)
@@ -100,80 +107,111 @@ class _RMSNorm(torch.autograd.Function):
         if rows:
             _backward[(programs,)](x2, weight, dy2, rstd, dx, part, rows, H=h,
                                    BLOCK=triton.next_power_of_2(h), PER=ROWS_PER_PROGRAM, num_warps=4)
-        return dx.view(ctx.shape), part.sum(0).to(weight.dtype), None
+        return dx.view(ctx.shape), part.sum(0).to(weight.dtype), None, None
 
 
 @triton.jit
-def _swiglu_forward(gate, up, out, n, BLOCK: tl.constexpr):
+def _swiglu_forward(gate, up, out, n, width, stride, BLOCK: tl.constexpr):
+    # element i of the [rows, width] product; gate and up rows are ``stride`` apart (packed)
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = idx < n
-    g = tl.load(gate + idx, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(up + idx, mask=inside, other=0.0).to(tl.float32)
+    at = (idx // width) * stride + idx % width
+    g = tl.load(gate + at, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(up + at, mask=inside, other=0.0).to(tl.float32)
     act = (g * tl.sigmoid(g)).to(out.dtype.element_ty).to(tl.float32)
     tl.store(out + idx, (act * u).to(out.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _swiglu_backward(gate, up, grad, d_gate, d_up, n, BLOCK: tl.constexpr):
+def _swiglu_backward(gate, up, grad, d_gate, d_up, n, width, stride, BLOCK: tl.constexpr):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = idx < n
-    g = tl.load(gate + idx, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(up + idx, mask=inside, other=0.0).to(tl.float32)
+    at = (idx // width) * stride + idx % width
+    g = tl.load(gate + at, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(up + at, mask=inside, other=0.0).to(tl.float32)
     d = tl.load(grad + idx, mask=inside, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
     act = (g * sig).to(d_up.dtype.element_ty).to(tl.float32)
     d_act = (d * u).to(d_gate.dtype.element_ty).to(tl.float32)
-    tl.store(d_up + idx, (d * act).to(d_up.dtype.element_ty), mask=inside)
-    tl.store(d_gate + idx, (d_act * sig * (1.0 + g * (1.0 - sig))).to(d_gate.dtype.element_ty), mask=inside)
+    tl.store(d_up + at, (d * act).to(d_up.dtype.element_ty), mask=inside)
+    tl.store(d_gate + at, (d_act * sig * (1.0 + g * (1.0 - sig))).to(d_gate.dtype.element_ty), mask=inside)
 
 
 class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` over separate tensors, or over one ``[..., 2 w]`` tensor holding
+    gate then up in each row (``packed``: the output of one GEMM against both weights)."""
+
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor):
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        n = gate.numel()
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor | None):
+        packed = up is None
+        if packed:
+            gate = gate.contiguous()
+            width = gate.shape[-1] // 2
+            up_src, stride = gate[..., width:], 2 * width
+        else:
+            gate, up = gate.contiguous(), up.contiguous()
+            width, up_src, stride = gate.shape[-1], up, gate.shape[-1]
+        out = torch.empty((*gate.shape[:-1], width), dtype=gate.dtype, device=gate.device)
+        n = out.numel()
         if n:
-            _swiglu_forward[(triton.cdiv(n, ELEMENTS),)](gate, up, out, n, BLOCK=ELEMENTS, num_warps=4)
-        ctx.save_for_backward(gate, up)
+            _swiglu_forward[(triton.cdiv(n, ELEMENTS),)](gate, up_src, out, n, width, stride, BLOCK=ELEMENTS,
+                                                         num_warps=4)
+        ctx.save_for_backward(gate, up_src)
+        ctx.meta = (packed, width, stride)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
+        packed, width, stride = ctx.meta
         grad = grad.contiguous()
-        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
+        d_gate = torch.empty_like(gate)
+        d_up = d_gate[..., width:] if packed else torch.empty_like(up)
+        n = grad.numel()
         if n:
-            _swiglu_backward[(triton.cdiv(n, ELEMENTS),)](gate, up, grad, d_gate, d_up, n, BLOCK=ELEMENTS,
-                                                          num_warps=4)
-        return d_gate, d_up
+            _swiglu_backward[(triton.cdiv(n, ELEMENTS),)](gate, up, grad, d_gate, d_up, n, width, stride,
+                                                          BLOCK=ELEMENTS, num_warps=4)
+        return d_gate, None if packed else d_up
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _RMSNorm.apply(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Hugging Face's RMSNorm; ``out_dtype`` rounds the output (default: as torch promotes)."""
+    return _RMSNorm.apply(x, weight, eps, out_dtype)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``."""
-    if gate.shape != up.shape or gate.dtype != up.dtype:
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up``; with ``up`` None, ``gate`` is ``[..., 2 w]`` holding gate then up."""
+    if up is None:
+        if gate.shape[-1] % 2:
+            raise ValueError(f"swiglu: a packed gate/up needs an even last dimension, got {tuple(gate.shape)}")
+    elif gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
     return _SwiGLU.apply(gate, up)
 
 
 def _norm_forward(module, hidden_states: torch.Tensor) -> torch.Tensor:
-    # The output stays float32 under autocast. Writing it in bf16 (the same forward numbers)
-    # made autograd sum the q/k/v (or gate/up) gradients in bf16; with it, on H100, the W2
-    # warm start no longer reached its target loss (0.76-0.84 after its 1500 steps where
-    # it had stopped at 0.58 after 1100) and RL on it gained less (docs/benchmarks.md).
-    return rms_norm(hidden_states, module.weight, module.variance_epsilon)
+    # A norm whose output feeds one GEMM (a fused q/k/v or gate/up projection) writes it in
+    # autocast's dtype: the same numbers the GEMM's cast would make, without a float32 copy.
+    # Feeding several GEMMs it stays float32: autograd would sum their input gradients in bf16,
+    # and with that, on H100, the W2 warm start no longer reached its target loss (0.76-0.84
+    # after its 1500 steps where it had stopped at 0.58 after 1100; docs/benchmarks.md).
+    device = hidden_states.device.type
+    low = getattr(module, "feeds_one_gemm", False) and torch.is_autocast_enabled(device)
+    return rms_norm(hidden_states, module.weight, module.variance_epsilon,
+                    torch.get_autocast_dtype(device) if low else None)
 
 
 def _mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
-    return module.down_proj(swiglu(module.gate_proj(x), module.up_proj(x)))
+    # One GEMM against the gate and up weights stacked (a copy of a few MiB): one cast of x,
+    # one launch, and x's gradient summed in float32 inside the GEMM.
+    gate, up = module.gate_proj, module.up_proj
+    bias = None if gate.bias is None else torch.cat([gate.bias, up.bias])
+    return module.down_proj(swiglu(F.linear(x, torch.cat([gate.weight, up.weight]), bias)))
 
 
 def use_fused_layers(model: torch.nn.Module) -> int:
+    """Swap in the fused forwards; returns how many modules changed."""
+    from conveyor.trainer.attention_kernels import fusable, fused_attention_forward
     count = 0
     for m in model.modules():
         name = type(m).__name__
@@ -181,7 +219,14 @@ def use_fused_layers(model: torch.nn.Module) -> int:
             m.forward = types.MethodType(_norm_forward, m)
         elif name in MLPS and getattr(getattr(m, "config", None), "hidden_act", None) in ("silu", "swish"):
             m.forward = types.MethodType(_mlp_forward, m)
+        elif fusable(m):
+            m.forward = types.MethodType(fused_attention_forward, m)
         else:
             continue
         count += 1
+    for layer in model.modules():  # a decoder layer: each norm feeds only the block after it
+        for norm, block in (("input_layernorm", "self_attn"), ("post_attention_layernorm", "mlp")):
+            n, b = getattr(layer, norm, None), getattr(layer, block, None)
+            if n is not None and b is not None and "forward" in vars(n) and "forward" in vars(b):
+                n.feeds_one_gemm = True
     return count

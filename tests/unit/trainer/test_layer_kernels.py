@@ -1,4 +1,6 @@
-"""The Triton RMSNorm and SwiGLU, run by Triton's CPU interpreter, against Hugging Face's modules."""
+"""The Triton RMSNorm, SwiGLU and rotary kernels and the fused layer forwards, run by Triton's CPU
+interpreter, against Hugging Face's modules. The interpreter truncates float32 -> bf16 where a GPU
+rounds to nearest, so bf16 numerics are checked on a GPU (test_fused_layers_gpu.py)."""
 import os
 import subprocess
 import sys
@@ -46,10 +48,49 @@ for dtype in (torch.float32, torch.bfloat16):
     torch.testing.assert_close(gb.grad, ga.grad, **tol)
     torch.testing.assert_close(ub.grad, ua.grad, **tol)
 
+# packed: one [..., 2 w] tensor holding gate then up in each row (what the fused gate/up GEMM writes)
+packed = (torch.randn(2, 5, 2 * 700, generator=g) * 3).requires_grad_(True)
+split = packed.detach().clone().requires_grad_(True)
+ya, yb = torch.nn.functional.silu(split[..., :700]) * split[..., 700:], swiglu(packed)
+torch.testing.assert_close(yb, ya, rtol=1e-6, atol=2e-6)
+dy = torch.randn(2, 5, 700, generator=g)
+ya.backward(dy)
+yb.backward(dy)
+torch.testing.assert_close(packed.grad, split.grad, rtol=1e-6, atol=2e-6)
+try:
+    swiglu(torch.zeros(3, 7))
+    raise AssertionError("an odd packed width was accepted")
+except ValueError as e:
+    assert "even last dimension" in str(e)
+
+# rotary: q, k, v out of one packed projection, against Hugging Face's formula
+from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+from conveyor.trainer.attention_kernels import rotary
+heads, kv, d = 6, 2, 16
+qkv = torch.randn(3, 7, (heads + 2 * kv) * d, generator=g, requires_grad=True)
+ang = torch.randn(3, 7, d // 2, generator=g)
+cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+q, k, v = rotary(qkv, cos, sin, heads, kv)
+ref = qkv.detach().clone().requires_grad_(True)
+rq, rk, rv = ref.view(3, 7, heads + 2 * kv, d).split([heads, kv, kv], dim=2)
+rq, rk = apply_rotary_pos_emb(rq.transpose(1, 2), rk.transpose(1, 2), cos, sin)
+for mine, theirs in ((q, rq.transpose(1, 2)), (k, rk.transpose(1, 2)), (v, rv)):
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+grads = [torch.randn(t.shape, generator=g) for t in (q, k, v)]
+torch.autograd.backward([q, k, v], grads)
+torch.autograd.backward([rq.transpose(1, 2), rk.transpose(1, 2), rv], grads)
+torch.testing.assert_close(qkv.grad, ref.grad, rtol=0, atol=1e-6)
+try:
+    rotary(torch.zeros(2, 3, 90), cos, sin, heads, kv)
+    raise AssertionError("a width that is no head layout was accepted")
+except ValueError as e:
+    assert "even head dim" in str(e)
+
 tok = build_tokenizer()
 plain = build_model(tok, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=0)
 fused = build_model(tok, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, seed=0)
-assert use_fused_layers(fused) == 7  # two norms and an MLP per layer, and the final norm
+assert use_fused_layers(fused) == 9  # two norms, an attention and an MLP per layer, and the final norm
+assert sum(getattr(m, "feeds_one_gemm", False) for m in fused.modules()) == 4  # not the final norm
 ids = torch.randint(5, len(tok), (2, 9), generator=g)
 a, b = plain(input_ids=ids).logits, fused(input_ids=ids).logits
 torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
@@ -57,6 +98,28 @@ a.square().mean().backward()
 b.square().mean().backward()
 for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
     torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+# Qwen2: q/k/v biases, and positions that differ between rows (as the trainer's right padding makes)
+from transformers import Qwen2Config, Qwen2ForCausalLM
+cfg = Qwen2Config(vocab_size=120, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, tie_word_embeddings=False, attn_implementation="sdpa")
+torch.manual_seed(1)
+plain = Qwen2ForCausalLM(cfg)
+with torch.no_grad():
+    for name, p in plain.named_parameters():
+        if name.endswith("bias"):
+            p.normal_(0, 0.5)
+fused = Qwen2ForCausalLM(cfg)
+fused.load_state_dict(plain.state_dict())
+assert use_fused_layers(fused) == 9
+ids = torch.randint(3, 120, (3, 11), generator=g)
+pos = torch.tensor([list(range(11)), list(range(3, 14)), [0] * 4 + list(range(7))])
+a, b = plain(input_ids=ids, position_ids=pos).logits, fused(input_ids=ids, position_ids=pos).logits
+torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+a.log_softmax(-1)[..., 5].mean().backward()
+b.log_softmax(-1)[..., 5].mean().backward()
+for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+    torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
 print("norm ok")
 """
 
