@@ -66,6 +66,7 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
     need = objective.needs(cfg.algo, one_update)
     metrics: dict[str, float] = {}
     published_at: dict[int, float] = {}  # versions published by this loop -> when
+    swaps: list = []  # engines' swap events of versions not reported yet
     engine_busy = {e.engine_id: (e.busy_s, e.idle_s) for e in c.producer.engines}
     t_start = time.perf_counter()
     c.producer.admitting = True  # admission is driven by the version published below
@@ -88,7 +89,7 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
                 c, batch, loss_fn, need, version=step + 1, last=step + 1 == lc.steps)
         c.producer.version = step + 1
         metrics = {**stats, **train_m, **rollout_stats(groups, step), "weight_publish_ms": publish_s * 1e3,
-                   "buffer_depth": len(c.buffer), **sync_stats(c.producer, published_at),
+                   "buffer_depth": len(c.buffer), **sync_stats(c.producer, published_at, swaps, upto=step),
                    **engine_idle(c.producer.engines, engine_busy),
                    **{f"reward_{k}": v for k, v in c.rewards.stats().items()}, **c.stats, **timer.lap()}
         if "proximal_logprobs" in extra:
@@ -121,12 +122,17 @@ def rollout_stats(groups: list[Group], step: int) -> dict[str, float]:
     return out
 
 
-def sync_stats(producer, published_at: dict[int, float]) -> dict[str, float]:
+def sync_stats(producer, published_at: dict[int, float], pending: list, upto: int) -> dict[str, float]:
     """End of the optimizer step -> engine serving the version (ms, the slowest engine), the
     parts of it until the writer announced the version (negative when a streamed publish
     announced it before the optimizer ran) and until the engine's transport held it, and how
-    long decoding paused for a swap."""
-    events, producer.stats.weight_events = producer.stats.weight_events, []
+    long decoding paused for a swap; over the versions up to ``upto``. The loop passes the
+    version published by the step before, which every engine serves by now (synchronous
+    engines needed it for this step's rollouts), so each step reports one version whatever
+    the race between its logging and the latest swap; later versions wait in ``pending``."""
+    new, producer.stats.weight_events = producer.stats.weight_events, []
+    events = [e for e in pending + new if e[1] <= upto]
+    pending[:] = [e for e in pending + new if e[1] > upto]
     ours = [e for e in events if e[1] in published_at]
     out = {}
     if ours:
