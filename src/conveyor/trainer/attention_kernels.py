@@ -23,8 +23,10 @@ the width, forward and backward. Here:
 
 Contract: ``fused_attention_forward`` replaces the forward of an attention
 module that has ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` and no per-head
-norms (``fusable(module)``); with a KV cache, non-float32 ``cos`` / ``sin`` or
-missing position embeddings it runs the module's own forward.
+norms (``fusable(module)``); with a KV cache (Hugging Face makes one unless
+the caller passes ``use_cache=False``, as the trainers do), non-float32
+``cos`` / ``sin`` or missing position embeddings it runs the module's own
+forward (on a float32 copy of its input under autocast).
 ``rotary(qkv, cos, sin, heads, kv_heads)`` works on any ``[..., (heads + 2 *
 kv_heads) * head_dim]``. Set ``TRITON_INTERPRET=1`` before importing to run on
 CPU tensors (tests do).
@@ -162,6 +164,10 @@ def fused_attention_forward(module, hidden_states: torch.Tensor, position_embedd
     attend = _attention_function(module.config._attn_implementation)
     if (cache is not None or attend is None or position_embeddings is None
             or position_embeddings[0].dtype != torch.float32):
+        if torch.is_autocast_enabled(hidden_states.device.type):
+            # the norm in front wrote bf16 for one GEMM; for three, their input gradients are
+            # summed in float32 (the cast's backward) and rounded once, as the fused GEMM does
+            hidden_states = hidden_states.float()
         return type(module).forward(module, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     projections = (module.q_proj, module.k_proj, module.v_proj)
     weight = torch.cat([p.weight for p in projections])

@@ -1,4 +1,5 @@
 """The fused layer forwards on a GPU, in bf16 under autocast: no further from float32 than Hugging Face's.
+(``test_fused_numerics.py`` runs the same comparison on CPU in Triton's interpreter.)
 
 The fused forwards change where bf16 rounding happens (the norm's output written in bf16, one
 q/k/v and one gate/up GEMM, the rotary terms rounded once), so their gradients cannot equal
@@ -21,7 +22,7 @@ def _grads(master, ids, fused: bool, low: bool) -> dict[str, torch.Tensor]:
     if fused:
         assert use_fused_layers(c) == 4 * 4 + 1
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=low):
-        logits = c(input_ids=ids).logits.float()
+        logits = c(input_ids=ids, use_cache=False).logits.float()  # as the trainers call it: no KV cache
     logits.log_softmax(-1).gather(-1, ids.roll(-1, 1).unsqueeze(-1)).mean().backward()
     return {n: p.grad.clone() for n, p in m.named_parameters()}
 

@@ -92,7 +92,8 @@ fused = build_model(tok, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads
 assert use_fused_layers(fused) == 9  # two norms, an attention and an MLP per layer, and the final norm
 assert sum(getattr(m, "feeds_one_gemm", False) for m in fused.modules()) == 4  # not the final norm
 ids = torch.randint(5, len(tok), (2, 9), generator=g)
-a, b = plain(input_ids=ids).logits, fused(input_ids=ids).logits
+# use_cache=False, as the trainers pass it: with a KV cache the attention runs Hugging Face's own forward
+a, b = plain(input_ids=ids, use_cache=False).logits, fused(input_ids=ids, use_cache=False).logits
 torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
 a.square().mean().backward()
 b.square().mean().backward()
@@ -114,7 +115,15 @@ fused.load_state_dict(plain.state_dict())
 assert use_fused_layers(fused) == 9
 ids = torch.randint(3, 120, (3, 11), generator=g)
 pos = torch.tensor([list(range(11)), list(range(3, 14)), [0] * 4 + list(range(7))])
-a, b = plain(input_ids=ids, position_ids=pos).logits, fused(input_ids=ids, position_ids=pos).logits
+import conveyor.trainer.attention_kernels as attention
+rotations = []
+attention_rotary = attention.rotary
+attention.rotary = lambda *a: rotations.append(1) or attention_rotary(*a)
+a = plain(input_ids=ids, position_ids=pos, use_cache=False).logits
+b = fused(input_ids=ids, position_ids=pos, use_cache=False).logits
+assert len(rotations) == 2  # the fused attention ran in both layers
+fused(input_ids=ids, position_ids=pos)  # with a KV cache: Hugging Face's forward
+assert len(rotations) == 2
 torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
 a.log_softmax(-1)[..., 5].mean().backward()
 b.log_softmax(-1)[..., 5].mean().backward()
