@@ -177,7 +177,8 @@ def fused_attention_forward(module, hidden_states: torch.Tensor, position_embedd
     cos, sin = position_embeddings
     q, k, v = rotary(F.linear(hidden_states, weight, bias), cos, sin, heads, kv_heads)
     extra = {"sliding_window": module.sliding_window} if hasattr(module, "sliding_window") else {}
-    kwargs.pop("past_key_values", None), kwargs.pop("cache", None)
+    for name in ("past_key_values", "cache"):  # None here; the attention kernels take no cache
+        kwargs.pop(name, None)
     out, weights = attend(module, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask,
                           dropout=0.0 if not module.training else module.attention_dropout,
                           scaling=module.scaling, **extra, **kwargs)
