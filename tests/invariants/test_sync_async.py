@@ -87,3 +87,15 @@ def test_bounded_staleness_is_respected(tmp_path):
         assert len(train) == 6
         assert max(m["staleness_max"] for m in train) <= 2
         assert all(0.0 <= m["reward"] <= 1.0 for m in train)
+
+
+def test_bounded_staleness_holds_with_the_next_batch_built_during_training(tmp_path):
+    # one optimizer step per batch: no proximal recompute, so each step's batch is built on a
+    # thread while the step before trains (step_batch.Prefetch) and no step prepares its own
+    d = _run(tmp_path, "async-prefetch", ["loop.steps=6", "loop.max_staleness=2", "trainer.mini_batches=1",
+                                          "launch.placement=disaggregated"])
+    train = read_metrics(d, kind="train")
+    assert len(train) == 6
+    assert train[0]["time/prepare"] > 0 and all(m["time/prepare"] == 0.0 for m in train[1:])
+    assert max(m["staleness_max"] for m in train) <= 2
+    assert all(0.0 <= m["reward"] <= 1.0 for m in train)
