@@ -3,7 +3,7 @@ import types
 
 import pytest
 
-from conveyor.loop import sync_stats
+from conveyor.step_stats import sync_stats
 
 
 def event(version: int, applied: float, pause: float = 0.001, held: float | None = None, announced=None):

@@ -117,12 +117,9 @@ class _Rotary(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         lead, width, heads, kv_heads, dim = ctx.meta
         rows = cos.shape[0]
-        # an output that took no part in the loss has no gradient: zeros, as autograd would
-        grads = [torch.zeros((rows, n * dim), dtype=cos.dtype if g is None else g.dtype, device=cos.device)
-                 if g is None else g.reshape(rows, n * dim).contiguous()
-                 for g, n in ((dq, heads), (dk, kv_heads), (dv, kv_heads))]
-        dtype = next((g.dtype for g in (dq, dk, dv) if g is not None), cos.dtype)
-        dqkv = torch.empty((rows, width), dtype=dtype, device=cos.device)
+        # (autograd materialises the gradient of an unused output as zeros: none is None)
+        grads = [g.reshape(rows, n * dim).contiguous() for g, n in ((dq, heads), (dk, kv_heads), (dv, kv_heads))]
+        dqkv = torch.empty((rows, width), dtype=dq.dtype, device=dq.device)
         if rows:
             _rotary_backward[(rows,)](*grads, cos, sin, dqkv, H=heads, KV=kv_heads,
                                       BLOCK_H=triton.next_power_of_2(heads),

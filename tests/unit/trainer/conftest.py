@@ -1,6 +1,10 @@
 """Shared fixtures for the trainer tests: a tiny model, batches and losses."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -77,3 +81,17 @@ def pg_loss():
 @pytest.fixture
 def pg_value_loss():
     return PGValueLoss()
+
+
+@pytest.fixture
+def interpreted():
+    """Run a check script in a fresh interpreter with TRITON_INTERPRET=1 (Triton's CPU
+    interpreter must be chosen before triton is imported); returns its stdout."""
+    pytest.importorskip("triton")
+
+    def run(code: str, timeout: float) -> str:
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+    return run
