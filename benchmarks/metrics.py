@@ -6,7 +6,8 @@ Inputs (both written by every peer in the same format)
   step), ``time/prepare`` (batch building and any extra trainer forward),
   ``time/train`` (forward, backward, optimizer), engine busy time as
   ``time/generate`` or as ``engine<i>_idle_frac`` (see ``step_view``),
-  optionally ``weight_sync_ms``, ``clip_frac`` and ``staleness_hist/<k>``.
+  optionally ``weight_sync_ms`` (and its parts), ``engine_step_ms`` (and the
+  engines' other step stats), ``clip_frac`` and ``staleness_hist/<k>``.
 - ``trajs``: the ``split == "train"`` lines of ``trajectories.jsonl``
   (``rewards.py``), in scoring order; step k owns lines
   ``[k * samples_per_step, (k + 1) * samples_per_step)``.
@@ -44,7 +45,9 @@ WARMUP_STEPS = 2
 # Weight sync, per step in the loop's metrics: end of step -> engine serving the version, its
 # parts until the writer announced it and until the engine held it, the trainer's publish
 # call, and the decode pause for the swap (medians over the steady window here).
-WEIGHT_KEYS = ("weight_sync_ms", "weight_announce_ms", "weight_transfer_ms", "weight_publish_ms", "weight_pause_ms")
+# The engines' decode steps (mean rows, host-measured ms) and their share of busy time in prefill.
+MEDIAN_KEYS = ("weight_sync_ms", "weight_announce_ms", "weight_transfer_ms", "weight_publish_ms", "weight_pause_ms",
+               "engine_batch_mean", "engine_step_ms", "engine_prefill_frac")
 
 
 def step_view(rec: dict) -> dict:
@@ -63,7 +66,7 @@ def step_view(rec: dict) -> dict:
     hist = {k.split("/", 1)[1]: float(v) for k, v in rec.items() if k.startswith("staleness_hist/")}
     return {"step_s": step_s, "engine_busy_s": busy, "train_s": float(rec.get("time/train") or 0.0),
             "trainer_busy_s": float(rec.get("time/prepare") or 0.0) + float(rec.get("time/train") or 0.0),
-            "staleness_hist": hist, **{k: rec.get(k) for k in WEIGHT_KEYS},
+            "staleness_hist": hist, **{k: rec.get(k) for k in MEDIAN_KEYS},
             "num_seqs": float(rec.get("num_seqs") or 0.0), "clip_frac": rec.get("clip_frac")}
 
 
@@ -120,7 +123,7 @@ def throughput(steps: list[dict], chunks: list[list[dict]], samples_per_step: in
     rollout_tps = comp_tok / gen_s if gen_s > 0 and win_chunks else None  # per busy engine
     train_tps = all_tok / train_s if train_s > 0 and win_chunks else None
     flops = (8 if recompute else 6) * n_params if n_params else None
-    weights = {k: [v[k] for v in win if v.get(k) is not None] for k in WEIGHT_KEYS}
+    weights = {k: [v[k] for v in win if v.get(k) is not None] for k in MEDIAN_KEYS}
     clip = [v["clip_frac"] for v in win if v["clip_frac"] is not None]
     return {
         "steps": len(steps), "steady": steady, "window": [lo + 1, n] if n else None,

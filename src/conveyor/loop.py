@@ -23,7 +23,7 @@ from conveyor import objective
 from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.single_turn import prepare_prompts, to_groups
 from conveyor.step_batch import prepare, train_and_prepare_next
-from conveyor.step_stats import engine_idle, rollout_stats, sync_stats
+from conveyor.step_stats import engine_stats, rollout_stats, sync_stats
 
 
 def sampling(cfg, **overrides) -> SamplingParams:
@@ -66,7 +66,7 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
     metrics: dict[str, float] = {}
     published_at: dict[int, float] = {}  # versions published by this loop -> when
     swaps: list = []  # engines' swap events of versions not reported yet
-    engine_busy = {e.engine_id: (e.busy_s, e.idle_s) for e in c.producer.engines}
+    engine_busy = {e.engine_id: (e.busy_s, e.idle_s, dict(e.counters)) for e in c.producer.engines}
     t_start = time.perf_counter()
     c.producer.admitting = True  # admission is driven by the version published below
     ahead = None  # the next step's batch, prepared while this step trained
@@ -89,7 +89,7 @@ def rl_loop(c, start_step: int, summary: dict) -> dict[str, float]:
         c.producer.version = step + 1
         metrics = {**stats, **train_m, **rollout_stats(groups, step), "weight_publish_ms": publish_s * 1e3,
                    "buffer_depth": len(c.buffer), **sync_stats(c.producer, published_at, swaps, upto=step),
-                   **engine_idle(c.producer.engines, engine_busy),
+                   **engine_stats(c.producer.engines, engine_busy),
                    **{f"reward_{k}": v for k, v in c.rewards.stats().items()}, **c.stats, **timer.lap()}
         if "proximal_logprobs" in extra:
             metrics["logprob_diff_max"] = max(

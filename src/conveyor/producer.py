@@ -42,6 +42,7 @@ class EngineHandle:
     inflight: int = 0
     busy_s: float = 0.0
     idle_s: float = 0.0
+    counters: dict = field(default_factory=dict)  # the engine's step totals (NativeEngine.counters)
 
     def check(self) -> None:
         if self.process is not None:
@@ -189,6 +190,7 @@ class Producer:
             return
         chunk = self._chunks[first]
         chunk.engine.busy_s, chunk.engine.idle_s = st["busy_s"], st["idle_s"]
+        chunk.engine.counters = st.get("counters", {})
         part = slice(offset, offset + len(outs))
         groups = to_groups(self.c.tokenizer, chunk.tasks[part], chunk.prompts[part], outs,
                            time.perf_counter() - chunk.sent_at)

@@ -3,8 +3,9 @@
 Contract: ``rollout_stats(groups, step)`` gives the batch's lengths, truncation
 and staleness (versions behind the policy trained at ``step``);
 ``sync_stats(producer, published_at, pending, upto)`` the weight-sync times of
-the versions up to ``upto`` from the engines' swap events; ``engine_idle(engines,
-last)`` each engine's idle fraction since ``last`` (updated in place). They
+the versions up to ``upto`` from the engines' swap events; ``engine_stats(engines,
+last)`` each engine's idle fraction since ``last`` (updated in place) and the
+engines' decode-step size and time. They
 read and return numbers only; the loop logs them.
 """
 from __future__ import annotations
@@ -51,12 +52,25 @@ def sync_stats(producer, published_at: dict[int, float], pending: list, upto: in
     return out
 
 
-def engine_idle(engines, last: dict) -> dict[str, float]:
-    out = {}
+def engine_stats(engines, last: dict) -> dict[str, float]:
+    """Each engine's idle fraction since the last call, and over all engines the mean rows of
+    a decode step, its host-measured milliseconds, and the share of busy time spent in
+    admissions (prefill) — what sets the engines' speed in a run. ``last`` is updated in place."""
+    out, totals = {}, {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "prefill_s": 0.0, "busy": 0.0}
     for e in engines:
-        b0, i0 = last[e.engine_id]
+        b0, i0, c0 = last[e.engine_id]
         busy, idle = e.busy_s - b0, e.idle_s - i0
-        last[e.engine_id] = (e.busy_s, e.idle_s)
+        counters = dict(e.counters)
+        last[e.engine_id] = (e.busy_s, e.idle_s, counters)
         if busy + idle > 0:
             out[f"engine{e.engine_id}_idle_frac"] = idle / (busy + idle)
+        if counters:
+            totals["busy"] += busy
+            for k in ("decode_steps", "decode_rows", "decode_s", "prefill_s"):
+                totals[k] += counters.get(k, 0) - c0.get(k, 0)
+    if totals["decode_steps"] > 0:
+        out["engine_batch_mean"] = totals["decode_rows"] / totals["decode_steps"]
+        out["engine_step_ms"] = totals["decode_s"] / totals["decode_steps"] * 1e3
+    if totals["busy"] > 0:
+        out["engine_prefill_frac"] = totals["prefill_s"] / totals["busy"]
     return out

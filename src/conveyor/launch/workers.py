@@ -10,18 +10,21 @@ Contract
   ``outbox`` until ``("stop",)``: ``completions`` are those of
   the chunk's prompts ``offset, offset + 1, ...`` (one list of samples per
   prompt); every prompt of a chunk is answered exactly once. ``stats`` holds
-  ``busy_s`` (seconds inside generation calls so far) and ``idle_s`` (the
-  rest). Negative chunk ids are evaluation requests: never merged with other
+  ``busy_s`` (seconds inside generation calls so far), ``idle_s`` (the
+  rest) and ``counters`` (the engine's step totals, if it keeps them). Negative chunk ids are evaluation requests: never merged with other
   chunks, always answered whole (offset 0). New weights
   are taken from the transport ``weights``; each swap is reported as
   ``("weights", engine_id, version, applied_at, pause_s, received_at, announced_at)``
   (when the transport held the whole version, and when its writer announced
   it; None where the transport does not say). An exception is
   reported as ``("error", engine_id, traceback)`` before the loop ends.
-  With ``partial``, a watcher thread applies each version as soon as the
-  transport has it (woken by ``wait_news``; the engine's lock puts the copy
-  between two decode steps) and stamps ``applied_at`` once the copy has run
-  on the device: the engine serves the version from then on.
+  With ``partial``, each version is applied as soon as the transport has it
+  and ``applied_at`` is stamped once the copy has run on the device: the
+  engine serves the version from then on. In a streaming call the generating
+  thread applies it between two steps (a non-blocking ``wait_news`` check
+  each step) and a watcher thread stamps it; otherwise the watcher applies it
+  (woken by ``wait_news``; the engine's lock puts the copy between two decode
+  steps).
   Two ways of serving:
   - Streaming (``partial`` and an engine with ``streams``, the native fast
     runner): continuous batching through ``engine.generate_stream``. Between
@@ -98,11 +101,14 @@ class _EngineServer:
         self._taking = threading.Lock()
         self.device = _cuda_device(engine)  # where a watcher thread queues its copies
         self.held = None  # a message read while streaming that could not join the running call
+        self.streaming = False  # a streaming call runs: its thread swaps weights between steps
+        self._settling: queue.Queue = queue.Queue()  # swaps queued on the device, not yet stamped
 
-    def take_weights(self, settle: bool = False) -> None:
+    def take_weights(self, settle: bool = False, handoff: bool = False) -> None:
         """Apply the newest published version if there is one, and report it. ``settle`` (a
         watcher thread, which may wait): stamp the swap once its copy has run on the device,
-        the moment the engine serves the version, not when the copy was queued."""
+        the moment the engine serves the version, not when the copy was queued. ``handoff``
+        (the generating thread, which must not wait): the watcher stamps it."""
         with self._taking:  # the watcher and the generating thread both take weights
             t0 = time.perf_counter()
             v = self.weights.poll(self.engine, self.engine_id)
@@ -111,20 +117,37 @@ class _EngineServer:
                 return
             self.version = max(self.version, v)
             done = None
-            if settle and self.device is not None:
+            if (settle or handoff) and self.device is not None:
                 import torch
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(self.device))
+            swap = (v, pause, done, getattr(self.weights, "received_at", None),
+                    getattr(self.weights, "announced_at", None))
+        if handoff:
+            self._settling.put(swap)
+        else:
+            self._report_swap(*swap)
+
+    def _report_swap(self, v: int, pause: float, done, received_at, announced_at) -> None:
         if done is not None:
             done.synchronize()
-        self.outbox.put(("weights", self.engine_id, v, time.time(), pause,
-                         getattr(self.weights, "received_at", None), getattr(self.weights, "announced_at", None)))
+        self.outbox.put(("weights", self.engine_id, v, time.time(), pause, received_at, announced_at))
+
+    def swap_between_steps(self) -> None:
+        """On the generating thread, between two steps: apply a version that has landed. The
+        copy goes on the stream right before the next step's forward, so the version waits
+        neither for another thread to get the interpreter and the engine's lock nor for a
+        step in flight (this thread has just synchronised with the last one)."""
+        news = getattr(self.weights, "wait_news", None)
+        if news is None or news(self.engine, 0.0):
+            self.take_weights(handoff=True)
 
     @contextlib.contextmanager
     def watching(self, on: bool):
         """While the body runs, a thread swaps weights as soon as a version arrives (the engine's
         lock puts the copy between two decode steps), so a version does not wait for the
-        generating thread to look."""
+        generating thread to look. While a streaming call runs (``self.streaming``) the
+        generating thread swaps between its steps and the watcher only stamps those swaps."""
         stop = threading.Event()
         device = self.device
 
@@ -135,6 +158,12 @@ class _EngineServer:
                     torch.cuda.set_device(device)  # the device is per thread; a new one starts on GPU 0
                 wait = getattr(self.weights, "wait_news", None)
                 while not stop.is_set():
+                    if self.streaming or not self._settling.empty():
+                        try:
+                            self._report_swap(*self._settling.get(timeout=0.05))
+                        except queue.Empty:
+                            pass
+                        continue
                     self.take_weights(settle=True)
                     if wait is None:
                         time.sleep(WEIGHT_POLL_S)
@@ -155,6 +184,8 @@ class _EngineServer:
             if watcher is not None:
                 # A watcher still copying weights on the GPU at interpreter exit aborts the process.
                 watcher.join(timeout=10)
+            while not self._settling.empty():  # swaps the watcher had no time to stamp
+                self._report_swap(*self._settling.get())
 
     def take_version(self, need: int) -> None:
         """Apply weights now and, if chunks about to start were admitted for a later version
@@ -184,8 +215,8 @@ class _EngineServer:
             self.idle_s += time.perf_counter() - t0
 
     def report(self, chunk_id, completions, busy_s: float, offset: int = 0) -> None:
-        self.outbox.put(("done", self.engine_id, chunk_id, completions, {"busy_s": busy_s, "idle_s": self.idle_s},
-                         offset))
+        stats = {"busy_s": busy_s, "idle_s": self.idle_s, "counters": dict(getattr(self.engine, "counters", {}))}
+        self.outbox.put(("done", self.engine_id, chunk_id, completions, stats, offset))
 
     # ----- waves ----------------------------------------------------------------------
     def serve_waves(self, partial: bool) -> None:
@@ -234,7 +265,11 @@ class _EngineServer:
         if not prompts:
             self.report(first_id, [], self.busy_s)
 
+        swap_here = WATCH_WEIGHTS  # this thread swaps between steps; the watcher stamps
+
         def intake() -> list:
+            if swap_here:
+                self.swap_between_steps()
             new, pending[:] = pending[:], []
             # An evaluation call takes nothing else; otherwise read until the first message
             # that cannot join, then stop reading so the call drains and that message is next.
@@ -251,11 +286,11 @@ class _EngineServer:
                 else:
                     self.held = msg
             # Always right before chunks enter the engine: none of their tokens may come
-            # from weights older than the version they were admitted for. (Otherwise the
-            # watcher swaps each version as it lands.)
+            # from weights older than the version they were admitted for. (Otherwise each
+            # version is swapped at the top of the first intake after it lands.)
             if new:
                 need = max(v for *_, v in new)
-                self.take_weights()
+                self.take_weights(handoff=swap_here)
                 if need > self.version and running[0]:
                     # Their version is still on its way: the running rows decode on and
                     # these chunks join at a later step, once it is in.
@@ -276,9 +311,11 @@ class _EngineServer:
             if all(s is not None for s in evaluation):
                 self.report(chunk_id, evaluation, busy)
 
+        self.streaming = swap_here
         try:
             self.engine.generate_stream(params, intake, on_done)
         finally:
+            self.streaming = False
             self.busy_s += time.perf_counter() - t0
 
 

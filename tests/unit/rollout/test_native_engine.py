@@ -298,6 +298,7 @@ def test_stream_admits_chunks_mid_generation_and_reports_each_when_done(model, t
     params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=frequent_stops(tok))
     short, long = short_and_long(eng, tok, params)
     script = Script({1: [("A", [long, short])], 4: [("B", [short, short])], 6: [("C", [long])]})
+    before = dict(eng.counters)
     eng.generate_stream(params, script.intake, script.on_done)
     assert set(script.done) == {"A", "B", "C"}
     # Step k (the k-th intake call) ends with the (k + 1)-th token of A's samples, so A's
@@ -306,6 +307,12 @@ def test_stream_admits_chunks_mid_generation_and_reports_each_when_done(model, t
     assert script.done["B"][0] < 10 and script.done["A"][0] == 39 and script.done["C"][0] == 44
     # Within chunk A the short prompt is reported on its own, long before A's long prompt.
     assert script.parts["A", 1][0] < 10 and script.parts["A", 0][0] == 39
+    # Counters: every token after a request's first (sampled at its prefill) came from one
+    # decode row; the last decode step is C's 44th token, as the report step above says.
+    c = {k: v - before[k] for k, v in eng.counters.items()}
+    tokens = [len(s.token_ids) for _, groups in script.done.values() for g in groups for s in g]
+    assert c["decode_rows"] == sum(t - 1 for t in tokens) and c["decode_steps"] == 44
+    assert c["decode_s"] > 0 and c["prefill_s"] > 0
     for tag, prompts in [("A", [long, short]), ("B", [short, short]), ("C", [long])]:
         alone = eng.generate(prompts, params)
         got = script.done[tag][1]

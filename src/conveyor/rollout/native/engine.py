@@ -170,6 +170,8 @@ class NativeEngine:
         self._unpaused.set()
         self._aborted = False
         self._targets: dict[str, torch.Tensor] | None = None  # name -> parameter or buffer, for swaps
+        # Running totals of the paged loop's steps (decode steps, rows, seconds), read by workers.
+        self.counters = {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "prefill_s": 0.0}
 
     @classmethod
     def from_pretrained(cls, path: str, device: str | torch.device = "auto",

@@ -28,6 +28,9 @@ Contract
   GPU after releasing it. A weight update from another thread (or from
   ``feed``) therefore lands between two steps' forwards: on CUDA its copy is
   queued on the same stream after this step's kernels and before the next.
+- ``engine.counters`` adds up decode steps, the rows they decoded, and the host's
+  seconds in decode steps (queueing, GPU, sampled tokens back) and in admissions
+  (prefill and first tokens): what an engine's step costs in a run.
 - ``engine.pause()`` stops scheduling between steps (the KV blocks stay);
   ``engine.resume()`` continues; ``engine.abort()`` ends the call: unfinished
   requests (running or still waiting) get finish_reason "abort" with the
@@ -38,6 +41,7 @@ of chunks or callers: requests in, finished requests out.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -62,6 +66,7 @@ def check_fits_pool(runner, requests: list[Request]) -> None:
 class PagedLoop:
     def __init__(self, engine, params: SamplingParams, stop: StopRule, gen: torch.Generator):
         self.engine, self.runner, self.params, self.stop, self.gen = engine, engine.runner, params, stop, gen
+        self.counters = engine.counters
         self.eos = tuple(sorted(engine.eos_ids))
         # The fused one-pass sampler covers plain temperature / greedy sampling on the GPU;
         # top-k / top-p keep the reference sampler (a sort over the vocabulary).
@@ -83,10 +88,12 @@ class PagedLoop:
                     break  # aborted
                 admitted = sched.admit(self.runner.admission_check(sched.running))
                 if admitted:
+                    t0 = time.perf_counter()
                     with self.engine._lock:
                         version = self.engine.version
                         logits = self.runner.prefill(admitted)
                     self._sample(admitted, logits, version)
+                    self.counters["prefill_s"] += time.perf_counter() - t0
                     self._retire(sched)
                 if sched.running:
                     self._decode(sched)
@@ -101,6 +108,7 @@ class PagedLoop:
                     r.finish_reason = "abort"
 
     def _decode(self, sched: Scheduler) -> None:
+        t0 = time.perf_counter()
         with self.engine._lock:
             version = self.engine.version
             sched.preempt(self.runner.ensure_slots(sched.running))
@@ -110,6 +118,10 @@ class PagedLoop:
         # Sampling reads only the logits, so the lock is free while the host waits for this
         # step: a weight copy queued meanwhile runs after the step's kernels, before the next.
         self._sample(sched.running, logits, version)
+        c = self.counters
+        c["decode_s"] += time.perf_counter() - t0
+        c["decode_steps"] += 1
+        c["decode_rows"] += len(sched.running)
         self._retire(sched)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, version: int) -> None:
