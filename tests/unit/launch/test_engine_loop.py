@@ -75,11 +75,11 @@ def on_decode_step(eng, step: int, action) -> None:
     """Run ``action`` on the generating thread during the engine's ``step``-th decode step."""
     real, count = eng.runner.decode, [0]
 
-    def decode(running):
+    def decode(running, *ahead):
         count[0] += 1
         if count[0] == step:
             action()
-        return real(running)
+        return real(running, *ahead)
 
     eng.runner.decode = decode
 
@@ -298,13 +298,13 @@ def test_running_rows_decode_on_while_a_chunk_waits_for_its_version(model, tok, 
     eng = fast(model, tok)
     real, count = eng.runner.decode, [0]
 
-    def decode(running):
+    def decode(running, *ahead):
         count[0] += 1
         if count[0] == 3:
             inbox.put(("generate", 1, [long], params, 1))  # admitted for version 1, not yet published
         if count[0] == 12:
             weights.publish(other.state_dict().items(), version=1)
-        return real(running)
+        return real(running, *ahead)
     eng.runner.decode = decode
     inbox, outbox, t = serve(eng, weights, timeout_s=5.0)
     inbox.put(("generate", 0, [long], params, 0))

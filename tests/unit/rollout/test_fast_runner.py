@@ -134,6 +134,38 @@ def test_sampled_logprobs_match_plain_forward(tok, prompts, arch, top_k, top_p, 
     assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in out]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_next_step_is_queued_before_the_one_before_is_read(tok, prompts, device):
+    """Each decode step after the first of a batch is queued with the tokens of the step before
+    still on the device. A request that ends on a stop token was decoded once more (that
+    token is dropped); one that ends by length is not decoded past its budget; every block
+    comes back; greedy outputs equal a loop that decodes one request at a time."""
+    model = tiny(tok, "qwen2")
+    stops = tuple(tok.convert_tokens_to_ids(list("aeiost")))
+    eng = fast(model, tok, device, max_batch=4, refill=1)
+    real, calls = eng.runner.decode, []
+
+    def decode(running, last=None, src=None):
+        calls.append((len(running), last is not None, src))
+        return real(running, last, src)
+    eng.runner.decode = decode
+    # Sampled: stop tokens end samples at many different steps, mid-batch.
+    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=30, stop_token_ids=stops, seed=0)
+    out = [c for g in eng.generate(prompts * 2, params) for c in g]
+    ahead = [c for c in calls if c[1]]
+    assert len(ahead) >= len(calls) // 2 and all(max(src) >= 0 for _, _, src in ahead)
+    assert sum(c.finish_reason == "stop" and 1 < len(c.token_ids) < 30 for c in out) >= 3
+    for c in out:
+        ends = [i for i, t in enumerate(c.token_ids) if t in stops or t in eng.eos_ids]
+        assert (c.finish_reason == "stop") == bool(ends) and (not ends or ends[0] == len(c.token_ids) - 1)
+        assert c.finish_reason == "stop" or len(c.token_ids) == 30
+    assert eng.runner.allocator.num_free == eng.runner.allocator.capacity
+    greedy = SamplingParams(temperature=0.0, n=2, max_new_tokens=9, stop_token_ids=stops)
+    batched = eng.generate(prompts, greedy)
+    alone = [fast(model, tok, device, max_batch=1).generate([p], greedy)[0] for p in prompts]
+    assert [[c.token_ids for c in g] for g in batched] == [[c.token_ids for c in g] for g in alone]
+
+
 # ----- paging --------------------------------------------------------------------------
 def test_group_shares_prompt_blocks(tok):
     model = tiny(tok)
@@ -212,11 +244,11 @@ def test_abort_returns_partial_completions(tok, prompts):
     eng = fast(tiny(tok), tok)
     real, calls = eng.runner.decode, []
 
-    def decode(running):
+    def decode(running, *ahead):
         calls.append(1)
         if len(calls) == 3:
             eng.abort()
-        return real(running)
+        return real(running, *ahead)
 
     eng.runner.decode = decode
     out = eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=50, eos_bias=-1e4, seed=0))

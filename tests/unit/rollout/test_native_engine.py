@@ -301,12 +301,13 @@ def test_stream_admits_chunks_mid_generation_and_reports_each_when_done(model, t
     before = dict(eng.counters)
     eng.generate_stream(params, script.intake, script.on_done)
     assert set(script.done) == {"A", "B", "C"}
-    # Step k (the k-th intake call) ends with the (k + 1)-th token of A's samples, so A's
-    # 40-token sample ends on step 39. B came on step 4 and is short: it is reported long
-    # before A ends; C came on step 6 and ends 38 steps later, without waiting for A.
-    assert script.done["B"][0] < 10 and script.done["A"][0] == 39 and script.done["C"][0] == 44
+    # Iteration k (after the k-th intake call) queues a decode step and reads the tokens of
+    # the one before, so A's samples have k tokens then and its 40-token sample is reported
+    # after call 40. B came on call 4 and is short: it is reported long before A ends; C
+    # came on call 6 and ends 39 calls later, without waiting for A.
+    assert script.done["B"][0] < 10 and script.done["A"][0] == 40 and script.done["C"][0] == 45
     # Within chunk A the short prompt is reported on its own, long before A's long prompt.
-    assert script.parts["A", 1][0] < 10 and script.parts["A", 0][0] == 39
+    assert script.parts["A", 1][0] < 10 and script.parts["A", 0][0] == 40
     # Counters: every token after a request's first (sampled at its prefill) came from one
     # decode row; the last decode step is C's 44th token, as the report step above says.
     c = {k: v - before[k] for k, v in eng.counters.items()}
@@ -358,11 +359,11 @@ def test_stream_seed_validation_and_abort(model, tok, prompts):
     # biased away), so "wait" is still queued: both chunks are reported, every sample "abort".
     real, steps = eng.runner.decode, []
 
-    def decode(running):
+    def decode(running, *ahead):
         steps.append(1)
         if len(steps) == 3:
             eng.abort()
-        return real(running)
+        return real(running, *ahead)
 
     eng.runner.decode = decode
     script = Script({1: [("run", prompts[:2])], 2: [("wait", prompts[2:5])]})

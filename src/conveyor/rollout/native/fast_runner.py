@@ -17,11 +17,17 @@ Contract
   token; when the pool is empty it preempts from the end of ``running`` (the most
   recently admitted first), frees their blocks and returns them: their KV is
   recomputed by a later ``prefill``. ``decode(running)`` then feeds each
-  request's last token, writes its KV and returns logits ``[B, V]``.
+  request's last token, writes its KV and returns logits ``[B, V]``; a
+  request's last token may still be on the device (``decode(running, last,
+  src)``: sampled by a step whose results the host has not read yet), so a
+  step can be queued while the one before it runs. ``cached`` then counts that
+  token too. ``room_for_next_tokens(running)`` says whether the next tokens fit
+  without preemption (the loop preempts only with no step in flight).
 - ``free(request)`` returns a finished (or preempted) request's blocks and row.
 - Decode runs as a CUDA graph captured per batch bucket (the batch is padded to
   the bucket; padded rows point at the reserved null block and row). Graph
-  inputs are static buffers filled by one host-to-device copy per step. Weights
+  inputs are static buffers filled by one host-to-device copy per step (from two
+  pinned staging buffers used in turn). Weights
   are read through references to the model's parameters, so in-place weight
   updates need no recapture.
 - ``release_memory()`` drops the pool and the graphs (no request may be running);
@@ -97,17 +103,24 @@ class FastRunner:
         self._kv_fraction, self._kv_blocks = kv_fraction, kv_blocks
         self.buckets = decode_buckets(self.max_batch) if self.use_graphs else []
         pin = self.device.type == "cuda"
-        # Rows: ids, positions, write slots, context lengths, block-table rows.
-        self._inp = torch.zeros(5, self.max_batch, dtype=torch.long, device=self.device)
-        self._host = torch.zeros(5, self.max_batch, dtype=torch.long, pin_memory=pin)
-        self._host_np = self._host.numpy()
+        # Rows: ids, positions, write slots, context lengths, block-table rows, and where a
+        # row's id is on the device (its index in the step before's sampled tokens, or -1).
+        # Flat, so that a batch of ``size`` rows is one contiguous [6, size] block (``_rows6``):
+        # a copy between host and device of a strided slice goes through a pageable temporary
+        # and waits for the device, which would undo queueing a step while the one before runs.
+        self._inp = torch.zeros(6 * self.max_batch, dtype=torch.long, device=self.device)
+        # Two pinned staging buffers, used in turn: a step is queued before the one before it
+        # has run, so its inputs must not overwrite that step's while their copy may be pending.
+        self._hosts = [torch.zeros(6 * self.max_batch, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        # and for each, a step's new block-table entries (row, column, block): one per row at most
+        self._bt_hosts = [torch.zeros(3 * self.max_batch, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
         self.null_row = self.max_batch
         self._bt = torch.zeros(self.max_batch + 1, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
         self._bt_updates: tuple[list[int], list[int], list[int]] = ([], [], [])
         self._free_rows = list(range(self.max_batch - 1, -1, -1))
         self._cached = np.zeros(self.max_batch + 1, dtype=np.int64)
         self._tail = np.zeros(self.max_batch + 1, dtype=np.int64)
-        self._rows: np.ndarray | None = None  # block-table rows of the running batch, in order
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.kv = None
         self.allocator: BlockAllocator | None = None
@@ -169,7 +182,6 @@ class FastRunner:
         vals.extend(blocks)
         self._cached[seq.row] = cached
         self._tail[seq.row] = blocks[-1]
-        self._rows = None
         return seq
 
     def _append_block(self, seq: SeqKV, block: int) -> None:
@@ -186,22 +198,28 @@ class FastRunner:
         self.allocator.free(seq.blocks)
         self._free_rows.append(seq.row)
         req.kv = None
-        self._rows = None
 
-    def _flush_block_table(self) -> None:
+    def _flush_block_table(self, host: torch.Tensor | None = None) -> None:
+        """Write the queued block-table entries on the device. A decode step passes its pinned
+        staging buffer: a copy from pageable memory may wait for the steps queued before it,
+        which would undo queueing a step while the one before it runs."""
         rows, cols, vals = self._bt_updates
         if not rows:
             return
-        idx = torch.tensor([rows, cols], dtype=torch.long).to(self.device, non_blocking=True)
-        self._bt[idx[0], idx[1]] = torch.tensor(vals, dtype=torch.int32).to(self.device, non_blocking=True)
         self._bt_updates = ([], [], [])
+        n = len(rows)
+        if host is None or 3 * n > host.numel():
+            upd = torch.tensor([rows, cols, vals], dtype=torch.long).to(self.device)
+        else:
+            staged = _rows(host, 3, n)
+            staged.numpy()[:] = (rows, cols, vals)
+            upd = staged.to(self.device, non_blocking=True)
+        self._bt[upd[0], upd[1]] = upd[2].to(torch.int32)
 
     def _rows_of(self, running) -> np.ndarray:
-        # The batch changes only by admission (new rows) and retirement or preemption
-        # (freed rows), and both reset the cache.
-        if self._rows is None or len(self._rows) != len(running):
-            self._rows = np.fromiter((r.kv.row for r in running), dtype=np.int64, count=len(running))
-        return self._rows
+        # Built per call: a step decodes the running batch less the requests that end with
+        # the token still in flight, so the list is not always the one of the step before.
+        return np.fromiter((r.kv.row for r in running), dtype=np.int64, count=len(running))
 
     # ----- admission and preemption -----------------------------------------------------
     def admission_check(self, running: list):
@@ -361,24 +379,39 @@ class FastRunner:
                 return size
         return b
 
-    def decode(self, running: list) -> torch.Tensor:
-        """One token for every running request (call ``ensure_slots`` first)."""
+    def room_for_next_tokens(self, running: list) -> bool:
+        """Whether every running request's next token fits the pool without preempting."""
+        rows = self._rows_of(running)
+        return int(np.count_nonzero(self._cached[rows] % self.block_size == 0)) <= self.allocator.num_free
+
+    def decode(self, running: list, last: torch.Tensor | None = None, src: list[int] | None = None) -> torch.Tensor:
+        """One token for every running request (call ``ensure_slots`` first). A request whose
+        last token is still on the device (sampled by the step before, not read back yet)
+        has its index into ``last`` in ``src`` (-1 for the others): the input is taken there."""
         b = len(running)
         rows = self._rows_of(running)
         pos = self._cached[rows]
-        h = self._host_np
+        size = self._bucket(b)
+        host, bt_host = _rows(self._hosts[self._turn], 6, size), self._bt_hosts[self._turn]
+        self._turn ^= 1
+        h = host.numpy()
         h[0, :b] = np.fromiter((r.token_ids[-1] for r in running), dtype=np.int64, count=b)
         h[1, :b] = pos
         h[2, :b] = self._tail[rows] * self.block_size + pos % self.block_size
         h[3, :b] = pos + 1
         h[4, :b] = rows
-        size = self._bucket(b)
+        h[5, :b] = -1 if src is None else src
         # Padded rows write to the null block and attend to one token of it.
         h[0:3, b:size] = 0
         h[3, b:size] = 1
         h[4, b:size] = self.null_row
-        self._flush_block_table()
-        self._inp[:, :size].copy_(self._host[:, :size], non_blocking=True)
+        h[5, b:size] = -1
+        self._flush_block_table(bt_host)
+        inp = _rows(self._inp, 6, size)
+        inp.copy_(host, non_blocking=True)
+        if last is not None:
+            ids, at = inp[0, :b], inp[5, :b]
+            torch.where(at >= 0, last.index_select(0, at.clamp(min=0)), ids, out=ids)
         graph = self._graphs.get(size)
         if graph is not None:
             graph[0].replay()
@@ -389,7 +422,7 @@ class FastRunner:
         return logits
 
     def _decode_forward(self, size: int, max_ctx: int) -> torch.Tensor:
-        ids, pos, slots, ctx, rows = (self._inp[j, :size] for j in range(5))
+        ids, pos, slots, ctx, rows = _rows(self._inp, 6, size)[:5]
         tables = self._bt.index_select(0, rows)
         net, ops = self.net, self.ops
 
@@ -401,13 +434,14 @@ class FastRunner:
 
     def _capture_graphs(self) -> None:
         """Capture one decode graph per bucket, largest first, sharing one memory pool."""
-        h = self._host_np
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         with torch.no_grad():
             for size in sorted(self.buckets, reverse=True):
-                h[0:3, :size], h[3, :size], h[4, :size] = 0, 1, self.null_row
-                self._inp[:, :size].copy_(self._host[:, :size])
+                host = _rows(self._hosts[0], 6, size)
+                h = host.numpy()
+                h[0:3], h[3], h[4], h[5] = 0, 1, self.null_row, -1
+                _rows(self._inp, 6, size).copy_(host)
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     self._decode_forward(size, 1)  # compiles the kernels outside the capture
@@ -417,3 +451,8 @@ class FastRunner:
                     out = self._decode_forward(size, 1)
                 self._graphs[size] = (graph, out)
         torch.cuda.synchronize()
+
+
+def _rows(flat: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """The first ``k * n`` elements of ``flat`` as a contiguous ``[k, n]`` block."""
+    return flat[:k * n].view(k, n)

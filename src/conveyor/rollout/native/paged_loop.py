@@ -21,13 +21,19 @@ Contract
 - Sampling: plain temperature or greedy sampling on the GPU uses the fused
   one-pass sampler (``triton_ops.sample_plain``: same distribution and logprob,
   a different random stream); top-k / top-p and the CPU use ``sampling.sample``.
-- One host synchronisation per step: the sampled tokens and their float32
-  logprobs come back to the host together.
+- One step ahead: a decode step is queued (its input tokens taken on the
+  device from the samples of the step before) before the host reads the step
+  before's tokens and logprobs (one copy to pinned memory per step), so the
+  host's work per row overlaps the device's next step. A request that ends on
+  a stop token has been decoded once more; that token is dropped. One that
+  ends by length is not decoded again. Admission and preemption first read
+  the step in flight (they change KV blocks and rows), as do a pause and the
+  end of ``run``.
 - A step holds the engine's lock while it queues the forward (prefill or
-  decode) and records the version at its start; it samples and waits for the
-  GPU after releasing it. A weight update from another thread (or from
-  ``feed``) therefore lands between two steps' forwards: on CUDA its copy is
-  queued on the same stream after this step's kernels and before the next.
+  decode) and records the version at its start. A weight update from another
+  thread (or from ``feed``) therefore lands between two steps' forwards: on
+  CUDA its copy is queued on the same stream after the kernels queued so far
+  and before the next step's.
 - ``engine.counters`` adds up decode steps, the rows they decoded, and the host's
   seconds in decode steps (queueing, GPU, sampled tokens back) and in admissions
   (prefill and first tokens): what an engine's step costs in a run.
@@ -44,6 +50,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from conveyor.rollout.api import SamplingParams
@@ -63,6 +70,14 @@ def check_fits_pool(runner, requests: list[Request]) -> None:
                              f"or lower max_new_tokens")
 
 
+class _Step:
+    """A decode step queued on the device whose sampled tokens the host has not read yet."""
+
+    def __init__(self, reqs: list[Request], tokens: torch.Tensor, host: torch.Tensor, done, version: int):
+        self.reqs, self.tokens, self.host, self.done, self.version = reqs, tokens, host, done, version
+        self.index = {id(r): i for i, r in enumerate(reqs)}
+
+
 class PagedLoop:
     def __init__(self, engine, params: SamplingParams, stop: StopRule, gen: torch.Generator):
         self.engine, self.runner, self.params, self.stop, self.gen = engine, engine.runner, params, stop, gen
@@ -73,33 +88,50 @@ class PagedLoop:
         fused = getattr(self.runner.ops, "sample_plain", None)
         self.fused = fused if fused is not None and params.top_k == 0 and params.top_p >= 1.0 else None
         self.eos_t = torch.tensor(self.eos or (0,), dtype=torch.long, device=self.runner.device)
+        cuda = self.runner.device.type == "cuda"
+        # Sampled tokens and logprobs come back through two pinned buffers used in turn.
+        self._out = [torch.zeros(2 * engine.max_batch, dtype=torch.float64, pin_memory=cuda) for _ in range(2)]
+        self._turn = 0
+        self.ahead: _Step | None = None  # the decode step in flight
 
     def run(self, requests: list[Request], feed: Callable[[], list[Request]] | None = None,
             on_finish: Callable[[list[Request]], None] | None = None) -> None:
         sched = Scheduler(requests, self.engine.max_batch, self.engine.refill)
         self.on_finish = on_finish
+        failed = True
         try:
             while True:
                 if feed is not None:
                     sched.waiting.extend(feed())
                 if not sched.has_work():
                     break
+                if not self.engine._unpaused.is_set():
+                    self._drain(sched)  # a paused engine hands over what it has decoded
                 if not self.engine._wait_unpaused():
                     break  # aborted
                 admitted = sched.admit(self.runner.admission_check(sched.running))
                 if admitted:
+                    self._drain(sched)  # the admission's sampling waits for the device anyway
                     t0 = time.perf_counter()
                     with self.engine._lock:
                         version = self.engine.version
                         logits = self.runner.prefill(admitted)
-                    self._sample(admitted, logits, version)
+                    self._read(self._launch(admitted, logits, version))
                     self.counters["prefill_s"] += time.perf_counter() - t0
                     self._retire(sched)
                 if sched.running:
                     self._decode(sched)
                 elif not admitted and sched.waiting:
                     raise RuntimeError("fast runner: no request could be admitted into an empty KV pool")
+            failed = False
         finally:
+            if self.ahead is not None:
+                # Its tokens are real (an abort keeps them); after an error only its copies matter.
+                step, self.ahead = self.ahead, None
+                if failed:
+                    _wait(step.done)
+                else:
+                    self._read(step)
             # Only unfinished requests are left here (finished ones were freed on retirement),
             # so a long streaming call does not keep every request it ever served.
             for r in [*sched.running, *sched.waiting]:
@@ -108,23 +140,48 @@ class PagedLoop:
                     r.finish_reason = "abort"
 
     def _decode(self, sched: Scheduler) -> None:
+        """Queue the next decode step, then read the one queued before it: the host's work on
+        one step's tokens (stop rules, bookkeeping, the next step's inputs) overlaps the
+        device computing the next step instead of leaving it idle."""
         t0 = time.perf_counter()
-        with self.engine._lock:
-            version = self.engine.version
-            sched.preempt(self.runner.ensure_slots(sched.running))
+        if self.ahead is not None and not self.runner.room_for_next_tokens(sched.running):
+            self._drain(sched)  # preemption frees KV blocks: only with no step in flight
             if not sched.running:
                 return
-            logits = self.runner.decode(sched.running)
-        # Sampling reads only the logits, so the lock is free while the host waits for this
-        # step: a weight copy queued meanwhile runs after the step's kernels, before the next.
-        self._sample(sched.running, logits, version)
+        prev, nxt = self.ahead, None
+        with self.engine._lock:
+            version = self.engine.version
+            if prev is None:
+                sched.preempt(self.runner.ensure_slots(sched.running))
+                batch = list(sched.running)
+            else:
+                # A request whose token in flight is its last (by length) is not decoded again;
+                # one that ends on a stop token is, and that token is dropped when read.
+                batch = [r for r in sched.running
+                         if not (id(r) in prev.index and len(r.token_ids) + 1 >= r.max_new_tokens)]
+                self.runner.ensure_slots(batch)  # room was checked: nothing is preempted
+            if batch:
+                src = None if prev is None else [prev.index.get(id(r), -1) for r in batch]
+                logits = self.runner.decode(batch, None if prev is None else prev.tokens, src)
+                nxt = self._launch(batch, logits, version)
+        self.ahead = nxt
         c = self.counters
+        if nxt is not None:
+            c["decode_steps"] += 1
+            c["decode_rows"] += len(batch)
+        if prev is not None:
+            self._read(prev)
+            self._retire(sched)
         c["decode_s"] += time.perf_counter() - t0
-        c["decode_steps"] += 1
-        c["decode_rows"] += len(sched.running)
-        self._retire(sched)
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, version: int) -> None:
+    def _drain(self, sched: Scheduler) -> None:
+        if self.ahead is not None:
+            step, self.ahead = self.ahead, None
+            self._read(step)
+            self._retire(sched)
+
+    def _launch(self, reqs: list[Request], logits: torch.Tensor, version: int) -> _Step:
+        """Sample on the device and start copying tokens and logprobs to the host."""
         p = self.params
         if self.fused is not None:
             tokens, logprobs = self.fused(logits, temperature=p.temperature, eos_ids=self.eos_t,
@@ -132,11 +189,26 @@ class PagedLoop:
         else:
             tokens, logprobs = sample(logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                       eos_ids=self.eos, eos_bias=p.eos_bias, generator=self.gen)
+        # A contiguous [2, n] block: a strided destination would be filled through a pageable
+        # temporary, synchronously.
+        host = self._out[self._turn][:2 * len(reqs)].view(2, len(reqs))
+        self._turn ^= 1
         # One transfer for both; float64 holds every token id and float32 logprob exactly.
-        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).cpu()
-        toks, lps = both[0].long().tolist(), both[1].tolist()
-        for req, tok, lp in zip(reqs, toks, lps, strict=True):
-            req.append(tok, lp, version)
+        host.copy_(torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]), non_blocking=True)
+        done = None
+        if tokens.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return _Step(reqs, tokens, host, done, version)
+
+    def _read(self, step: _Step) -> None:
+        _wait(step.done)
+        both = step.host.numpy()
+        toks, lps = both[0].astype(np.int64).tolist(), both[1].tolist()
+        for req, tok, lp in zip(step.reqs, toks, lps, strict=True):
+            if req.finished:
+                continue  # it ended on the step before; this token was decoded ahead of that news
+            req.append(tok, lp, step.version)
             req.finish_reason = self.stop.finish_reason(req)
 
     def _retire(self, sched: Scheduler) -> None:
@@ -146,3 +218,8 @@ class PagedLoop:
         sched.retire()
         if done and self.on_finish is not None:
             self.on_finish(done)
+
+
+def _wait(done) -> None:
+    if done is not None:
+        done.synchronize()
