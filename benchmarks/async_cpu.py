@@ -44,6 +44,10 @@ CONFIGS = {
     "async-s2-nopartial": ["loop.max_staleness=2", "launch.placement=disaggregated",
                            "loop.partial_rollouts=false"],
     "async-s4": ["loop.max_staleness=4", "launch.placement=disaggregated"],
+    # The streaming engine (fast runner: continuous batching, each decode step queued before
+    # the one before is read) instead of the CPU default, the Hugging Face runner.
+    "sync-fast": ["loop.max_staleness=0", "launch.placement=colocated", "rollout.runner=fast"],
+    "async-s2-fast": ["loop.max_staleness=2", "launch.placement=disaggregated", "rollout.runner=fast"],
     # The multi-GPU code paths on CPU: two FSDP2 ranks (gloo), weights by gloo broadcast.
     "sync-fsdp2": ["loop.max_staleness=0", "launch.placement=disaggregated", "launch.trainer_ranks=2",
                    "launch.weight_sync=broadcast"],
