@@ -56,7 +56,7 @@ def engine_stats(engines, last: dict) -> dict[str, float]:
     """Each engine's idle fraction since the last call, and over all engines the mean rows of
     a decode step, its host-measured milliseconds, and the share of busy time spent in
     admissions (prefill) — what sets the engines' speed in a run. ``last`` is updated in place."""
-    out, totals = {}, {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "prefill_s": 0.0, "busy": 0.0}
+    out, totals = {}, Counter()
     for e in engines:
         b0, i0, c0 = last[e.engine_id]
         busy, idle = e.busy_s - b0, e.idle_s - i0
@@ -64,10 +64,9 @@ def engine_stats(engines, last: dict) -> dict[str, float]:
         last[e.engine_id] = (e.busy_s, e.idle_s, counters)
         if busy + idle > 0:
             out[f"engine{e.engine_id}_idle_frac"] = idle / (busy + idle)
-        if counters:
+        if counters:  # engines that keep no counters (HF runner, remote servers) add nothing
             totals["busy"] += busy
-            for k in ("decode_steps", "decode_rows", "decode_s", "prefill_s"):
-                totals[k] += counters.get(k, 0) - c0.get(k, 0)
+            totals.update({k: v - c0.get(k, 0) for k, v in counters.items()})
     if totals["decode_steps"] > 0:
         out["engine_batch_mean"] = totals["decode_rows"] / totals["decode_steps"]
         out["engine_step_ms"] = totals["decode_s"] / totals["decode_steps"] * 1e3

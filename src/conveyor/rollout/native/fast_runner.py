@@ -105,7 +105,7 @@ class FastRunner:
         pin = self.device.type == "cuda"
         # Rows: ids, positions, write slots, context lengths, block-table rows, and where a
         # row's id is on the device (its index in the step before's sampled tokens, or -1).
-        # Flat, so that a batch of ``size`` rows is one contiguous [6, size] block (``_rows6``):
+        # Flat, so that a batch of ``size`` rows is one contiguous [6, size] block (``_rows``):
         # a copy between host and device of a strided slice goes through a pageable temporary
         # and waits for the device, which would undo queueing a step while the one before runs.
         self._inp = torch.zeros(6 * self.max_batch, dtype=torch.long, device=self.device)
