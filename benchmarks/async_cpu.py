@@ -57,6 +57,9 @@ CONFIGS = {
     # trainer card plus one engine card (NCCL broadcast).
     "sync-2gpu": ["loop.max_staleness=0", "launch.trainer_ranks=2", "launch.engines=2"],
     "async-s2-2gpu": ["loop.max_staleness=2", "launch.placement=disaggregated"],
+    # Sync with decoupled PPO's anchor (the trainer's own logprobs before the update, the
+    # engine's behaviour weights truncated) instead of PPO's ratio against the engine's logprobs.
+    "sync-decoupled": ["loop.max_staleness=0", "launch.placement=colocated", "algo.loss=decoupled_ppo"],
     # Staleness without the off-policy correction (algo.loss=auto would pick decoupled PPO).
     "async-s2-ppo": ["loop.max_staleness=2", "launch.placement=disaggregated", "algo.loss=ppo"],
     "async-s2-2gpu-ppo": ["loop.max_staleness=2", "launch.placement=disaggregated", "algo.loss=ppo"],

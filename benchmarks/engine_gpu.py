@@ -111,15 +111,14 @@ def breakdown(engine, batch: int) -> dict:
     if graph is not None:
         res["graph_ms"] = _time_ms(graph[0].replay)
     logits = torch.randn(batch, VOCAB, device="cuda", dtype=torch.bfloat16)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    res["sample_ms"] = _time_ms(lambda: sample(logits, temperature=1.0, eos_ids=(EOS,), eos_bias=-1e9, generator=gen))
+    seeds = torch.arange(batch, device="cuda", dtype=torch.int64)  # one random stream per row
+    res["sample_ms"] = _time_ms(lambda: sample(logits, temperature=1.0, eos_ids=(EOS,), eos_bias=-1e9, seeds=seeds))
     fused = getattr(engine.runner.ops, "sample_plain", None)
     if fused is not None:
         eos = torch.tensor([EOS], device="cuda")
         res["fused_sample_ms"] = _time_ms(lambda: fused(logits, temperature=1.0, eos_ids=eos, eos_bias=-1e9,
-                                                        generator=gen))
-        res["fused_greedy_ms"] = _time_ms(lambda: fused(logits, temperature=0.0, eos_ids=eos, eos_bias=-1e9,
-                                                        generator=gen))
+                                                        seeds=seeds))
+        res["fused_greedy_ms"] = _time_ms(lambda: fused(logits, temperature=0.0, eos_ids=eos, eos_bias=-1e9))
     return res
 
 

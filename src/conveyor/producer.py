@@ -8,8 +8,8 @@ with the fewest groups in flight, turns finished completions into groups,
 has every trajectory scored by the reward service (off this thread), and puts
 each complete group into the ``TrajectoryBuffer`` tagged with its admission
 index. Chunks never straddle a training step and their sampling seed is
-derived from the step they belong to, so with ``max_staleness = 0`` and one
-engine a step's rollouts are exactly the synchronous loop's.
+their place in the schedule, so a task's samples depend on the weights that
+serve it, not on how its chunk was cut or batched.
 
 Failures stop the run: an engine that reports an error or whose process died,
 a buffer that stays full or a reward that never returns closes the buffer
@@ -161,9 +161,11 @@ class Producer:
             first = self.issued
             self.issued += k
             n -= k
-            # The seed depends only on the chunk's place in the schedule, so a
-            # resumed or re-launched run draws the same samples.
-            seed = self.seed * 100_003 + first // self.batch_size + 7_919 * (first % self.batch_size)
+            # The seed is the chunk's place in the schedule: the engine gives its prompt i the
+            # random streams of a call seeded seed + i, so every task draws from streams of its
+            # own place, however the schedule is cut into chunks and spread over engines, in a
+            # resumed or re-launched run, and in a run at another staleness (same loop.seed).
+            seed = self.seed * 2**40 + first
             self._chunks[first] = _Chunk(first, tasks, prompts, engine, time.perf_counter())
             engine.inflight += k
             self.inflight += k

@@ -30,7 +30,7 @@ Contract
     runner): continuous batching through ``engine.generate_stream``. Between
     decode steps the generating thread takes newly arrived chunks whose
     sampling params equal the running call's except the seed, and they join
-    the running batch; each prompt (one group) is reported as soon as its
+    the running batch (each with its own seed); each prompt (one group) is reported as soon as its
     own samples end, so no group waits for another's longest sample and its
     rewards start while the rest of its chunk decodes. The first message
     that cannot join (an evaluation request, other params, "stop") is held
@@ -258,7 +258,7 @@ class _EngineServer:
     def stream_call(self, first) -> None:
         """One ``generate_stream`` call that starts with ``first`` and takes compatible chunks as they come."""
         first_id, prompts, params, version = _request(first)
-        pending = [(first_id, prompts, version)]
+        pending = [(first_id, prompts, params.seed, version)]
         running = [0]  # prompts handed to the engine and not yet reported
         t0 = time.perf_counter()
         evaluation: list = [None] * len(prompts)  # an evaluation request is answered whole
@@ -281,8 +281,8 @@ class _EngineServer:
                 if msg[0] == "generate" and not msg[2]:
                     self.report(msg[1], [], self.busy_s)  # nothing to generate: answered at once
                 elif msg[0] == "generate" and _joins(msg, first_id, params):
-                    chunk_id, chunk_prompts, _, version = _request(msg)
-                    new.append((chunk_id, chunk_prompts, version))
+                    chunk_id, chunk_prompts, chunk_params, version = _request(msg)
+                    new.append((chunk_id, chunk_prompts, chunk_params.seed, version))
                 else:
                     self.held = msg
             # Always right before chunks enter the engine: none of their tokens may come
@@ -298,8 +298,8 @@ class _EngineServer:
                     return []
                 if need > self.version:  # nothing else runs: wait for it here
                     self.take_version(need)
-            running[0] += sum(len(ps) for _, ps, _ in new)
-            return [(chunk_id, ps) for chunk_id, ps, _ in new]
+            running[0] += sum(len(ps) for _, ps, _, _ in new)
+            return [(chunk_id, ps, seed) for chunk_id, ps, seed, _ in new]
 
         def on_done(chunk_id, i, samples) -> None:
             running[0] -= 1

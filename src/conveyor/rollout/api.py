@@ -56,7 +56,8 @@ class SamplingParams:
     stop_strings: strings that end a completion when its decoded text contains them.
     n: completions per prompt (the group size).
     eos_bias: added to the EOS logit(s) before sampling and before the logprob.
-    seed: seeds the sampler's generator for this call (None: fresh entropy).
+    seed: keys the random streams of this call's samples (None: fresh entropy); the
+          native engine gives prompt i the streams of prompt 0 of a call seeded seed + i.
     """
 
     temperature: float = 1.0

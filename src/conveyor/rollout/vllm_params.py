@@ -26,8 +26,10 @@ _warned_truncation = False
 
 
 def sample_seed(seed: int | None, prompt_index: int, n: int) -> int | None:
-    """Base seed of one prompt's request; vLLM gives its j-th child ``base + j``."""
-    return None if seed is None else int(seed) + prompt_index * n
+    """Base seed of one prompt's request; vLLM gives its j-th child ``base + j``. Prompt i of a
+    call seeded s gets the seeds of prompt 0 of a call seeded s + i (the native engine's rule),
+    and no two (seed + prompt, child) pairs share one."""
+    return None if seed is None else (int(seed) + prompt_index) * n
 
 
 def versions_from_spans(spans, length: int, default: int) -> list[int]:

@@ -187,16 +187,19 @@ def test_group_shares_prompt_blocks(tok):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_tiny_pool_preempts_and_keeps_greedy_outputs(tok, prompts, device):
+def test_tiny_pool_preempts_and_keeps_outputs(tok, prompts, device):
     model = tiny(tok, "qwen2")
-    params = SamplingParams(temperature=0.0, n=2, max_new_tokens=20)
-    ref = fast(model, tok, device, kv_blocks=256).generate(prompts, params)
+    big = fast(model, tok, device, kv_blocks=256)
     small = fast(model, tok, device, block_size=4, kv_blocks=14, max_batch=8)
     preempted = []
     small.runner.ensure_slots = _recording(small.runner.ensure_slots, preempted)
-    out = small.generate(prompts, params)
+    # Greedy, and sampled: a preempted request is recomputed and draws on from its own stream.
+    for params in (SamplingParams(temperature=0.0, n=2, max_new_tokens=20),
+                   SamplingParams(temperature=1.0, n=2, max_new_tokens=20, seed=4)):
+        ref = big.generate(prompts, params)
+        out = small.generate(prompts, params)
+        assert [[c.token_ids for c in g] for g in out] == [[c.token_ids for c in g] for g in ref]
     assert len(preempted) > 0
-    assert [[c.token_ids for c in g] for g in out] == [[c.token_ids for c in g] for g in ref]
     assert small.runner.allocator.num_free == small.runner.allocator.capacity  # everything freed
     with pytest.raises(ValueError, match="prompt 0 needs up to 60 tokens of KV cache but the pool holds 52"):
         small.generate([[5] * 40], SamplingParams(max_new_tokens=20))
@@ -337,25 +340,24 @@ def test_triton_pointwise_kernels_match_reference():
 def test_triton_fused_sampler_matches_reference():
     dev = _triton_device()
     from conveyor.rollout.native import triton_ops
-    from conveyor.rollout.native.sampling import sample
+    from conveyor.rollout.native.sampling import draw_seeds, request_key, sample
 
-    gen = torch.Generator(device=dev).manual_seed(0)
+    def seeds(n):
+        return torch.from_numpy(draw_seeds([request_key(3, i, 0) for i in range(n)], [0] * n)).to(dev)
+
     logits = (torch.randn(6, 5000, generator=torch.Generator().manual_seed(1)) * 3).to(dev)
     eos = torch.tensor([7, 11], device=dev)
     for bias in (0.0, 5.0):  # greedy: the same tokens and logprobs as the reference sampler
-        t1, l1 = triton_ops.sample_plain(logits, temperature=0.0, eos_ids=eos, eos_bias=bias, generator=gen)
+        t1, l1 = triton_ops.sample_plain(logits, temperature=0.0, eos_ids=eos, eos_bias=bias)
         t2, l2 = sample(logits, temperature=0.0, eos_ids=(7, 11), eos_bias=bias)
         assert torch.equal(t1, t2) and (l1 - l2).abs().max().item() < 1e-5
-    tokens, lps = triton_ops.sample_plain(logits, temperature=0.7, eos_ids=eos, eos_bias=2.0, generator=gen)
-    biased = logits.clone()
-    biased[:, [7, 11]] += 2.0
-    ref = torch.log_softmax(biased / 0.7, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    assert (ref - lps).abs().max().item() < 1e-5
+    # Sampled: the same random numbers as the reference sampler, so the same tokens.
+    tokens, lps = triton_ops.sample_plain(logits, temperature=0.7, eos_ids=eos, eos_bias=2.0, seeds=seeds(6))
+    ref_tokens, ref_lps = sample(logits, temperature=0.7, eos_ids=(7, 11), eos_bias=2.0, seeds=seeds(6))
+    assert torch.equal(tokens, ref_tokens) and (ref_lps - lps).abs().max().item() < 1e-5
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    drawn, _ = triton_ops.sample_plain(torch.log(probs).repeat(4000, 1).to(dev), temperature=1.0, eos_ids=eos,
-                                       eos_bias=0.0, generator=torch.Generator(device=dev).manual_seed(3))
+    flat = torch.log(probs).repeat(4000, 1).to(dev)
+    drawn, _ = triton_ops.sample_plain(flat, temperature=1.0, eos_ids=eos, eos_bias=0.0, seeds=seeds(4000))
     freq = torch.bincount(drawn.cpu(), minlength=4) / 4000
     assert (freq - probs).abs().max().item() < 0.03
-    again, _ = triton_ops.sample_plain(torch.log(probs).repeat(4000, 1).to(dev), temperature=1.0, eos_ids=eos,
-                                       eos_bias=0.0, generator=torch.Generator(device=dev).manual_seed(3))
-    assert torch.equal(drawn, again)
+    assert torch.equal(drawn, sample(flat, temperature=1.0, seeds=seeds(4000))[0])

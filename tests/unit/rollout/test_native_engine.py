@@ -6,6 +6,7 @@ prompt indices across chunks, seeding, validation and abort."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from conveyor.data.tiny import build_model, build_tokenizer
 from conveyor.rollout.api import Completion, RolloutEngine, SamplingParams
 from conveyor.rollout.native import NativeEngine
-from conveyor.rollout.native.sampling import sample
+from conveyor.rollout.native.sampling import draw_seeds, request_key, sample
 
 TEXTS = ["a", "hi there", "The quick brown fox", "1+2=", "zz", "hello, world! how are you?"]
 
@@ -237,13 +238,49 @@ def test_edge_cases_and_protocol(model, tok):
         eng.generate([[5]], SamplingParams())
 
 
+def seeds_for(n: int, key: int = 1) -> torch.Tensor:
+    return torch.from_numpy(draw_seeds([request_key(key, i, 0) for i in range(n)], [0] * n))
+
+
 def test_sampler_top_p_keeps_nucleus():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    gen = torch.Generator().manual_seed(0)
-    drawn = {int(sample(logits, temperature=1.0, top_p=0.7, generator=gen)[0]) for _ in range(200)}
-    assert drawn == {0, 1}
-    tokens, lps = sample(logits.repeat(3, 1), temperature=1.0, top_p=0.7, generator=gen)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    tokens, lps = sample(logits, temperature=1.0, top_p=0.7, seeds=seeds_for(2000))
+    assert set(tokens.tolist()) == {0, 1}
+    # The nucleus {0, 1} renormalised: 0.5 / 0.8 and 0.3 / 0.8.
+    assert abs((tokens == 0).float().mean().item() - 0.625) < 0.04
     assert torch.allclose(lps, torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[tokens])
+
+
+def test_keyed_sampler_draws_the_distribution_and_depends_on_its_row_seed_only():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.07, 0.03])
+    logits = torch.log(probs).repeat(6000, 1)
+    seeds = seeds_for(6000)
+    tokens, _ = sample(logits, temperature=1.0, seeds=seeds)
+    freq = torch.bincount(tokens, minlength=5) / 6000
+    assert (freq - probs).abs().max().item() < 0.02, freq
+    hot, _ = sample(logits, temperature=2.0, seeds=seeds)  # tempered: probs ** 0.5, renormalised
+    flat = probs.sqrt() / probs.sqrt().sum()
+    assert ((torch.bincount(hot, minlength=5) / 6000) - flat).abs().max().item() < 0.02
+    # Each row's token is a function of its own seed: reversing the rows reverses the tokens,
+    # and a row drawn alone (another batch size) gets its token of the full batch.
+    again, _ = sample(logits.flip(0), temperature=1.0, seeds=seeds.flip(0))
+    assert torch.equal(again, tokens.flip(0))
+    alone = [int(sample(logits[:1], temperature=1.0, seeds=seeds[i:i + 1])[0]) for i in range(0, 6000, 600)]
+    assert alone == tokens[::600].tolist()
+    # Other seeds, other draws; a missing seed is an error, greedy needs none.
+    assert not torch.equal(sample(logits, temperature=1.0, seeds=seeds_for(6000, key=2))[0], tokens)
+    with pytest.raises(ValueError, match="one seed per row"):
+        sample(logits, temperature=1.0)
+    assert sample(logits[:3], temperature=0.0)[0].tolist() == [0, 0, 0]
+
+
+def test_draw_seeds_and_request_keys_are_distinct_and_31_bit():
+    keys = {request_key(s, i, j) for s in range(3) for i in range(40) for j in range(8)}
+    assert len(keys) == 3 * 40 * 8 - 2 * 39 * 8  # prompt i of seed s is prompt 0 of seed s + i
+    assert request_key(5, 3, 1) == request_key(8, 0, 1)
+    seeds = draw_seeds(sorted(keys) * 20, [k for k in range(20) for _ in keys])
+    assert seeds.min() >= 0 and seeds.max() < 2**31
+    assert len(set(seeds.tolist())) > 0.999 * len(seeds)
 
 
 # ----- continuous batching (generate_stream, fast runner) ----------------------------------
@@ -275,7 +312,7 @@ class Script:
     def intake(self):
         self.calls += 1
         chunks = self.schedule.pop(self.calls, [])
-        self.sizes.update({tag: len(ps) for tag, ps in chunks})
+        self.sizes.update({tag: len(ps) for tag, ps, *_ in chunks})
         return chunks
 
     def on_done(self, tag, i, samples):
@@ -342,6 +379,30 @@ def test_stream_prompt_indices_do_not_collide_across_chunks(model, tok, prompts)
     assert script.done["X"][1][0][0].token_ids == script.done["Y"][1][1][0].token_ids  # same text, same greedy
 
 
+def test_sampled_outputs_depend_on_prompt_and_seed_only(model, tok, prompts):
+    """Keyed sampling: batch size, runner, step overlap and streaming leave a seeded sample as is."""
+    params = SamplingParams(temperature=1.0, n=3, max_new_tokens=12, seed=7, stop_token_ids=frequent_stops(tok))
+
+    def tokens(out):
+        return [[c.token_ids for c in g] for g in out]
+
+    ref = engine(model, tok).generate(prompts, params)  # the dense Hugging Face runner
+    assert len({tuple(c.token_ids) for g in ref for c in g}) > len(prompts)  # they differ
+    for eng in (engine(model, tok, max_batch=2), fast_engine(model, tok), fast_engine(model, tok, max_batch=4)):
+        out = eng.generate(prompts, params)
+        assert tokens(out) == tokens(ref)
+        assert all(max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+                   for a, b in zip(out, ref) for x, y in zip(a, b))
+    # Prompt i of a call seeded s samples as prompt 0 of a call seeded s + i.
+    last = engine(model, tok).generate(prompts[4:], dataclasses.replace(params, seed=7 + 4))
+    assert tokens(last) == tokens(ref)[4:]
+    # Streamed chunks: one with its own seed, one continuing the call's seed.
+    eng = fast_engine(model, tok, max_batch=5, refill=1)
+    script = Script({1: [("X", prompts[:2], 7)], 3: [("Y", prompts[2:4], 7 + 2)], 4: [("Z", prompts[4:])]})
+    eng.generate_stream(params, script.intake, script.on_done)
+    assert [x for tag in "XYZ" for x in tokens(script.done[tag][1])] == tokens(ref)
+
+
 def test_stream_seed_validation_and_abort(model, tok, prompts):
     eng = fast_engine(model, tok, max_batch=4, refill=1)
     params = SamplingParams(temperature=1.0, n=2, max_new_tokens=12, seed=5, stop_token_ids=frequent_stops(tok))
@@ -351,7 +412,7 @@ def test_stream_seed_validation_and_abort(model, tok, prompts):
         eng.generate_stream(params, script.intake, script.on_done)
         return {t: [[c.token_ids for c in g] for g in out] for t, (_, out) in script.done.items()}
 
-    assert run() == run()  # one generator per call, seeded from params.seed
+    assert run() == run()  # every sample's stream is keyed by params.seed
     with pytest.raises(ValueError, match="generate_stream chunk 'bad': generate: prompt 1 is empty"):
         eng.generate_stream(params, Script({1: [("bad", [[5], []])]}).intake, lambda *_: None)
     assert eng.runner.allocator.num_free == eng.runner.allocator.capacity

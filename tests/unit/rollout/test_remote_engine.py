@@ -106,7 +106,8 @@ def test_request_body_and_parsed_completion(url, script):
     assert out[0][0].logprobs == [-1.5, -0.25] and out[0][0].versions == [0, 0]
     assert out[0][0].finish_reason == "stop" and out[0][0].text == "ab"
     body = script.bodies[0]
-    assert body["prompt"] == [1, 5, 6] and body["n"] == 2 and body["top_k"] == -1 and body["seed"] == 9
+    # seed: (call seed + prompt index) * n, as vLLM gives child j the seed + j
+    assert body["prompt"] == [1, 5, 6] and body["n"] == 2 and body["top_k"] == -1 and body["seed"] == 18
     assert body["max_tokens"] == 61  # capped by the context: 64 - 3 prompt tokens
     assert body["stop"] == ["x"] and body["include_stop_str_in_output"] is True
     assert body["stop_token_ids"] == [2] and body["logit_bias"] == {"2": 1.5}

@@ -24,8 +24,9 @@ def max_diff(a, b):
 def test_microbatch_split_does_not_change_the_update(make_model, make_batch, pg_loss):
     batch = make_batch(LENGTHS)
     # Gradients agree to fp32 rounding (~1e-7 relative); Adam's first step is
-    # lr * g / (|g| + eps), which turns rounding on near-zero gradients into
-    # up to ~lr * 1e-2, so a small lr keeps the weight comparison at 1e-6.
+    # lr * g / (|g| + eps), which turns rounding on near-zero gradients into a
+    # few percent of lr (1.8e-6 on some CPUs' kernels), so weights are compared
+    # at 5% of the step while every element moves by up to lr = 1e-4.
     one = LocalTrainer(make_model(), cfg(lr=1e-4, micro_batch_tokens=10**6), total_steps=10)
     many = LocalTrainer(make_model(), cfg(lr=1e-4, micro_batch_tokens=1), total_steps=10)
     m1, m8 = one.train(batch, pg_loss), many.train(batch, pg_loss)
@@ -34,7 +35,7 @@ def test_microbatch_split_does_not_change_the_update(make_model, make_batch, pg_
     assert m1["loss"] == pytest.approx(m8["loss"], abs=1e-6)
     assert m1["grad_norm"] == pytest.approx(m8["grad_norm"], rel=1e-5)
     assert m1["mean_logprob"] == pytest.approx(m8["mean_logprob"], abs=1e-5)
-    assert max_diff(one.model, many.model) <= 1e-6
+    assert max_diff(one.model, many.model) <= 5e-6
     assert max_diff(one.model, make_model()) > 5e-5  # the step did move the weights
 
 

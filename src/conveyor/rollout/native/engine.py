@@ -31,8 +31,8 @@ Contract (see ``conveyor.rollout.api`` for what every engine promises)
 - ``generate_stream(params, intake, on_done)`` (continuous batching; only with
   the fast runner, ``engine.streams`` is True then): the generating thread
   calls ``intake()`` between steps, outside the engine's lock, and gets a list
-  of ``(tag, prompts)`` chunks, all sampled with ``params`` (the first chunks
-  come from the first call). Their requests join the waiting queue of the
+  of ``(tag, prompts)`` or ``(tag, prompts, seed)`` chunks, all sampled with
+  ``params`` but for the seed (the first chunks come from the first call). Their requests join the waiting queue of the
   batch that is already decoding and are admitted by the same policy (KV pool
   permitting). ``on_done(tag, i, samples)`` is called, on the generating
   thread, as soon as every sample of the chunk's prompt ``i`` has finished,
@@ -40,10 +40,11 @@ Contract (see ``conveyor.rollout.api`` for what every engine promises)
   capping and validation; a bad prompt raises ``ValueError`` naming the chunk
   and the prompt), so a group's rewards can start while other groups of its
   chunk still decode. A chunk without prompts reports nothing. The call returns when
-  nothing is running or waiting and ``intake()`` gave nothing. One generator
-  per call (``params.seed``) draws for every chunk, so a chunk's sampled
-  (not greedy) output depends on what it shared the batch with. Prompt indices
-  are numbered across the call, so chunks never share prompt KV blocks.
+  nothing is running or waiting and ``intake()`` gave nothing. A chunk with a
+  seed samples as ``generate(prompts, params with that seed)`` would; one
+  without continues the call's seed over the prompts numbered before it.
+  Prompt indices are numbered across the call, so chunks never share prompt
+  KV blocks.
   ``abort()`` ends the call: every unreported prompt is reported, in order,
   with its unfinished samples marked "abort".
 - Context: a prompt with ``len(prompt) >= context limit`` (the model's
@@ -56,10 +57,13 @@ Contract (see ``conveyor.rollout.api`` for what every engine promises)
   call it on the generating thread): the swap lands between two decode steps and
   later tokens carry the new version (the KV already computed for earlier tokens
   is kept, as in partial rollouts).
-- Randomness: one ``torch.Generator`` per ``generate`` call, seeded from
-  ``params.seed``. Same seed, prompts, params and ``max_batch`` give the same
-  output; a different ``max_batch`` changes the order in which random numbers are
-  drawn, so sampled (not greedy) outputs differ.
+- Randomness: every request draws from its own stream, keyed by the call's
+  seed (``params.seed``; None: fresh entropy), its prompt's index and its
+  sample index, at the index of the token it draws (``sampling.py``). A
+  sample therefore depends on its prompt, the seed and the weights only: not
+  on ``max_batch``, the other requests of the batch, preemption, or the
+  runner (up to float rounding between runners), and prompt i of a call
+  seeded s samples as prompt 0 of a call seeded s + i.
 
 It does not know about tasks, rewards, trajectories, weight transports or
 where chunks come from: it turns token ids into completions with the weights
@@ -69,6 +73,7 @@ engine.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
@@ -79,7 +84,7 @@ from conveyor.rollout.native.fast_model import unsupported_reason
 from conveyor.rollout.native.fast_runner import FastRunner
 from conveyor.rollout.native.paged_loop import PagedLoop, check_fits_pool
 from conveyor.rollout.native.runner import HFModelRunner, KVBatch
-from conveyor.rollout.native.sampling import sample
+from conveyor.rollout.native.sampling import draw_seeds, request_key, sample
 from conveyor.rollout.native.scheduler import Request, Scheduler, StopRule
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -239,10 +244,11 @@ class NativeEngine:
             self._version = int(version)
 
     # ----- generation ---------------------------------------------------------------
-    def _capped_requests(self, prompts: list[list[int]], params: SamplingParams) -> list[Request]:
+    def _capped_requests(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Request]:
+        """Prompt i's samples draw from the streams ``request_key(seed, i, j)``."""
         vocab = self.model.config.get_text_config(decoder=True).vocab_size
         budgets = capped_budgets(prompts, params, self.runner.context_limit, vocab)
-        return [Request(i, j, list(prompt), budget)
+        return [Request(i, j, list(prompt), budget, key=request_key(seed, i, j))
                 for i, (prompt, budget) in enumerate(zip(prompts, budgets)) for j in range(params.n)]
 
     def _stop_rule(self, params: SamplingParams) -> StopRule:
@@ -254,29 +260,25 @@ class NativeEngine:
         if not self.runner.holds_memory:
             raise RuntimeError("generate: the KV cache was released; call reacquire_memory() first")
 
-    def _generator(self, seed: int | None) -> torch.Generator:
-        gen = torch.Generator(device=self.runner.device)
-        if seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(int(seed))
-        return gen
+    @staticmethod
+    def _seed(seed: int | None) -> int:
+        return secrets.randbits(62) if seed is None else int(seed)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self._check_open()
         if not prompts:
             return []
         stop = self._stop_rule(params)
-        requests = self._capped_requests(prompts, params)
+        requests = self._capped_requests(prompts, params, self._seed(params.seed))
         self._aborted = False
         if self.paged:
             self._check_pool()
             check_fits_pool(self.runner, requests)
             with torch.inference_mode():
-                PagedLoop(self, params, stop, self._generator(params.seed)).run(requests)
+                PagedLoop(self, params, stop).run(requests)
             return self._completions(requests, len(prompts), params.n)
         sched = Scheduler(requests, self.max_batch, self.refill)
-        step = _Step(self, params, stop, self._generator(params.seed))
+        step = _Step(self, params, stop)
         batch: KVBatch | None = None
         with torch.inference_mode():
             while sched.has_work():
@@ -306,7 +308,7 @@ class NativeEngine:
                 return chunks.add(intake())
 
         with torch.inference_mode():
-            PagedLoop(self, params, stop, self._generator(params.seed)).run([], feed, chunks.finished)
+            PagedLoop(self, params, stop).run([], feed, chunks.finished)
         chunks.report_rest()
 
     def _completions(self, requests: list[Request], num_prompts: int, n: int,
@@ -372,6 +374,7 @@ class _StreamChunks:
 
     def __init__(self, engine: NativeEngine, params: SamplingParams, on_done):
         self.engine, self.params, self.on_done = engine, params, on_done
+        self.seed = engine._seed(params.seed)
         self.next_index = 0
         # By prompt index (numbered across the call), dropped once reported:
         # (tag, index in its chunk, its requests).
@@ -379,9 +382,11 @@ class _StreamChunks:
 
     def add(self, new: list[tuple[Any, list[list[int]]]]) -> list[Request]:
         out: list[Request] = []
-        for tag, prompts in new:
+        for tag, prompts, *seed in new:
+            # A chunk's own seed, or the call's continued over the prompts numbered so far.
+            seed = seed[0] if seed and seed[0] is not None else self.seed + self.next_index
             try:
-                requests = self.engine._capped_requests(prompts, self.params) if prompts else []
+                requests = self.engine._capped_requests(prompts, self.params, seed) if prompts else []
                 check_fits_pool(self.engine.runner, requests)
             except ValueError as exc:
                 raise ValueError(f"generate_stream chunk {tag!r}: {exc}") from exc
@@ -414,8 +419,8 @@ class _StreamChunks:
 class _Step:
     """One generate call's step functions: admission (prefill + first token) and decode."""
 
-    def __init__(self, engine: NativeEngine, params: SamplingParams, stop: StopRule, gen: torch.Generator):
-        self.engine, self.runner, self.params, self.stop, self.gen = engine, engine.runner, params, stop, gen
+    def __init__(self, engine: NativeEngine, params: SamplingParams, stop: StopRule):
+        self.engine, self.runner, self.params, self.stop = engine, engine.runner, params, stop
         self.eos = tuple(sorted(engine.eos_ids))
 
     def admit(self, batch: KVBatch | None, admitted: list[Request], sched: Scheduler) -> KVBatch | None:
@@ -440,11 +445,14 @@ class _Step:
 
     def _sample_rows(self, merged: KVBatch, logits: torch.Tensor, n_old: int, sched: Scheduler,
                      version: int) -> KVBatch | None:
-        p = self.params
+        p, rows = self.params, sched.running[n_old:]
+        seeds = None
+        if p.temperature > 0:
+            seeds = torch.from_numpy(draw_seeds([r.key for r in rows], [len(r.token_ids) for r in rows]))
         tokens, logprobs = sample(logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                  eos_ids=self.eos, eos_bias=p.eos_bias, generator=self.gen)
+                                  eos_ids=self.eos, eos_bias=p.eos_bias, seeds=seeds)
         merged.last_tok = torch.cat([merged.last_tok[:n_old], tokens])
-        for req, tok, lp in zip(sched.running[n_old:], tokens.tolist(), logprobs.tolist(), strict=True):
+        for req, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             req.append(tok, lp, version)
             req.finish_reason = self.stop.finish_reason(req)
         keep = sched.retire()

@@ -1,7 +1,7 @@
 """The native engine's generation loop over the paged fast runner.
 
 Contract
-- ``PagedLoop(engine, params, stop, generator).run(requests, feed, on_finish)``
+- ``PagedLoop(engine, params, stop).run(requests, feed, on_finish)``
   fills every request's tokens, logprobs, versions and finish reason (the same
   contract as the dense loop in ``engine.py``). Each iteration: take new
   requests from ``feed()`` (optional; called outside the engine's lock, so a
@@ -19,8 +19,10 @@ Contract
 - The caller keeps ``prompt_index`` unique per prompt within one ``run``: the
   runner shares prompt KV blocks among requests of the same index.
 - Sampling: plain temperature or greedy sampling on the GPU uses the fused
-  one-pass sampler (``triton_ops.sample_plain``: same distribution and logprob,
-  a different random stream); top-k / top-p and the CPU use ``sampling.sample``.
+  one-pass sampler (``triton_ops.sample_plain``: same distribution, logprob and
+  random numbers); top-k / top-p and the CPU use ``sampling.sample``. Each row
+  draws from its request's stream (``Request.key``) at the index of the token
+  it draws, so a request's tokens do not depend on its batch.
 - One step ahead: a decode step is queued (its input tokens taken on the
   device from the samples of the step before) before the host reads the step
   before's tokens and logprobs (one copy to pinned memory per step), so the
@@ -55,7 +57,7 @@ import torch
 
 from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.native.paged import blocks_for
-from conveyor.rollout.native.sampling import sample
+from conveyor.rollout.native.sampling import draw_seeds, sample
 from conveyor.rollout.native.scheduler import Request, Scheduler, StopRule
 
 
@@ -79,8 +81,8 @@ class _Step:
 
 
 class PagedLoop:
-    def __init__(self, engine, params: SamplingParams, stop: StopRule, gen: torch.Generator):
-        self.engine, self.runner, self.params, self.stop, self.gen = engine, engine.runner, params, stop, gen
+    def __init__(self, engine, params: SamplingParams, stop: StopRule):
+        self.engine, self.runner, self.params, self.stop = engine, engine.runner, params, stop
         self.counters = engine.counters
         self.eos = tuple(sorted(engine.eos_ids))
         # The fused one-pass sampler covers plain temperature / greedy sampling on the GPU;
@@ -89,8 +91,10 @@ class PagedLoop:
         self.fused = fused if fused is not None and params.top_k == 0 and params.top_p >= 1.0 else None
         self.eos_t = torch.tensor(self.eos or (0,), dtype=torch.long, device=self.runner.device)
         cuda = self.runner.device.type == "cuda"
-        # Sampled tokens and logprobs come back through two pinned buffers used in turn.
+        # Sampled tokens and logprobs come back through two pinned buffers used in turn; the
+        # rows' seeds go out through two more.
         self._out = [torch.zeros(2 * engine.max_batch, dtype=torch.float64, pin_memory=cuda) for _ in range(2)]
+        self._seeds = [torch.zeros(engine.max_batch, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self._turn = 0
         self.ahead: _Step | None = None  # the decode step in flight
 
@@ -116,7 +120,7 @@ class PagedLoop:
                     with self.engine._lock:
                         version = self.engine.version
                         logits = self.runner.prefill(admitted)
-                    self._read(self._launch(admitted, logits, version))
+                    self._read(self._launch(admitted, logits, version, [len(r.token_ids) for r in admitted]))
                     self.counters["prefill_s"] += time.perf_counter() - t0
                     self._retire(sched)
                 if sched.running:
@@ -163,7 +167,9 @@ class PagedLoop:
             if batch:
                 src = None if prev is None else [prev.index.get(id(r), -1) for r in batch]
                 logits = self.runner.decode(batch, None if prev is None else prev.tokens, src)
-                nxt = self._launch(batch, logits, version)
+                # The index of the token each row draws counts the one in flight, not read yet.
+                drawn = [len(r.token_ids) + (prev is not None and id(r) in prev.index) for r in batch]
+                nxt = self._launch(batch, logits, version, drawn)
         self.ahead = nxt
         c = self.counters
         if nxt is not None:
@@ -180,18 +186,24 @@ class PagedLoop:
             self._read(step)
             self._retire(sched)
 
-    def _launch(self, reqs: list[Request], logits: torch.Tensor, version: int) -> _Step:
-        """Sample on the device and start copying tokens and logprobs to the host."""
-        p = self.params
+    def _launch(self, reqs: list[Request], logits: torch.Tensor, version: int, drawn: list[int]) -> _Step:
+        """Sample on the device (row i draws token ``drawn[i]`` of its request's stream) and
+        start copying tokens and logprobs to the host."""
+        p, n = self.params, len(reqs)
+        seeds = None
+        if p.temperature > 0:
+            staged = self._seeds[self._turn][:n]
+            staged.numpy()[:] = draw_seeds([r.key for r in reqs], drawn)
+            seeds = staged.to(logits.device, non_blocking=True)
         if self.fused is not None:
             tokens, logprobs = self.fused(logits, temperature=p.temperature, eos_ids=self.eos_t,
-                                          eos_bias=p.eos_bias if self.eos else 0.0, generator=self.gen)
+                                          eos_bias=p.eos_bias if self.eos else 0.0, seeds=seeds)
         else:
             tokens, logprobs = sample(logits, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                      eos_ids=self.eos, eos_bias=p.eos_bias, generator=self.gen)
+                                      eos_ids=self.eos, eos_bias=p.eos_bias, seeds=seeds)
         # A contiguous [2, n] block: a strided destination would be filled through a pageable
         # temporary, synchronously.
-        host = self._out[self._turn][:2 * len(reqs)].view(2, len(reqs))
+        host = self._out[self._turn][:2 * n].view(2, n)
         self._turn ^= 1
         # One transfer for both; float64 holds every token id and float32 logprob exactly.
         host.copy_(torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]), non_blocking=True)

@@ -1,20 +1,77 @@
-"""Token sampling and behaviour logprobs from one step's logits.
+"""Token sampling and behaviour logprobs from one step's logits, with a random stream per request.
 
-Contract: ``sample(logits, ...)`` takes next-token logits ``[B, V]`` (any float
-dtype) and returns ``(tokens [B] long, logprobs [B] float32)``. Everything is
-computed in float32. The logprob is ``log_softmax(logits / T)`` of the
+Contract: ``sample(logits, ..., seeds)`` takes next-token logits ``[B, V]`` (any
+float dtype) and returns ``(tokens [B] long, logprobs [B] float32)``. Everything
+is computed in float32. The logprob is ``log_softmax(logits / T)`` of the
 temperature-scaled distribution BEFORE top-k / top-p truncation, gathered at the
 sampled token (``log_softmax(logits)`` for greedy), because the trainer
 recomputes exactly that; truncation only decides which tokens may be drawn.
 ``eos_bias`` is added to the EOS logits first, so the logprob is of the biased
-distribution. Randomness comes only from the ``generator`` passed in.
+distribution.
+
+Randomness is keyed, not drawn from a shared generator: row b's draw is a
+Gumbel-max over uniform numbers hashed from ``seeds[b]`` and the vocabulary
+index, and the engines give each row the seed ``draw_seeds(key, k)`` of its
+request's stream ``key`` and the index ``k`` of the token being drawn. So a
+request's tokens depend on its key, the weights and its own prefix only: not on
+which other requests share the batch, on the batch size, on preemption, or on
+whether the loop reads a step before queueing the next. ``request_key(seed,
+prompt, sample)`` makes a call's keys; prompt ``i`` of a call seeded ``s`` gets
+the keys of prompt 0 of a call seeded ``s + i``, so a caller that seeds each
+chunk with ``base + (its first prompt's place in a schedule)`` gives every
+prompt a key of its own place, however the schedule is cut into calls.
+
+The hash is the one of ``triton_ops.sample_plain`` (the GPU's fused sampler),
+so both draw the same tokens up to float rounding at near-ties.
 
 It does not know about requests, stop conditions or the model: one call, one
 batch of logits.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+_M64 = (1 << 64) - 1
+_M32 = 0xFFFFFFFF
+_LOG2E = 1.4426950408889634
+# Row blocks of the reference sampler's noise: bounds its int64 temporaries on a large vocabulary.
+_NOISE_ELEMS = 1 << 24
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def request_key(seed: int, prompt: int, sample: int) -> int:
+    """The 64-bit key of the random stream of sample ``sample`` of prompt ``prompt`` in a call seeded ``seed``."""
+    return _mix64((_mix64((int(seed) + int(prompt)) & _M64) + 0x9E3779B97F4A7C15 * (int(sample) + 1)) & _M64)
+
+
+def draw_seeds(keys, index) -> np.ndarray:
+    """Per-row 31-bit seeds of one draw: row b draws token ``index[b]`` of the stream ``keys[b]``."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(keys, dtype=np.uint64) + np.asarray(index, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(33)).astype(np.int64)
+
+
+def uniforms(seeds: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in (0, 1), ``[B, len(cols)]``: the "lowbias32" hash of (seed, column) that
+    the fused GPU sampler computes (``triton_ops._uniform``), in int64 without overflow."""
+    x = (cols[None, :] * 0x9E3779B9 + seeds[:, None]) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32  # < 2**63: no wrap-around
+    x = x ^ (x >> 15)
+    # x * 0x846CA68B would pass 2**63: multiply by its two 16-bit halves instead.
+    x = (x * 0xA68B + (((x * 0x846C) & 0xFFFF) << 16)) & _M32
+    x = x ^ (x >> 16)
+    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
 
 
 def _top_k_mask(scaled: torch.Tensor, k: int) -> torch.Tensor:
@@ -39,10 +96,26 @@ def _top_p_mask(scaled: torch.Tensor, p: float) -> torch.Tensor:
     return scaled.masked_fill(drop, float("-inf"))
 
 
+def _gumbel_argmax(allowed: torch.Tensor, temperature: float, seeds: torch.Tensor) -> torch.Tensor:
+    """argmax(logits / T - log(-log U)) per row: an exact draw from softmax(allowed logits / T).
+    In base 2 as the fused sampler computes it (the same argmax, the same rounding)."""
+    b, v = allowed.shape
+    to_base2 = torch.tensor(_LOG2E, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
+    cols = torch.arange(v, dtype=torch.int64, device=allowed.device)
+    seeds = seeds.to(device=allowed.device, dtype=torch.int64)
+    step = max(1, _NOISE_ELEMS // v)
+    out = []
+    for r in range(0, b, step):
+        u = uniforms(seeds[r:r + step], cols)
+        keys = allowed[r:r + step] * to_base2.to(allowed.device) - torch.log2(-torch.log2(u))
+        out.append(torch.argmax(keys, dim=-1))
+    return torch.cat(out)
+
+
 def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
            eos_ids: tuple[int, ...] = (), eos_bias: float = 0.0,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; return the tokens and their float32 logprobs."""
+           seeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row (row b from ``seeds[b]``); return the tokens and their float32 logprobs."""
     logits = logits.float()
     if eos_bias and eos_ids:
         logits = logits.clone()
@@ -51,9 +124,12 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
         tokens = torch.argmax(logits, dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1)
     else:
+        if seeds is None or len(seeds) != logits.shape[0]:
+            raise ValueError("sample: temperature > 0 needs one seed per row (seeds=draw_seeds(keys, index))")
         scaled = logits / temperature
         logprobs = torch.log_softmax(scaled, dim=-1)
-        allowed = _top_p_mask(_top_k_mask(scaled, top_k), top_p)
-        probs = torch.softmax(allowed, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        # Truncation is decided on the tempered distribution; the draw scales the logits itself.
+        kept = _top_p_mask(_top_k_mask(scaled, top_k), top_p)
+        allowed = logits if kept is scaled else logits.masked_fill(kept == float("-inf"), float("-inf"))
+        tokens = _gumbel_argmax(allowed, temperature, seeds)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -44,6 +44,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    key: int = 0  # its random stream (``sampling.request_key``): its draws depend on nothing else
     kv: Any = None  # the paged runner's per-sequence state (block ids), None while not in its cache
 
     @property

@@ -252,7 +252,7 @@ def _uniform(seed, idx):
 def _sample_kernel(LOGITS, stride_l, V, EOS, eos_bias, temperature, SEED, TOK, LP,
                    N_EOS: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    seed = tl.load(SEED).to(tl.int64)
+    seed = tl.load(SEED + row).to(tl.int64)
     to_base2 = 1.4426950408889634 / temperature  # scores in base 2: exp2 / log2 are single instructions
     m_vec = tl.full([BLOCK], float("-inf"), tl.float32)
     s_vec = tl.zeros([BLOCK], tl.float32)
@@ -275,7 +275,7 @@ def _sample_kernel(LOGITS, stride_l, V, EOS, eos_bias, temperature, SEED, TOK, L
         else:
             # Gumbel-max, argmax(s - log(-log U)), draws exactly from softmax(s); in base 2
             # the noise is -log2(-log2 U) up to a constant, which leaves the argmax unchanged.
-            u = _uniform(seed, row * V + cols)
+            u = _uniform(seed, cols)
             key = s - tl.math.log2(-tl.math.log2(u))
         take = key > best
         best = tl.where(take, key, best)
@@ -292,20 +292,24 @@ def _sample_kernel(LOGITS, stride_l, V, EOS, eos_bias, temperature, SEED, TOK, L
 
 
 def sample_plain(logits, *, temperature: float, eos_ids: torch.Tensor, eos_bias: float,
-                 generator: torch.Generator):
+                 seeds: torch.Tensor | None = None):
     """``sampling.sample`` without top-k / top-p, fused into one pass over the logits.
 
-    Same distribution and the same logprob (``log_softmax(logits / T)`` of the
-    biased logits at the drawn token, float32); the draw is a Gumbel-max over
-    hashed uniform numbers seeded from ``generator``, so seeded runs repeat but
-    the random stream differs from ``torch.multinomial``'s.
+    Same distribution, the same logprob (``log_softmax(logits / T)`` of the biased
+    logits at the drawn token, float32) and the same random numbers: row b's
+    Gumbel-max runs over the uniform numbers hashed from ``seeds[b]`` (a device
+    tensor) and the vocabulary index, so the two samplers draw the same tokens but
+    where float rounding breaks a near-tie differently.
     """
     b, v = logits.shape
     greedy = temperature == 0
-    seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=logits.device, generator=generator)
+    if greedy:
+        seeds = torch.zeros(b, dtype=torch.int64, device=logits.device)
+    elif seeds is None or len(seeds) != b:
+        raise ValueError("sample_plain: temperature > 0 needs one seed per row")
     tokens = torch.empty(b, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
     n_eos = int(eos_ids.numel()) if eos_bias else 0
     _sample_kernel[(b,)](logits, logits.stride(0), v, eos_ids, float(eos_bias), 1.0 if greedy else float(temperature),
-                         seed, tokens, logprobs, N_EOS=n_eos, GREEDY=greedy, BLOCK=2048, num_warps=8)
+                         seeds, tokens, logprobs, N_EOS=n_eos, GREEDY=greedy, BLOCK=2048, num_warps=8)
     return tokens, logprobs
