@@ -168,7 +168,8 @@ class PagedLoop:
                 src = None if prev is None else [prev.index.get(id(r), -1) for r in batch]
                 logits = self.runner.decode(batch, None if prev is None else prev.tokens, src)
                 # The index of the token each row draws counts the one in flight, not read yet.
-                drawn = [len(r.token_ids) + (prev is not None and id(r) in prev.index) for r in batch]
+                drawn = ([len(r.token_ids) for r in batch] if src is None
+                         else [len(r.token_ids) + (i >= 0) for r, i in zip(batch, src)])
                 nxt = self._launch(batch, logits, version, drawn)
         self.ahead = nxt
         c = self.counters

@@ -37,6 +37,8 @@ _M32 = 0xFFFFFFFF
 _LOG2E = 1.4426950408889634
 # Row blocks of the reference sampler's noise: bounds its int64 temporaries on a large vocabulary.
 _NOISE_ELEMS = 1 << 24
+_GOLDEN, _C1, _C2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31, _S33 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(33)
 
 
 def _mix64(z: int) -> int:
@@ -53,12 +55,18 @@ def request_key(seed: int, prompt: int, sample: int) -> int:
 
 def draw_seeds(keys, index) -> np.ndarray:
     """Per-row 31-bit seeds of one draw: row b draws token ``index[b]`` of the stream ``keys[b]``."""
+    # splitmix64 of key + index * golden ratio, in place (this runs on the host every step).
+    z = np.array(index, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = np.asarray(keys, dtype=np.uint64) + np.asarray(index, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(33)).astype(np.int64)
+        z *= _GOLDEN
+        z += np.array(keys, dtype=np.uint64)
+        z ^= z >> _S30
+        z *= _C1
+        z ^= z >> _S27
+        z *= _C2
+        z ^= z >> _S31
+    z >>= _S33
+    return z.view(np.int64)
 
 
 def uniforms(seeds: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
