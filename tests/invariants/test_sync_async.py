@@ -6,7 +6,8 @@
   (gloo) reproduce it to float tolerance.
   So does the streaming engine (fast runner, continuous batching).
 - With max_staleness 2 no trained token is more than 2 versions behind the
-  policy being trained, with partial rollouts on and off, and streaming.
+  policy being trained, with partial rollouts on and off, and streaming; and
+  its first step trains on the synchronous run's first samples.
 """
 import torch
 from safetensors.torch import load_file
@@ -78,6 +79,11 @@ def test_staleness_zero_streaming_engine_processes_equal_in_process(tmp_path):
 
 
 def test_bounded_staleness_is_respected(tmp_path):
+    # Step 1 of every run trains on samples of the same weights (version 0); with per-sample
+    # random streams keyed by the task's place they are the sync run's samples, however the
+    # engine batched them (waves, one stream, merged chunks) and with either runner.
+    sync = _run(tmp_path, "sync", ["loop.steps=1", "launch.placement=disaggregated"])
+    first = read_metrics(sync, kind="train")[0]["reward"]
     for partial, runner in ((True, "hf"), (False, "hf"), (True, "fast")):  # fast + partial: streaming
         d = _run(tmp_path, f"async-{partial}-{runner}", ["loop.steps=6", "loop.max_staleness=2",
                                                          f"loop.partial_rollouts={str(partial).lower()}",
@@ -87,6 +93,7 @@ def test_bounded_staleness_is_respected(tmp_path):
         assert len(train) == 6
         assert max(m["staleness_max"] for m in train) <= 2
         assert all(0.0 <= m["reward"] <= 1.0 for m in train)
+        assert train[0]["reward"] == first, (partial, runner)
 
 
 def test_bounded_staleness_holds_with_the_next_batch_built_during_training(tmp_path):
