@@ -30,9 +30,9 @@ Contract
     runner): continuous batching through ``engine.generate_stream``. Between
     decode steps the generating thread takes newly arrived chunks whose
     sampling params equal the running call's except the seed, and they join
-    the running batch (each with its own seed); each prompt (one group) is reported as soon as its
-    own samples end, so no group waits for another's longest sample and its
-    rewards start while the rest of its chunk decodes. The first message
+    the running batch (each with its own seed); each prompt (one group) is
+    reported as soon as its own samples end, so no group waits for another's
+    longest sample and its rewards start while the rest of its chunk decodes. The first message
     that cannot join (an evaluation request, other params, "stop") is held
     and nothing more is read: the call drains, then the held message is
     served ("stop" ends the loop). The generating thread also takes weights

@@ -32,9 +32,9 @@ Contract (see ``conveyor.rollout.api`` for what every engine promises)
   the fast runner, ``engine.streams`` is True then): the generating thread
   calls ``intake()`` between steps, outside the engine's lock, and gets a list
   of ``(tag, prompts)`` or ``(tag, prompts, seed)`` chunks, all sampled with
-  ``params`` but for the seed (the first chunks come from the first call). Their requests join the waiting queue of the
-  batch that is already decoding and are admitted by the same policy (KV pool
-  permitting). ``on_done(tag, i, samples)`` is called, on the generating
+  ``params`` but for the seed (the first chunks come from the first call).
+  Their requests join the waiting queue of the batch that is already decoding
+  and are admitted by the same policy (KV pool permitting). ``on_done(tag, i, samples)`` is called, on the generating
   thread, as soon as every sample of the chunk's prompt ``i`` has finished,
   with what ``generate(prompts, params)[i]`` would return (the same context
   capping and validation; a bad prompt raises ``ValueError`` naming the chunk
@@ -380,7 +380,8 @@ class _StreamChunks:
         # (tag, index in its chunk, its requests).
         self.open: dict[int, tuple[Any, int, list[Request]]] = {}
 
-    def add(self, new: list[tuple[Any, list[list[int]]]]) -> list[Request]:
+    def add(self, new: list[tuple]) -> list[Request]:
+        """``(tag, prompts)`` or ``(tag, prompts, seed)`` chunks -> their requests, numbered on."""
         out: list[Request] = []
         for tag, prompts, *seed in new:
             # A chunk's own seed, or the call's continued over the prompts numbered so far.

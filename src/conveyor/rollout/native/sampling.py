@@ -37,20 +37,23 @@ _M32 = 0xFFFFFFFF
 _LOG2E = 1.4426950408889634
 # Row blocks of the reference sampler's noise: bounds its int64 temporaries on a large vocabulary.
 _NOISE_ELEMS = 1 << 24
-_GOLDEN, _C1, _C2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+# splitmix64: the golden-ratio increment and the finaliser's two multipliers (as Python ints
+# for request keys, as uint64 for the per-step seeds on numpy arrays).
+_GOLDEN, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_NP_GOLDEN, _NP_C1, _NP_C2 = np.uint64(_GOLDEN), np.uint64(_C1), np.uint64(_C2)
 _S27, _S30, _S31, _S33 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(33)
 
 
 def _mix64(z: int) -> int:
     """splitmix64's finaliser: a bijection of 64-bit integers that spreads every input bit."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z = ((z ^ (z >> 30)) * _C1) & _M64
+    z = ((z ^ (z >> 27)) * _C2) & _M64
     return z ^ (z >> 31)
 
 
 def request_key(seed: int, prompt: int, sample: int) -> int:
     """The 64-bit key of the random stream of sample ``sample`` of prompt ``prompt`` in a call seeded ``seed``."""
-    return _mix64((_mix64((int(seed) + int(prompt)) & _M64) + 0x9E3779B97F4A7C15 * (int(sample) + 1)) & _M64)
+    return _mix64((_mix64((int(seed) + int(prompt)) & _M64) + _GOLDEN * (int(sample) + 1)) & _M64)
 
 
 def draw_seeds(keys, index) -> np.ndarray:
@@ -58,12 +61,12 @@ def draw_seeds(keys, index) -> np.ndarray:
     # splitmix64 of key + index * golden ratio, in place (this runs on the host every step).
     z = np.array(index, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z *= _GOLDEN
+        z *= _NP_GOLDEN
         z += np.array(keys, dtype=np.uint64)
         z ^= z >> _S30
-        z *= _C1
+        z *= _NP_C1
         z ^= z >> _S27
-        z *= _C2
+        z *= _NP_C2
         z ^= z >> _S31
     z >>= _S33
     return z.view(np.int64)
@@ -108,14 +111,16 @@ def _gumbel_argmax(allowed: torch.Tensor, temperature: float, seeds: torch.Tenso
     """argmax(logits / T - log(-log U)) per row: an exact draw from softmax(allowed logits / T).
     In base 2 as the fused sampler computes it (the same argmax, the same rounding)."""
     b, v = allowed.shape
-    to_base2 = torch.tensor(_LOG2E, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
+    # float32 division, as the kernel computes it
+    to_base2 = (torch.tensor(_LOG2E, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
+                ).to(allowed.device)
     cols = torch.arange(v, dtype=torch.int64, device=allowed.device)
     seeds = seeds.to(device=allowed.device, dtype=torch.int64)
     step = max(1, _NOISE_ELEMS // v)
     out = []
     for r in range(0, b, step):
         u = uniforms(seeds[r:r + step], cols)
-        keys = allowed[r:r + step] * to_base2.to(allowed.device) - torch.log2(-torch.log2(u))
+        keys = allowed[r:r + step] * to_base2 - torch.log2(-torch.log2(u))
         out.append(torch.argmax(keys, dim=-1))
     return torch.cat(out)
 

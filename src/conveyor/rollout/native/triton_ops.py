@@ -252,7 +252,10 @@ def _uniform(seed, idx):
 def _sample_kernel(LOGITS, stride_l, V, EOS, eos_bias, temperature, SEED, TOK, LP,
                    N_EOS: tl.constexpr, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    seed = tl.load(SEED + row).to(tl.int64)
+    if GREEDY:
+        seed = 0  # draws nothing: SEED is not read
+    else:
+        seed = tl.load(SEED + row).to(tl.int64)
     to_base2 = 1.4426950408889634 / temperature  # scores in base 2: exp2 / log2 are single instructions
     m_vec = tl.full([BLOCK], float("-inf"), tl.float32)
     s_vec = tl.zeros([BLOCK], tl.float32)
@@ -303,13 +306,12 @@ def sample_plain(logits, *, temperature: float, eos_ids: torch.Tensor, eos_bias:
     """
     b, v = logits.shape
     greedy = temperature == 0
-    if greedy:
-        seeds = torch.zeros(b, dtype=torch.int64, device=logits.device)
-    elif seeds is None or len(seeds) != b:
+    if not greedy and (seeds is None or len(seeds) != b):
         raise ValueError("sample_plain: temperature > 0 needs one seed per row")
     tokens = torch.empty(b, dtype=torch.long, device=logits.device)
     logprobs = torch.empty(b, dtype=torch.float32, device=logits.device)
     n_eos = int(eos_ids.numel()) if eos_bias else 0
     _sample_kernel[(b,)](logits, logits.stride(0), v, eos_ids, float(eos_bias), 1.0 if greedy else float(temperature),
-                         seeds, tokens, logprobs, N_EOS=n_eos, GREEDY=greedy, BLOCK=2048, num_warps=8)
+                         tokens if greedy else seeds,  # greedy: any int tensor, never read
+                         tokens, logprobs, N_EOS=n_eos, GREEDY=greedy, BLOCK=2048, num_warps=8)
     return tokens, logprobs
