@@ -1,7 +1,7 @@
 """Streaming (asynchronous) against synchronous RL on this machine's CPU cores.
 
-    python benchmarks/async_cpu.py --out benchmarks/results/async_cpu [--seeds 0 1] [--steps 14]
-    python benchmarks/async_cpu.py --learning --out benchmarks/results/async_learning
+    python benchmarks/async_cpu.py --out runs/async-cpu [--seeds 0 1] [--steps 14]
+    python benchmarks/async_cpu.py --learning --out runs/async-learning
 
 Throughput mode: the tiny model at random init on a heavy-tailed length
 workload (EOS bias calibrated once by ``benchmarks.lengths`` so that lengths
@@ -19,7 +19,9 @@ after the first 2: the sum of samples over the sum of step wall times).
 Learning mode: the default recipe (warm-start then GRPO) with sync and with
 ``max_staleness 2``, same seeds; the held-out rewards are compared.
 
-Writes one JSON per run and a markdown table (``table.md``) in ``--out``.
+Writes one JSON per run and a markdown table (``table.md``) in ``--out``, and
+appends each run's summary to ``benchmarks/results/async[_cpu].jsonl``
+(throughput) or ``w2_async[_cpu].jsonl`` (learning).
 It knows nothing of conveyor's internals beyond the CLI and metrics.jsonl.
 """
 from __future__ import annotations
@@ -133,6 +135,7 @@ def throughput(args) -> list[dict]:
                 res.update(steady(out / "run"))
             res.update({"config": name, "seed": seed, "eos_bias": bias})
             (out / "result.json").write_text(json.dumps(res, indent=1))
+            _record("async", res)
             rows.append(res)
             print(json.dumps({k: res.get(k) for k in ("config", "seed", "status", "samples_per_s", "tau")}),
                   flush=True)
@@ -153,9 +156,16 @@ def learning(args) -> list[dict]:
                                                   "trained_samples_per_second", "rl_seconds")})
             res.update({"config": name, "seed": seed})
             (out / "result.json").write_text(json.dumps(res, indent=1))
+            _record("w2_async", res)
             rows.append(res)
             print(json.dumps({k: res.get(k) for k in ("config", "seed", "status", "eval_reward_final")}), flush=True)
     return rows
+
+
+def _record(workload: str, res: dict) -> None:
+    from benchmarks.harness import append_record
+    config = {k: res.get(k) for k in ("config", "seed", "status", "error")}
+    append_record(workload, {k: v for k, v in res.items() if k not in config and k != "rc"}, config=config)
 
 
 def table(rows: list[dict], keys: list[str]) -> str:

@@ -10,9 +10,13 @@ not a protocol number: BENCHMARKS.md reports absolute times only from a GPU.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` when run as a script
 
 from conveyor.data.tiny import build_model, build_tokenizer
 from conveyor.rollout.api import SamplingParams
@@ -39,6 +43,11 @@ def main() -> None:
     seconds = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for g in out for c in g)
     print(f"native engine, CPU ({torch.get_num_threads()} threads), tiny Llama hidden 128 x 4 layers")
+    from benchmarks.harness import append_record
+    append_record("engine", {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
+                             "threads": torch.get_num_threads()},
+                  config={"model": "tiny", "batch": args.batch, "prompt_len": args.prompt_len, "new": args.new},
+                  gpu=False)
     print(f"batch {args.batch}, prompt {args.prompt_len}, new {args.new}: {tokens} tokens in {seconds:.2f} s "
           f"= {tokens / seconds:,.0f} tokens/s ({seconds / args.new * 1e3:.1f} ms per step incl. prefill)")
 

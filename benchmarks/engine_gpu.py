@@ -23,17 +23,22 @@ plain HF forward in bf16.
 One JSON per configuration is written to ``--out`` and a markdown table is
 printed last.
 
-    PYTHONPATH=src python benchmarks/engine_gpu.py --out results/ [--models 0.5b,1.5b] [--batches 64,256,1024]
+    PYTHONPATH=src python benchmarks/engine_gpu.py --out runs/engine-gpu [--models 0.5b,1.5b] [--batches 64,256,1024]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` when run as a script
+
+from benchmarks.harness import append_record
 from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.native import NativeEngine
 from conveyor.rollout.native.sampling import sample
@@ -300,6 +305,10 @@ def run_model(size: str, args, card: str) -> list[dict]:
         print(json.dumps(row), flush=True)
         with open(os.path.join(args.out, f"engine_gpu_{size}_b{batch}.json"), "w") as f:
             json.dump(row, f, indent=1)
+        config = {k: row[k] for k in ("model", "batch", "group", "prompt_len", "new", "dtype") if k in row}
+        metrics = {k: v for k, v in row.items() if k not in config and k not in ("card", "breakdown")}
+        metrics.update({k: v for k, v in row["breakdown"].items() if isinstance(v, (int, float))})
+        append_record("engine", metrics, config=config, card=card, gpu=True)
     engine.close()
     del model
     torch.cuda.empty_cache()
@@ -324,7 +333,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="runs/engine-gpu", help="per-configuration JSON and the table")
     ap.add_argument("--models", default="0.5b,1.5b")
     ap.add_argument("--batches", default="64,256,1024")
     ap.add_argument("--prompt-len", type=int, default=128)

@@ -21,6 +21,13 @@ Contract
   checkpoint once, in a subprocess, with ``benchmarks.evaluate``.
 - ``write_record`` writes ``<out>/<name>.json``; ``append_row`` appends
   one markdown row to a table, writing the header when the file is new.
+  Both go to the run directory (``--out``, outside git).
+- ``append_record(workload, metrics, ...)`` appends ONE summary line
+  (command, commit, card, date, config, metrics) to the workload's results
+  file, ``benchmarks/results/<workload>.jsonl`` (``<workload>_cpu.jsonl``
+  when the card is this machine's CPU); every benchmark script calls it once
+  per configuration it measures. ``CONVEYOR_BENCH_RESULTS`` names another
+  folder (tests use it). ``record_run`` does it for a harness record.
 
 It does not know what a workload is beyond the spec keys it copies.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -42,6 +50,7 @@ from benchmarks import metrics as M
 from benchmarks.workloads import TRAJECTORIES, run_config, samples_per_step
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
 _ERROR_MARKERS = ("Error", "Exception", "error:", "assert", "Killed", "CUDA")
 
 
@@ -298,3 +307,54 @@ def status_cell(rec: dict) -> str:
     if rec["status"] == "ok":
         return f"ok ({rec['error'][:60]})" if rec.get("error") else "ok"
     return f"{rec['status'].upper()}: {rec.get('error', '')[:120]}"
+
+
+def results_path(workload: str, gpu: bool) -> Path:
+    folder = Path(os.environ.get("CONVEYOR_BENCH_RESULTS") or RESULTS)
+    return folder / f"{workload}{'' if gpu else '_cpu'}.jsonl"
+
+
+def append_record(workload: str, metrics: dict, *, config: dict | None = None, name: str | None = None,
+                  card: str | None = None, gpu: bool | None = None) -> Path:
+    """Append one run's summary to its workload's results file; returns the file.
+
+    ``card``: the device the work ran on (``torch.cuda.get_device_name()``); by default the CPU
+    model when ``gpu`` is False, else the first GPU as nvidia-smi names it (no CUDA context in
+    this process), else the CPU model. ``gpu``: whether the card is a GPU (default: the card is
+    not this machine's CPU). Summary metrics only:
+    per-step logs stay in the run directory.
+    """
+    card = card or (B.cpu_name() if gpu is False else B.device_name_no_cuda_init())
+    gpu = card != B.cpu_name() if gpu is None else gpu
+    argv = list(sys.argv)
+    if argv and argv[0]:
+        try:
+            argv[0] = str(Path(argv[0]).resolve().relative_to(ROOT))
+        except ValueError:
+            pass
+    rec = {"workload": workload, "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+           "commit": B._git_rev(), "card": card, "command": shlex.join(["python", *argv])}
+    if name:
+        rec["name"] = name
+    rec["config"] = config or {}
+    rec["metrics"] = metrics
+    path = results_path(workload, gpu)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(rec, default=str) + "\n")
+    return path
+
+
+def record_run(rec: dict) -> Path:
+    """``append_record`` for a harness record (W1, W2): its summary, without the per-step curve."""
+    config = {"system": rec["system"], "setting": rec.get("setting", {}), "seed": rec.get("seeds", {}).get("loop"),
+              "model": rec.get("model"), "status": rec["status"], "error": rec.get("error", ""),
+              **{k: v for k, v in rec.get("config", {}).items() if k != "model_path"}}
+    metrics = {k: v for k, v in rec.get("metrics", {}).items() if k != "curve"}
+    metrics["lengths"] = rec.get("lengths")
+    for k in ("eval", "rl_seconds", "cuda_max_memory_allocated_gb"):
+        if rec.get(k) is not None:
+            metrics[k] = rec[k]
+    kind = rec.get("device_kind")
+    return append_record(rec["workload"], metrics, config=config, name=rec["name"], card=rec.get("device"),
+                         gpu=kind == "cuda" if kind in ("cuda", "cpu") else None)

@@ -4,7 +4,7 @@ several NCCL settings and bucket sizes) and copy-engine peer copies (cudaMemcpyP
 one process and across processes through a CUDA IPC handle). Also a same-GPU copy, the cost
 of an engine swapping in a received version. Needs two GPUs; prints one JSON line per path.
 
-  python benchmarks/p2p_gpu.py --out results/p2p
+  python benchmarks/p2p_gpu.py --out runs/p2p
 """
 from __future__ import annotations
 
@@ -13,11 +13,14 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` when run as a script
 
 NBYTES = 494_032_768 * 2  # Qwen2.5-0.5B's tensors (tied head listed once), bf16
 NCCL_SETTINGS = {
@@ -132,6 +135,8 @@ def main() -> None:
                 row("NCCL broadcast", float("nan"), setting=name, bucket_mb=mb, error=str(e)[:200])
             for p in procs:
                 p.join(30)
+    from benchmarks.harness import append_record
+    append_record("p2p", {"rows": rows}, config={"bytes": NBYTES}, card=torch.cuda.get_device_name(0), gpu=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "p2p.json").write_text(json.dumps(

@@ -210,6 +210,13 @@ def main(argv=None) -> int:
               "kernels": not args.no_kernel, "fsdp_reshard": args.fsdp_reshard, "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
     tag = ("" if args.logprob_chunk_rows == 1024 else f"-chunk{args.logprob_chunk_rows}") + args.tag
     (out / f"trainer-{args.model}-r{args.ranks}{tag}.json").write_text(json.dumps(record, indent=2))
+    from benchmarks.harness import append_record
+    cfg_keys = ("model", "ranks", "alloc_conf", "micro_batch_tokens", "checkpointing", "compile", "logprob_chunk_rows",
+                "pad_multiple", "attention_mask", "param_dtype", "kernels", "fsdp_reshard")
+    gpu = torch.cuda.is_available()
+    append_record("trainer", {k: v for k, v in record.items() if k not in cfg_keys and k not in ("device", "date")},
+                  config={k: record[k] for k in cfg_keys}, name=f"trainer-{args.model}-r{args.ranks}{tag}",
+                  card=name if gpu else None, gpu=gpu)
     print(json.dumps(record))
     if r0["profile"]:
         print(r0["profile"])

@@ -187,6 +187,7 @@ def main(argv=None) -> int:
             rec["calibration"] = calib
             rec["model"] = args.model
             H.write_record(out, rec)
+            H.record_run(rec)
             records.append(rec)
             print(H.append_row(table, COLUMNS, rec), flush=True)
     _append_ratios(table, records)

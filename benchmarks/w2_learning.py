@@ -163,6 +163,7 @@ def main(argv=None) -> int:
                 outcome = H.run_peer(spec, deadline_s=(args.budget_s or 3600.0) + args.slack_s)
                 rec = H.collect_safely(spec, outcome, threshold=args.threshold, eval_before=before)
                 H.write_record(out, rec)
+                H.record_run(rec)
                 records.append(rec)
                 print(H.append_row(table, COLUMNS, rec), flush=True)
     lines = summary_rows(records)

@@ -178,6 +178,10 @@ def main(argv=None) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     name = f"weight-sync-{args.model}-e{args.engines}-b{int(args.bucket_mb)}.json"
     (dest / name).write_text(json.dumps(record, indent=2))
+    from benchmarks.harness import append_record
+    config = {k: record[k] for k in ("model", "engines", "backend", "bucket_mb", "bytes", "tensors")}
+    append_record("weight_sync", {k: v for k, v in record.items() if k not in config and k not in ("device", "date")},
+                  config=config, card=record["device"] if gpu else None, gpu=gpu)
     print(json.dumps(record))
     return 0
 

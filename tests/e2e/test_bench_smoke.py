@@ -43,8 +43,9 @@ def _check_common(rec: dict, system: str, steps: int) -> None:
     assert e["delta"] == pytest.approx(e["after"] - e["before"])
 
 
-def test_w2_harness_runs_both_systems_and_records_rows(tmp_path):
+def test_w2_harness_runs_both_systems_and_records_rows(tmp_path, monkeypatch):
     pytest.importorskip("trl")
+    monkeypatch.setenv("CONVEYOR_BENCH_RESULTS", str(tmp_path / "results"))
     from benchmarks import w2_learning
     from conveyor.data.tiny import build_tiny
     start = build_tiny(tmp_path / "start", hidden_size=32, num_layers=1, intermediate_size=64)
@@ -65,16 +66,25 @@ def test_w2_harness_runs_both_systems_and_records_rows(tmp_path):
     assert [l.split("|")[1].strip() for l in table[2:4]] == ["conveyor", "trl"]
     assert all("| ok |" in l for l in table[2:4])
     assert not math.isnan(conv["rl_seconds"]) and conv["rl_seconds"] > 0
+    # one summary line per configuration, without the per-step curve
+    lines = [json.loads(l) for l in (tmp_path / "results" / "w2_cpu.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in lines] == ["w2-conveyor-lr0.002-seed0", "w2-trl-lr0.002-seed0"]
+    assert lines[0]["metrics"]["trained_samples_per_s"] == conv["metrics"]["trained_samples_per_s"]
+    assert "curve" not in lines[0]["metrics"] and lines[0]["card"] == conv["device"]
 
 
 def test_trainer_benchmark_runs_two_fsdp_ranks_on_cpu(tmp_path):
+    import os
     import subprocess
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trainer_gpu.py"), "--model", "tiny",
                         "--ranks", "2", "--steps", "1", "--prompts", "4", "--group", "2", "--prompt-len", "8",
                         "--max-new-tokens", "16", "--target-mean", "4", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "CONVEYOR_BENCH_RESULTS": str(tmp_path / "results")})
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads((tmp_path / "trainer-tiny-r2.json").read_text())
     assert rec["ranks"] == 2 and rec["device"] == "cpu" and len(rec["times"]) == 1
     assert rec["step_s"] > 0 and rec["tokens_per_s"] == pytest.approx(rec["tokens_per_step"] / rec["step_s"])
     assert 8 * 8 < rec["tokens_per_step"] <= 8 * (8 + 16) and rec["mfu"] is None
+    (summary,) = [json.loads(l) for l in (tmp_path / "results" / "trainer_cpu.jsonl").read_text().splitlines()]
+    assert summary["config"]["ranks"] == 2 and summary["metrics"]["step_s"] == rec["step_s"]

@@ -170,9 +170,12 @@ def test_weight_sync_benchmark_runs_on_cpu(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "weight_sync_gpu.py"), "--model", "tiny",
                           "--backend", "gloo", "--engines", "2", "--reps", "3", "--bucket-mb", "1",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"})
+                         env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}",
+                              "CONVEYOR_BENCH_RESULTS": str(tmp_path / "results")})
     assert run.returncode == 0, run.stderr[-2000:]
     rec = json.loads((tmp_path / "weight-sync-tiny-e2-b1.json").read_text())
+    (summary,) = [json.loads(l) for l in (tmp_path / "results" / "weight_sync_cpu.jsonl").read_text().splitlines()]
+    assert summary["config"]["engines"] == 2 and summary["metrics"]["publish_ms"] == rec["publish_ms"]
     assert rec["tensors"] > 10 and rec["bytes"] > 0
     assert set(rec["publish_ms"]) == {"float32", "bfloat16", "mixed"}
     assert all(s["median"] > 0 for s in rec["publish_ms"].values())
@@ -186,3 +189,18 @@ def test_weight_sync_benchmark_runs_on_cpu(tmp_path):
     for k in both:
         for e in ("0", "1"):
             assert 0 < rec["received_ms"][k][e]["median"] <= rec["applied_ms"][k][e]["median"]
+
+
+def test_append_record_writes_one_summary_line_per_run(tmp_path, monkeypatch):
+    """A run appends one line (command, commit, card, date, config, metrics) to its workload's file."""
+    monkeypatch.setenv("CONVEYOR_BENCH_RESULTS", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "w1_throughput.py"), "--steps", "5"])
+    gpu = H.append_record("w1", {"trained_samples_per_s": 246.0}, config={"seed": 0}, card="NVIDIA H100 80GB HBM3")
+    cpu = H.append_record("w1", {"trained_samples_per_s": 30.4}, card=B.cpu_name())
+    H.append_record("w1", {"trained_samples_per_s": 31.0}, card=B.cpu_name())
+    assert gpu == tmp_path / "w1.jsonl" and cpu == tmp_path / "w1_cpu.jsonl"
+    (rec,) = [json.loads(l) for l in gpu.read_text().splitlines()]
+    assert set(rec) == {"workload", "date", "commit", "card", "command", "config", "metrics"}
+    assert rec["card"] == "NVIDIA H100 80GB HBM3" and rec["metrics"] == {"trained_samples_per_s": 246.0}
+    assert rec["command"] == "python benchmarks/w1_throughput.py --steps 5" and rec["date"].endswith("+00:00")
+    assert len(cpu.read_text().splitlines()) == 2
