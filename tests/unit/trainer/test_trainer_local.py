@@ -108,15 +108,19 @@ def reference_update(model, batch, loss_fn, max_norm, lr, steps):
 
 def test_grad_norm_is_reported_before_clipping_and_clipping_applies(make_model, make_batch, pg_loss):
     batch = make_batch([8, 6, 5])
-    trainer = LocalTrainer(make_model(), cfg(max_grad_norm=0.05), total_steps=2)
+    lr = 1e-3
+    trainer = LocalTrainer(make_model(), cfg(lr=lr, max_grad_norm=0.05), total_steps=2)
     reported = [trainer.train(batch, pg_loss)["grad_norm"] for _ in range(2)]
     clipped, unclipped = make_model(), make_model()
-    norms = reference_update(clipped, batch, pg_loss, 0.05, 1e-3, steps=2)
-    reference_update(unclipped, batch, pg_loss, float("inf"), 1e-3, steps=2)
+    norms = reference_update(clipped, batch, pg_loss, 0.05, lr, steps=2)
+    reference_update(unclipped, batch, pg_loss, float("inf"), lr, steps=2)
     assert norms[0] > 0.05  # so clipping really is exercised
     assert reported == pytest.approx(norms, rel=1e-5)
-    assert max_diff(trainer.model, clipped) <= 1e-6
-    assert max_diff(trainer.model, unclipped) > 1e-5
+    # Each Adam step moves an element by up to ~lr; rounding on near-zero gradients can turn
+    # into a few percent of that (see the micro-batch test), so the weights are compared at 5%
+    # of one step. Clipping itself changes the second step by a large part of a step.
+    assert max_diff(trainer.model, clipped) <= 0.05 * lr
+    assert max_diff(trainer.model, unclipped) > 0.2 * lr
 
 
 def test_reference_is_frozen_and_critic_trains(make_model, make_batch, pg_value_loss):
