@@ -178,7 +178,8 @@ class AlgoConfig(_Section):
     clip_high: float | None = Field(None, ge=0, description="default 0.2 (ppo) or 4e-4 (gspo); > clip_low = clip-higher")
     dual_clip: float | None = Field(None, description="dual-clip constant c > 1, None disables")
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                      "seq-mean-token-sum-norm"] = "token-mean"
+                      "seq-mean-token-sum-norm"] = Field("token-mean", description=(
+        "how token losses become one number: mean over all tokens, or per sequence then over sequences"))
     kl_coef: float = Field(0.0, ge=0,
         description="weight of the KL penalty to the reference model (needs trainer.reference)")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (k3: unbiased, non-negative)")

@@ -86,7 +86,8 @@ class PhaseProgress:
         self._bars: dict[str, tqdm] = {}
         self._latest: dict[str, dict[str, float]] = {"RL": {}, "warm-start": {}}
         self._eval: dict[str, float] = {}
-        self._t0: dict[str, float] = {}
+        self._t0: dict[str, tuple[float, int]] = {}  # phase -> (first seen, its step)
+        self._printed: dict[str, int] = {}  # the step of each phase's last plain line
 
     # -- Sink ---------------------------------------------------------------
     def log(self, step: int, metrics: Mapping[str, float], kind: str = "train") -> None:
@@ -126,11 +127,14 @@ class PhaseProgress:
             bar.set_postfix_str(self._postfix(name), refresh=False)
             bar.update(max(done - bar.n, 0)) if done > bar.n else bar.refresh()
             return
-        start = self._t0.setdefault(name, time.monotonic())
+        start, first = self._t0.setdefault(name, (time.monotonic(), done))
         every = self.every or max(1, (total or LINES_PER_PHASE) // LINES_PER_PHASE)
-        if done % every == 0 or done == total or done == 1:
+        last = self._printed.get(name, 0)
+        if done - last >= every or done == total or last == 0:
+            self._printed[name] = done
             elapsed = time.monotonic() - start
-            eta = f" eta {tqdm.format_interval(elapsed / done * (total - done))}" if total and done else ""
+            rate = elapsed / (done - first) if done > first else None
+            eta = f" eta {tqdm.format_interval(rate * (total - done))}" if total and rate else ""
             of = f"/{total}" if total else ""
             say(f"[{name}] step {done}{of} {tqdm.format_interval(elapsed)}{eta} | {self._postfix(name)}",
                 self.stream)
