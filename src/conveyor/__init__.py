@@ -10,7 +10,7 @@ stays light (no torch)::
 """
 __version__ = "0.1.0"
 
-_API = ("load_config", "train", "generate", "evaluate", "model_dir", "run_config", "TrainSummary", "EvalResult")
+_API = ("load_config", "train", "generate", "evaluate", "export", "model_dir", "run_config", "TrainSummary", "EvalResult")
 __all__ = [*_API, "__version__"]
 
 

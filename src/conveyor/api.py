@@ -12,18 +12,19 @@ Contract
   final model (or a checkpoint), the run's prompt formatting applied.
 - ``evaluate(run_dir, overrides=(), checkpoint=None) -> EvalResult``: held-out
   reward of that model with the run's reward and eval set, greedy and sampled.
-- ``model_dir(run_dir, checkpoint=None)``: the plain HF directory of a run's
-  model (``final/``, or a checkpoint's policy; a sharded checkpoint is exported
-  into ``<checkpoint>/hf`` once).
+- ``model_dir(run_dir, checkpoint=None)``: where a run's model is (``final/``,
+  or a checkpoint directory); ``export(run_dir, out, checkpoint=None)`` writes
+  it as a plain HF directory, from any of them (sharded FSDP checkpoints too).
 
 It knows the run directory's layout and nothing of the loop's internals.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from conveyor.config import DEFAULT_RECIPE, ConfigError, RunConfig
 from conveyor.config import load_config as _load
@@ -105,20 +106,19 @@ def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
 
 
 def model_dir(run_dir: str | Path, checkpoint: str | Path | None = None) -> Path:
-    """A plain HF directory holding the run's model: ``final/``, or the given checkpoint
-    (a path, a step number, or ``latest``)."""
+    """Where the run's model is: ``final/`` (a plain HF directory), or the given checkpoint's
+    directory (a path, a step number, or ``latest``), which may be sharded (see ``export``)."""
     from conveyor.launch.local import latest_checkpoint
     run_dir = Path(run_dir)
-    if checkpoint is None:
-        if (run_dir / "final" / "config.json").is_file():
-            return run_dir / "final"
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise ConfigError(f"{run_dir}: no final/ model and no checkpoints/step_*; "
-                              "give the directory of a finished run (conveyor train --output-dir)")
-    else:
-        ckpt = checkpoint_dir(run_dir, checkpoint)
-    return _plain(ckpt)
+    if checkpoint is not None:
+        return checkpoint_dir(run_dir, checkpoint)
+    if (run_dir / "final" / "config.json").is_file():
+        return run_dir / "final"
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ConfigError(f"{run_dir}: no final/ model and no checkpoints/step_*; "
+                          "give the directory of a finished run (conveyor train --output-dir)")
+    return ckpt
 
 
 def checkpoint_dir(run_dir: Path, checkpoint: str | Path) -> Path:
@@ -137,15 +137,39 @@ def checkpoint_dir(run_dir: Path, checkpoint: str | Path) -> Path:
     return ckpt
 
 
-def _plain(ckpt: Path) -> Path:
-    """A checkpoint's policy as a plain HF directory; a sharded one is exported once into ckpt/hf."""
-    from conveyor.trainer.checkpoint import SHARDED_MARKER, export_hf
-    if not (ckpt / SHARDED_MARKER).is_file():
-        return ckpt / "policy"
-    out = ckpt / "hf"
-    if not (out / "config.json").is_file():
-        export_hf(ckpt, out)
-    return out
+def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None) -> Path:
+    """Write the run's model (``final/`` or a checkpoint, sharded FSDP ones included) to ``out``
+    as a plain Hugging Face directory with the tokenizer; returns where it came from."""
+    import shutil
+    import warnings
+
+    from conveyor.trainer.checkpoint import export_hf
+    src, out = model_dir(run_dir, checkpoint), Path(out)
+    if out.exists():
+        raise ConfigError(f"{out} already exists; give a new directory to export to")
+    if (src / "policy").is_dir():  # a checkpoint: policy/ (or, sharded, dcp/ + policy/'s config)
+        with warnings.catch_warnings():  # dcp's single-process read warns that no process group exists
+            warnings.simplefilter("ignore", UserWarning)
+            export_hf(src, out)
+    else:
+        shutil.copytree(src, out)
+    return src
+
+
+@contextlib.contextmanager
+def _plain_model(run_dir: str | Path, checkpoint: str | Path | None) -> Iterator[Path]:
+    """A plain HF directory of the run's model for the length of the block (a sharded checkpoint
+    is exported into a temporary directory)."""
+    import tempfile
+
+    from conveyor.trainer.checkpoint import SHARDED_MARKER
+    src = model_dir(run_dir, checkpoint)
+    if not (src / SHARDED_MARKER).is_file():
+        yield src / "policy" if (src / "policy").is_dir() else src
+        return
+    with tempfile.TemporaryDirectory(prefix="conveyor-model-") as tmp:
+        export(run_dir, Path(tmp) / "model", checkpoint)
+        yield Path(tmp) / "model"
 
 
 def _engine(cfg: RunConfig, path: Path):
@@ -184,7 +208,8 @@ def generate(run_dir: str | Path, prompts: Sequence[str], *, checkpoint: str | P
     cfg = run_config(run_dir)
     check_devices(cfg)
     quiet_libraries()
-    engine, tok = _engine(cfg, model_dir(run_dir, checkpoint))
+    with _plain_model(run_dir, checkpoint) as path:
+        engine, tok = _engine(cfg, path)
     special = not cfg.data.chat_template and not cfg.data.source.startswith("synthetic:")
     ids = [tok(p if raw else format_prompt(cfg, tok, p), add_special_tokens=special)["input_ids"]
            for p in prompts]
@@ -217,11 +242,12 @@ def evaluate(run_dir: str | Path, overrides: Sequence[str] = (), *,
     # One engine in this process is enough to evaluate, whatever the run's placement was.
     launch = LaunchConfig(timeout_s=cfg.launch.timeout_s)
     cfg = cfg.model_copy(update={"launch": launch, "loop": cfg.loop.model_copy(update={"eval_sampled": True}),
-                                 "observe": cfg.observe.model_copy(update={"tensorboard": False})})
+                                 "observe": cfg.observe.model_copy(update={"tensorboard": False,
+                                                                           "progress": False})})
     check_devices(cfg)
     quiet_libraries()
-    path = model_dir(run_dir, checkpoint)
-    with tempfile.TemporaryDirectory(prefix="conveyor-eval-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="conveyor-eval-") as tmp, \
+            _plain_model(run_dir, checkpoint) as path:
         c = build(cfg, Path(tmp), str(path))
         try:
             start_rollouts(c, str(path), 0)

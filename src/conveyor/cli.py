@@ -135,15 +135,9 @@ def _eval(ns) -> int:
 
 
 def _export(ns) -> int:
-    import shutil
-
     from conveyor import api
-    src = api.model_dir(ns.run_dir, ns.checkpoint)
-    out = Path(ns.out)
-    if out.exists():
-        raise ConfigError(f"{out} already exists; give a new directory to export to")
-    shutil.copytree(src, out)
-    print(f"wrote {out} from {src}")
+    src = api.export(ns.run_dir, ns.out, ns.checkpoint)
+    print(f"wrote {ns.out} from {src}")
     return 0
 
 

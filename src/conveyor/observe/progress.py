@@ -241,7 +241,7 @@ def report_length_skips(c, skipped: int, total: int, prefix: str) -> None:
         from conveyor.data.api import DataError
         raise DataError(f"all {total} {what} are longer than the model's context ({c.max_prompt_tokens} "
                         f"prompt tokens), so nothing is left to evaluate; {fix}")
-    key = prefix + "prompt_too_long"
+    key = ("sft_check_" if prefix.startswith("sft") else "eval_") + "prompt_too_long"  # greedy and sampled: once
     if c.stats.get(key) != skipped:
         c.logger.message(f"note: {skipped} of {total} {what} skipped: longer than the model's context "
                          f"({c.max_prompt_tokens} prompt tokens); {fix}")
