@@ -10,8 +10,9 @@ stays light (no torch)::
 """
 __version__ = "0.1.0"
 
-_API = ("load_config", "train", "generate", "evaluate", "export", "model_dir", "run_config", "TrainSummary", "EvalResult")
-__all__ = [*_API, "__version__"]
+__all__ = ["load_config", "train", "generate", "evaluate", "export", "model_dir", "run_config",
+           "TrainSummary", "EvalResult", "__version__"]
+_API = frozenset(__all__) - {"__version__"}
 
 
 def __getattr__(name: str):

@@ -24,7 +24,8 @@ import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from conveyor.config import DEFAULT_RECIPE, ConfigError, RunConfig
 from conveyor.config import load_config as _load
@@ -43,7 +44,7 @@ class EvalResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_metrics(cls, m: dict[str, Any], suffix: str = "") -> "EvalResult":
+    def from_metrics(cls, m: dict[str, Any], suffix: str = "") -> EvalResult:
         def get(key: str) -> float | None:
             v = m.get(key + suffix)
             return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
@@ -221,9 +222,7 @@ def generate(run_dir: str | Path, prompts: Sequence[str], *, checkpoint: str | P
     try:
         outs = engine.generate([list(i) for i in ids], params)
     finally:
-        close = getattr(engine, "close", None)  # noqa: B009 - engines without resources have no close
-        if callable(close):
-            close()
+        engine.close()
     return [tok.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]
 
 
