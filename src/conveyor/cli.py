@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import textwrap
 from pathlib import Path
 
 import yaml
@@ -69,8 +71,9 @@ def _say_base(cfg, recipe) -> None:
     label, base = base_config(recipe)
     name = "the built-in recipe" if Path(recipe) == DEFAULT_RECIPE else str(recipe)
     diff = config_diff(cfg, base)
-    print(f"recipe {name}, base: {label}; {len(diff)} fields differ from the base: {format_diff(diff)}",
-          file=sys.stderr, flush=True)
+    text = f"recipe {name}, base: {label}; {len(diff)} fields differ from the base: {format_diff(diff)}"
+    print(textwrap.fill(text, width=110, subsequent_indent="  ", break_on_hyphens=False), file=sys.stderr,
+          flush=True)
 
 
 def _train(ns) -> int:
@@ -257,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return ns.fn(ns)
+    except BrokenPipeError:  # `conveyor config | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not fail
+        return 0
     except Exception as e:  # noqa: BLE001 - only user errors and role failures are shortened
         if type(e).__name__ in _USER_ERRORS or isinstance(e, ConfigError):
             print(f"conveyor: error: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import textwrap
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -507,8 +508,9 @@ def describe_section(cfg: RunConfig, name: str) -> str:
         if part not in fields or not isinstance(getattr(model, part), BaseModel):
             choices = [k for k in fields if isinstance(getattr(model, k), BaseModel)]
             where = ".".join(parts[:i]) or "the config"
+            known = f"sections: {', '.join(choices)}" if choices else f"{where} has fields only"
             raise ConfigError(f"{'.'.join(parts[:i + 1])} is not a section of {where}"
-                              f"{did_you_mean(part, choices)}; sections: {', '.join(choices)}")
+                              f"{did_you_mean(part, choices)}; {known}")
         model = getattr(model, part)
     doc = (type(model).__doc__ or "").strip()
     parent = RunConfig.model_fields[parts[0]].description if len(parts) == 1 else None
@@ -524,7 +526,7 @@ def describe_section(cfg: RunConfig, name: str) -> str:
         changed = "" if value == default else f"   (default {dflt})"
         lines.append(f"  {name}.{key} = {cur}{changed}")
         if f.description:
-            lines.append(f"      {f.description}")
+            lines += textwrap.wrap(f.description, width=100, initial_indent="      ", subsequent_indent="      ")
     return "\n".join(lines)
 
 

@@ -51,7 +51,6 @@ def quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TQDM_DISABLE", "1")  # library bars; ours pass disable=False explicitly
     try:
         import transformers
         transformers.utils.logging.set_verbosity_error()
@@ -123,7 +122,7 @@ class PhaseProgress:
             bar = self._bars.get(name)
             if bar is None:
                 bar = self._bars[name] = tqdm(total=total, initial=max(done - 1, 0), desc=name, unit="step",
-                                              file=self.stream, dynamic_ncols=True, leave=True, disable=False)
+                                              file=self.stream, dynamic_ncols=True, leave=True)
             bar.set_postfix_str(self._postfix(name), refresh=False)
             bar.update(max(done - bar.n, 0)) if done > bar.n else bar.refresh()
             return
@@ -152,8 +151,7 @@ class PhaseProgress:
         if not self.tty:
             yield _NoBar()
             return
-        bar = tqdm(total=total, desc=name, unit="pass", file=self.stream, leave=False, dynamic_ncols=True,
-                   disable=False)
+        bar = tqdm(total=total, desc=name, unit="pass", file=self.stream, leave=False, dynamic_ncols=True)
         try:
             yield bar
         finally:
