@@ -147,7 +147,8 @@ def test_skipped_warm_start_and_prompts_skipped_for_length_are_said(tmp_path, ca
                                                    "model's context (5 prompt tokens)")
     last = json.loads((tmp_path / "run" / "summary.json").read_text())["final_metrics"]
     assert last["eval_prompt_too_long"] == 12 and last["prompt_too_long"] > 0
-    assert any(l.startswith("note: ") and "training prompts were skipped" in l for l in err)
+    assert any(l.startswith("note: ") and "training prompts were skipped: longer than the model's context "
+               "(5 prompt tokens)" in l for l in err)
 
 
 def test_help_lists_commands_override_syntax_and_examples(capsys):

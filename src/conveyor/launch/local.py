@@ -230,7 +230,7 @@ def _run(c: Components, cfg: RunConfig, run_dir: Path, base: str, start_path: st
         "wall_seconds": time.perf_counter() - t0, "rl_seconds": rl_seconds,
         "trained_samples_per_second": (steps_done - start_step) * cfg.loop.batch_size * cfg.rollout.n
         / max(rl_seconds, 1e-9),
-        "final_metrics": last, "run_dir": str(run_dir),
+        "final_metrics": last, "run_dir": str(run_dir), "max_prompt_tokens": c.max_prompt_tokens,
     })
     if cfg.loop.checkpoint_every:
         c.checkpoint(steps_done, summary)

@@ -212,8 +212,9 @@ def summary_text(summary: Mapping[str, Any], run_dir: Path, examples: Sequence[A
     last = summary.get("final_metrics") or {}
     for key, what in (("prompt_too_long", "training prompts"), ("eval_prompt_too_long", "held-out prompts")):
         if last.get(key):
-            lines.append(f"note: {int(last[key])} {what} were skipped: longer than the model's context "
-                         "(shorten the prompts, or use a model with a longer context: model.path, "
+            limit = f" ({summary['max_prompt_tokens']} prompt tokens)" if "max_prompt_tokens" in summary else ""
+            lines.append(f"note: {int(last[key])} {what} were skipped: longer than the model's context{limit}; "
+                         "shorten the prompts, or use a model with a longer context (model.path, "
                          "model.tiny.max_position_embeddings)")
     lines += ["", f"run directory {run_dir}/"]
     for name, what in LAYOUT:

@@ -45,14 +45,15 @@ def test_summary_table_layout_and_commands(tmp_path):
                "eval_sampled_reward_initial": 0.01, "eval_sampled_reward_warmstart": 0.5,
                "eval_sampled_reward_final": 0.7, "eval_exact_initial": 0.0, "eval_exact_warmstart": 0.4,
                "eval_exact_final": 0.6, "steps": 300, "wall_seconds": 191.2,
-               "final_metrics": {"prompt_too_long": 3}}
+               "final_metrics": {"prompt_too_long": 3}, "max_prompt_tokens": 255}
     text = summary_text(summary, tmp_path, [Task(id="e-1", prompt="12+34=", answer="46")])
     lines = text.splitlines()
     assert "greedy reward          0.015       0.742       0.840" in lines
     assert "sampled reward         0.010       0.500       0.700" in lines
     assert "exact answers          0.000       0.400       0.600" in lines
     assert "300 RL steps, 191s in all" in lines
-    assert any(l.startswith("note: 3 training prompts were skipped") for l in lines)
+    assert any(l.startswith("note: 3 training prompts were skipped: longer than the model's context (255 "
+                            "prompt tokens); shorten") for l in lines)
     assert f"  conveyor generate {tmp_path} 12+34=" in lines and f"  conveyor eval {tmp_path}" in lines
     assert any(l.startswith("  final/") for l in lines) and not any(l.startswith("  warmstart/") for l in lines)
     # a reward without an exact metric: no exact row
