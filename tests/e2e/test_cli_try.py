@@ -179,9 +179,12 @@ def test_config_section_and_diff(tmp_path, capsys):
 
 
 def test_example_custom_reward_through_the_python_api(tmp_path, monkeypatch, capsys):
-    root = Path(__file__).resolve().parents[2]
-    monkeypatch.syspath_prepend(str(root / "examples" / "custom_reward"))
-    import run as example  # examples/custom_reward/run.py
+    import importlib.util
+    here = Path(__file__).resolve().parents[2] / "examples" / "custom_reward"
+    monkeypatch.syspath_prepend(str(here))  # run.py adds it too; this undoes it after the test
+    spec = importlib.util.spec_from_file_location("custom_reward_run", here / "run.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
     summary = example.main(["loop.steps=2", "sft.steps=20", "data.eval_size=20", "model.tiny.hidden_size=32",
                             "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
                             "observe.tensorboard=false", f"--output-dir={tmp_path / 'shout'}"])
@@ -191,4 +194,4 @@ def test_example_custom_reward_through_the_python_api(tmp_path, monkeypatch, cap
     assert summary.warmstart.exact == raw["eval_exact_warmstart"]  # reward.py's own "exact" metric
     assert summary.model_dir == tmp_path / "shout" / "final" and summary.model_dir.is_dir()
     assert capsys.readouterr().out.splitlines()[-1].startswith("up cat= -> ")
-    sys.modules.pop("run", None)
+    sys.modules.pop("reward", None)  # examples/custom_reward/reward.py, imported by name
