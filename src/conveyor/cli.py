@@ -131,9 +131,9 @@ def _eval(ns) -> int:
     if recipe:
         raise ConfigError(f"unexpected argument {recipe!r}: eval takes the run's config; pass key=value overrides")
     r = api.evaluate(ns.run_dir, overrides, checkpoint=ns.checkpoint)
-    from conveyor.observe.progress import _num
-    print(f"greedy reward {_num(r.greedy_reward)}  sampled reward {_num(r.sampled_reward)}  "
-          f"exact (greedy) {_num(r.exact)}")
+    from conveyor.observe.progress import fmt_number
+    print(f"greedy reward {fmt_number(r.greedy_reward)}  sampled reward {fmt_number(r.sampled_reward)}  "
+          f"exact (greedy) {fmt_number(r.exact)}")
     return 0
 
 

@@ -124,7 +124,10 @@ class PhaseProgress:
                 bar = self._bars[name] = tqdm(total=total, initial=max(done - 1, 0), desc=name, unit="step",
                                               file=self.stream, dynamic_ncols=True, leave=True)
             bar.set_postfix_str(self._postfix(name), refresh=False)
-            bar.update(max(done - bar.n, 0)) if done > bar.n else bar.refresh()
+            if done > bar.n:
+                bar.update(done - bar.n)
+            else:
+                bar.refresh()
             return
         start, first = self._t0.setdefault(name, (time.monotonic(), done))
         every = self.every or max(1, (total or LINES_PER_PHASE) // LINES_PER_PHASE)
@@ -170,16 +173,17 @@ class _NoBar:
         pass
 
 
-def _num(v: Any) -> str:
+def fmt_number(v: Any) -> str:
+    """Three decimals, or '-' for a number that is missing or NaN."""
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{float(v):.3f}"
 
 
 def eval_line(step: int, m: Mapping[str, float]) -> str:
-    parts = [f"greedy reward {_num(m.get('eval_reward'))}"]
+    parts = [f"greedy reward {fmt_number(m.get('eval_reward'))}"]
     if "eval_sampled_reward" in m:
-        parts.append(f"sampled {_num(m['eval_sampled_reward'])}")
+        parts.append(f"sampled {fmt_number(m['eval_sampled_reward'])}")
     if "eval_exact" in m:
-        parts.append(f"exact {_num(m['eval_exact'])}")
+        parts.append(f"exact {fmt_number(m['eval_exact'])}")
     return f"eval @ step {step}: " + ", ".join(parts)
 
 
@@ -207,7 +211,7 @@ def summary_text(summary: Mapping[str, Any], run_dir: Path, examples: Sequence[A
         vals = [summary.get(f"{key}_{p}") for _, p in cols]
         if all(v is None for v in vals):
             continue
-        lines.append(f"{label:<16}" + "".join(f"{_num(v):>12}" for v in vals))
+        lines.append(f"{label:<16}" + "".join(f"{fmt_number(v):>12}" for v in vals))
     lines.append(f"{summary.get('steps', 0)} RL steps, {summary.get('wall_seconds', 0):.0f}s in all")
     last = summary.get("final_metrics") or {}
     for key, what in (("prompt_too_long", "training prompts"), ("eval_prompt_too_long", "held-out prompts")):
