@@ -147,13 +147,14 @@ def _export(ns) -> int:
 def _show_config(ns) -> int:
     names = sections()
     section = None
-    if ns.args and "=" not in ns.args[0] and not Path(ns.args[0]).is_file():
-        first = ns.args[0]
-        if first.split(".")[0] in names or not first.endswith((".yaml", ".yml", ".toml")):
-            if first.split(".")[0] not in names:
-                raise ConfigError(f"{first!r} is neither a recipe file nor a config section"
-                                  f"{did_you_mean(first, names)}; sections: {', '.join(names)}")
-            section, ns.args = first, ns.args[1:]
+    for a in list(ns.args):  # a word that is neither an override nor a recipe file names a section
+        if "=" in a or Path(a).is_file() or a.endswith((".yaml", ".yml", ".toml")):
+            continue
+        if a.split(".")[0] not in names or section is not None:
+            raise ConfigError(f"{a!r} is neither a recipe file nor a config section"
+                              f"{did_you_mean(a, names)}; sections: {', '.join(names)}")
+        section = a
+        ns.args.remove(a)
     cfg, recipe = _config(ns.args, ns.output_dir)
     if ns.diff:
         label, base = base_config(recipe)
