@@ -1,33 +1,49 @@
-"""The `conveyor` command.
+"""The `conveyor` command: train, try, evaluate, export and explain a run.
 
-    conveyor train [RECIPE] [key=value ...] [--output-dir DIR]   run RL (default: the built-in recipe)
-    conveyor train --resume RUN_DIR [key=value ...]             continue a run from its last checkpoint
-    conveyor sft   [RECIPE] [key=value ...]                     only the supervised warm-start
-    conveyor export RUN_DIR OUT                                  write a plain HF checkpoint
-    conveyor config [RECIPE] [key=value ...]                     print the resolved config
-    conveyor build-tiny OUT                                      write the tiny model + tokenizer
-
-Contract: user mistakes (bad recipe, missing file, unknown reward) end with
-one line ``conveyor: error: ...`` and exit code 2; anything else is a bug
-and keeps its traceback. The CLI knows nothing of training itself.
+Contract: user mistakes (bad recipe, missing file, unknown reward, a device
+this machine lacks) end with one line ``conveyor: error: ...`` and exit code
+2; anything else is a bug and keeps its traceback. The commands call the
+Python API (``conveyor.api``); the CLI knows nothing of training itself.
 """
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import logging
+import os
 import sys
+import textwrap
 from pathlib import Path
 
 import yaml
 
-from conveyor.config import ConfigError, load_config
+from conveyor.config import (DEFAULT_RECIPE, ConfigError, base_config, config_diff, describe_section,
+                             did_you_mean, format_diff, load_config, sections)
 
 # Errors that mean "the user asked for something impossible"; resolved lazily
 # so `conveyor config` never imports torch.
-_USER_ERRORS = ("ConfigError", "DataError", "PluginError", "SetupError", "RewardError")
+_USER_ERRORS = ("ConfigError", "DataError", "PluginError", "SetupError", "RewardError", "DeviceError")
 
-DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "default.yaml"
+OVERRIDES = """\
+overrides: section.field=value, the value read as YAML (loop.steps=100, rollout.temperature=0.7,
+  trainer.profile_steps=[1,2], model.path=null). Sections: model data rollout reward trainer algo sft
+  loop observe launch; `conveyor config SECTION` lists a section's fields with their descriptions.
+recipes: a YAML or TOML file of sections; `base: default` merges the built-in recipe under it
+  (`base: other.yaml` a recipe relative to it); without base: it starts from the field defaults.
+"""
+
+EPILOG = f"""\
+{OVERRIDES}
+examples:
+  conveyor train                                   the built-in recipe (tiny model, CPU, a few minutes)
+  conveyor train loop.steps=100 loop.seed=1        the same with overrides
+  conveyor train my.yaml --output-dir runs/mine    your recipe
+  conveyor generate runs/mine "12+34="             try the trained model
+  conveyor eval runs/mine data.eval_size=500       held-out reward of the trained model
+  conveyor config trainer                          the trainer's fields, defaults and descriptions
+  conveyor config my.yaml --diff                   what my.yaml changes from its base
+
+built-in recipe: {DEFAULT_RECIPE}
+"""
 
 
 def _split(args: list[str]) -> tuple[str | None, list[str]]:
@@ -48,41 +64,44 @@ def _config(args: list[str], output_dir: str | None):
     cfg = load_config(recipe or DEFAULT_RECIPE, overrides)
     if output_dir:
         cfg.output_dir = output_dir
-    return cfg
+    return cfg, recipe or DEFAULT_RECIPE
 
 
-def _run_dir(cfg) -> Path:
-    if cfg.output_dir:
-        return Path(cfg.output_dir)
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{cfg.name}-{stamp}"
+def _say_base(cfg, recipe) -> None:
+    label, base = base_config(recipe)
+    name = "the built-in recipe" if Path(recipe) == DEFAULT_RECIPE else str(recipe)
+    diff = config_diff(cfg, base)
+    text = f"recipe {name}, base: {label}; {len(diff)} fields differ from the base: {format_diff(diff)}"
+    print(textwrap.fill(text, width=110, subsequent_indent="  ", break_on_hyphens=False), file=sys.stderr,
+          flush=True)
 
 
 def _train(ns) -> int:
-    from conveyor.launch.local import run_local
+    from conveyor import api
     if ns.resume:
         run_dir = Path(ns.resume)
-        if not (run_dir / "config.yaml").is_file():
-            raise ConfigError(f"--resume {run_dir}: no config.yaml there; give a run directory of conveyor train")
         recipe, overrides = _split(ns.args)
         if recipe:
             raise ConfigError("--resume takes the recipe saved in the run directory; pass only key=value overrides")
-        base = yaml.safe_load((run_dir / "config.yaml").read_text())
-        cfg = load_config(None, overrides, base=base)
-        run_local(cfg, run_dir, resume=True)
+        api.train(api.run_config(run_dir, overrides), run_dir, resume=True)
     else:
-        cfg = _config(ns.args, ns.output_dir)
-        run_local(cfg, _run_dir(cfg))
+        cfg, recipe = _config(ns.args, ns.output_dir)
+        _say_base(cfg, recipe)
+        api.train(cfg, api.default_run_dir(cfg))
     return 0
 
 
 def _sft(ns) -> int:
-    from conveyor import loop
+    from conveyor import api, loop
     from conveyor.launch.local import build, resolve_model_path, start_rollouts, warm_start_phase
-    cfg = _config(ns.args, ns.output_dir)
+    from conveyor.launch.preflight import check_devices
+    from conveyor.observe.progress import quiet_libraries
+    cfg, _ = _config(ns.args, ns.output_dir)
     if cfg.sft.steps == 0:
         raise ConfigError("sft.steps is 0: set sft.steps=N to run the warm-start")
-    run_dir = _run_dir(cfg)
+    check_devices(cfg)
+    quiet_libraries()
+    run_dir = api.default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     base = resolve_model_path(cfg, run_dir)
     c = build(cfg, run_dir, base)
@@ -97,24 +116,58 @@ def _sft(ns) -> int:
     return 0
 
 
+def _generate(ns) -> int:
+    from conveyor import api
+    outs = api.generate(ns.run_dir, ns.prompts, checkpoint=ns.checkpoint, temperature=ns.temperature,
+                        max_new_tokens=ns.max_new_tokens, raw=ns.raw, seed=ns.seed)
+    for prompt, out in zip(ns.prompts, outs):
+        print(out if len(outs) == 1 else f"{prompt}\t{out}")
+    return 0
+
+
+def _eval(ns) -> int:
+    from conveyor import api
+    recipe, overrides = _split(ns.args)
+    if recipe:
+        raise ConfigError(f"unexpected argument {recipe!r}: eval takes the run's config; pass key=value overrides")
+    r = api.evaluate(ns.run_dir, overrides, checkpoint=ns.checkpoint)
+    from conveyor.observe.progress import fmt_number
+    print(f"greedy reward {fmt_number(r.greedy_reward)}  sampled reward {fmt_number(r.sampled_reward)}  "
+          f"exact (greedy) {fmt_number(r.exact)}")
+    return 0
+
+
 def _export(ns) -> int:
-    from conveyor.launch.local import latest_checkpoint
-    from conveyor.trainer.checkpoint import export_hf
-    run_dir = Path(ns.run_dir)
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        if (run_dir / "final" / "config.json").exists():
-            ckpt = run_dir / "final"
-        else:
-            raise ConfigError(f"{run_dir}: no checkpoints/step_* and no final/ model; is this a run directory?")
-    export_hf(ckpt, Path(ns.out))
-    print(f"wrote {ns.out} from {ckpt}")
+    from conveyor import api
+    src = api.export(ns.run_dir, ns.out, ns.checkpoint)
+    print(f"wrote {ns.out} from {src}")
     return 0
 
 
 def _show_config(ns) -> int:
-    cfg = _config(ns.args, ns.output_dir)
-    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    names = sections()
+    section = None
+    for a in list(ns.args):  # a word that is neither an override nor a recipe file names a section
+        if "=" in a or Path(a).is_file() or a.endswith((".yaml", ".yml", ".toml")):
+            continue
+        if a.split(".")[0] not in names or section is not None:
+            raise ConfigError(f"{a!r} is neither a recipe file nor a config section"
+                              f"{did_you_mean(a, names)}; sections: {', '.join(names)}")
+        section = a
+        ns.args.remove(a)
+    cfg, recipe = _config(ns.args, ns.output_dir)
+    if ns.diff:
+        label, base = base_config(recipe)
+        diff = config_diff(cfg, base)
+        print(f"# base: {label}; {len(diff)} fields differ")
+        for key, old, new in diff:
+            if section is None or key.startswith(section + "."):
+                print(f"{key}: {yaml.safe_dump(new, default_flow_style=True).strip().removesuffix('...').strip()}"
+                      f"   # base: {old!r}")
+    elif section is not None:
+        print(describe_section(cfg, section))
+    else:
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
     return 0
 
 
@@ -134,23 +187,69 @@ def _role_failure(e: BaseException) -> BaseException | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="conveyor", description="streaming RL post-training for LLMs")
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="conveyor", description="Streaming RL post-training for LLMs: a trainer, "
+                                "rollout engines and a reward service under one loop.", epilog=EPILOG,
+                                formatter_class=fmt)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    helps = {
+        "train": ("run a whole RL run: initial eval, warm-start, RL, final eval, final/ model",
+                  "RECIPE (default: the built-in recipe) and/or key=value overrides"),
+        "sft": ("run only the supervised warm-start (sft.steps must be > 0)",
+                "RECIPE and/or key=value overrides"),
+        "config": ("print the resolved config, one SECTION with field descriptions, or --diff from the base",
+                   "SECTION (e.g. trainer), RECIPE and/or key=value overrides"),
+    }
     for name, fn in (("train", _train), ("sft", _sft), ("config", _show_config)):
-        sp = sub.add_parser(name)
-        sp.add_argument("args", nargs="*", help="RECIPE file and/or key=value overrides")
-        sp.add_argument("--output-dir", default=None)
+        desc, arg_help = helps[name]
+        sp = sub.add_parser(name, help=desc, description=desc, epilog=EPILOG, formatter_class=fmt)
+        sp.add_argument("args", nargs="*", help=arg_help)
+        sp.add_argument("--output-dir", default=None, help="run directory (default runs/<name>-<time>)")
         if name == "train":
-            sp.add_argument("--resume", metavar="RUN_DIR", default=None)
+            sp.add_argument("--resume", metavar="RUN_DIR", default=None,
+                            help="continue RUN_DIR from its latest checkpoint (overrides allowed)")
+        if name == "config":
+            sp.add_argument("--diff", action="store_true", help="only the fields that differ from the base")
         sp.set_defaults(fn=fn)
-    sp = sub.add_parser("export")
-    sp.add_argument("run_dir")
-    sp.add_argument("out")
+    desc = "complete prompts with a run's model (final/, or --checkpoint), formatted as the run's data was"
+    sp = sub.add_parser("generate", help=desc, description=desc, formatter_class=fmt, epilog=(
+        'example:\n  conveyor generate runs/default-20260101-120000 "12+34=" "7+5="'))
+    sp.add_argument("run_dir", metavar="RUN_DIR")
+    sp.add_argument("prompts", nargs="+", metavar="PROMPT")
+    _add_checkpoint(sp)
+    sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    sp.add_argument("--max-new-tokens", type=int, default=None, help="default: the run's rollout.max_new_tokens")
+    sp.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    sp.add_argument("--raw", action="store_true", help="send the prompt as is (no template of the run's data)")
+    sp.set_defaults(fn=_generate)
+    desc = "held-out reward of a run's model (final/, or --checkpoint) with the run's reward and eval set"
+    sp = sub.add_parser("eval", help=desc, description=desc, formatter_class=fmt, epilog=(
+        f"{OVERRIDES}\nexample:\n  conveyor eval runs/mine data.eval_size=500 --checkpoint 100"))
+    sp.add_argument("run_dir", metavar="RUN_DIR")
+    sp.add_argument("args", nargs="*", help="key=value overrides of the run's config (e.g. data.eval_path=...)")
+    _add_checkpoint(sp)
+    sp.set_defaults(fn=_eval)
+    desc = "write a run's model (final/, or --checkpoint, sharded ones too) as a plain Hugging Face directory"
+    sp = sub.add_parser("export", help=desc, description=desc)
+    sp.add_argument("run_dir", metavar="RUN_DIR")
+    sp.add_argument("out", metavar="OUT")
+    _add_checkpoint(sp)
     sp.set_defaults(fn=_export)
-    sp = sub.add_parser("build-tiny")
-    sp.add_argument("out")
+    desc = "write the tiny model and tokenizer the built-in recipe trains"
+    sp = sub.add_parser("build-tiny", help=desc, description=desc)
+    sp.add_argument("out", metavar="OUT")
     sp.set_defaults(fn=_build_tiny)
+    return p
+
+
+def _add_checkpoint(sp) -> None:
+    sp.add_argument("--checkpoint", default=None, metavar="STEP|PATH|latest",
+                    help="a checkpoint of the run instead of final/ (a step number, a path, or latest)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     # Overrides may come before or after --output-dir / --resume, so positional
     # leftovers are appended to the recipe-and-overrides list.
     ns, extra = p.parse_known_args(argv)
@@ -159,9 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         ns.args = ns.args + extra
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return ns.fn(ns)
+    except BrokenPipeError:  # `conveyor config | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not fail
+        return 0
     except Exception as e:  # noqa: BLE001 - only user errors and role failures are shortened
         if type(e).__name__ in _USER_ERRORS or isinstance(e, ConfigError):
             print(f"conveyor: error: {e}", file=sys.stderr)

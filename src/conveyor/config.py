@@ -9,7 +9,9 @@ It does not know how a field is used; each role reads its own section.
 """
 from __future__ import annotations
 
+import difflib
 import json
+import textwrap
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -28,35 +30,37 @@ class _Section(BaseModel):
 
 class TinyModelConfig(_Section):
     """The locally built Llama-architecture model used when ``model.path`` is empty."""
-    hidden_size: int = Field(128, gt=0)
-    num_layers: int = Field(4, gt=0)
-    num_heads: int = Field(4, gt=0)
-    num_kv_heads: int = Field(2, gt=0)
-    intermediate_size: int = Field(384, gt=0)
-    max_position_embeddings: int = Field(256, gt=0)
+    hidden_size: int = Field(128, gt=0, description="width of the tiny model")
+    num_layers: int = Field(4, gt=0, description="decoder layers")
+    num_heads: int = Field(4, gt=0, description="attention heads")
+    num_kv_heads: int = Field(2, gt=0, description="key/value heads (grouped-query attention)")
+    intermediate_size: int = Field(384, gt=0, description="MLP width")
+    max_position_embeddings: int = Field(256, gt=0, description="context length in tokens (prompt + completion)")
 
 
 class ModelConfig(_Section):
     path: str | None = Field(None, description="HF checkpoint directory or hub id; empty builds the tiny model")
-    tiny: TinyModelConfig = TinyModelConfig()
-    trust_remote_code: bool = False
+    tiny: TinyModelConfig = Field(TinyModelConfig(),
+        description="shape of the tiny model built when model.path is empty")
+    trust_remote_code: bool = Field(False, description="allow a hub model's own Python code")
 
 
 class DataConfig(_Section):
     source: str = Field("synthetic:addition", description=(
         "synthetic:<name> | jsonl | parquet | hf | gsm8k (jsonl or hf in GSM8K format)"))
     path: str | None = Field(None, description="file path (jsonl/parquet) or HF dataset name (hf)")
-    split: str = "train"
-    eval_path: str | None = None
-    eval_split: str | None = None
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
+    split: str = Field("train", description="training split (hf sources)")
+    eval_path: str | None = Field(None,
+        description="held-out file or dataset; default: eval_size rows held out of data.path")
+    eval_split: str | None = Field(None, description="held-out split (hf sources)")
+    prompt_field: str = Field("prompt", description="row field holding the prompt")
+    answer_field: str = Field("answer", description="row field holding the reference answer (task.answer)")
     chat_template: bool = Field(False, description="render prompts through the tokenizer's chat template")
-    system_prompt: str | None = None
+    system_prompt: str | None = Field(None, description="system message (needs chat_template=true)")
     prompt_template: str = Field("{prompt}", description="format string applied to the prompt field")
-    skip_invalid: bool = False
-    eval_size: int = Field(256, ge=0)
-    seed: int = 0
+    skip_invalid: bool = Field(False, description="skip rows without a prompt instead of stopping")
+    eval_size: int = Field(256, ge=0, description="held-out tasks (synthetic tasks, or rows held out of data.path)")
+    seed: int = Field(0, description="seed of the synthetic tasks and of the held-out split")
     options: dict[str, Any] = Field(default_factory=dict, description="task-specific options (e.g. digits)")
 
 
@@ -64,13 +68,13 @@ class RolloutConfig(_Section):
     engine: Literal["native", "vllm", "remote"] = Field("native", description=(
         "native: the built-in engine; vllm: vLLM in the engine's process; remote: an OpenAI-compatible server"))
     n: int = Field(8, ge=1, description="samples per task (group size)")
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature of rollouts (0 = greedy)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 disables")
     top_k: int = Field(0, ge=0, description="0 disables top-k")
-    max_new_tokens: int = Field(16, ge=1)
+    max_new_tokens: int = Field(16, ge=1, description="most tokens per completion")
     stop: list[str] = Field(default_factory=list, description="stop strings (the EOS token always stops)")
     max_batch: int = Field(512, ge=1, description="sequences decoded together")
-    device: str = "auto"
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (in-process engine)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "engine weights; auto keeps the checkpoint's dtype (the trainer always keeps fp32 master weights)"))
     eos_bias: float = Field(0.0, description="added to the EOS logit (benchmark length shaping)")
@@ -87,7 +91,8 @@ class RolloutConfig(_Section):
         "reload: safetensors in /dev/shm + reload_weights; nccl: trainer on its own GPU; ipc: same GPU"))
     remote_url: str | None = Field(None, description="http://host:port of an OpenAI-compatible server")
     remote_model: str | None = Field(None, description="served model name; default: the server's first model")
-    remote_weight_sync: Literal["vllm_reload", "vllm_nccl", "sglang_disk", "none"] = "none"
+    remote_weight_sync: Literal["vllm_reload", "vllm_nccl", "sglang_disk", "none"] = Field("none",
+        description="how a remote server receives new weights; none = never")
     remote_timeout_s: float = Field(600.0, gt=0, description="deadline of one HTTP request")
 
     @model_validator(mode="after")
@@ -99,26 +104,28 @@ class RolloutConfig(_Section):
 
 class RewardConfig(_Section):
     fn: str = Field("auto", description="builtin name (math, exact, format, task) or dotted path module:fn")
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    timeout_s: float = Field(5.0, gt=0)
+    kwargs: dict[str, Any] = Field(default_factory=dict,
+        description="keyword arguments passed to the reward function")
+    timeout_s: float = Field(5.0, gt=0, description="deadline of one reward call")
     fallback: float = Field(0.0, description="reward used when the verifier raises or times out")
-    workers: int = Field(2, ge=1)
+    workers: int = Field(2, ge=1, description="reward calls run in parallel")
 
 
 class TrainerConfig(_Section):
-    device: str = "auto"
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = Field(0, ge=0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (single-device trainer)")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate of RL")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up steps")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant",
+        description="learning rate after warm-up")
     total_steps: int | None = Field(None, description="for decaying schedules; defaults to loop.steps")
     max_grad_norm: float | None = Field(1.0, description="None disables clipping")
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch (padded)")
     pad_multiple: int = Field(1, ge=1, description=(
         "pad each micro-batch's length up to a multiple of this, so that steps repeat a few shapes "
         "(per-shape attention plans and allocator blocks are then reused); 1 = pad to the longest only"))
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward (less memory, slower)")
     attention_mask: bool = Field(False, description=(
         "pass the padding mask to the model. Micro-batches are right-padded, so causal attention alone "
         "already keeps every real token off the padding, and without a mask attention runs its fused "
@@ -146,7 +153,7 @@ class TrainerConfig(_Section):
         "per optimizer step (every rank then holds the whole model in the gather dtype during the step)"))
     reference: bool = Field(False, description="keep a frozen reference model (needed for a KL term)")
     critic: bool = Field(False, description="train a value head (needed for GAE / PPO with a critic)")
-    critic_lr: float = Field(1e-5, gt=0)
+    critic_lr: float = Field(1e-5, gt=0, description="learning rate of the value head")
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per pass")
     profile_steps: list[int] = Field(default_factory=list, description=(
@@ -163,7 +170,8 @@ class TrainerConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce++", "gae"] = "grpo"
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce++", "gae"] = Field("grpo",
+        description="advantage estimator")
     loss: Literal["auto", "ppo", "gspo", "decoupled_ppo"] = Field("auto", description=(
         "auto: decoupled_ppo when loop.max_staleness > 0 (the ratio against the policy being trained, "
         "stale behaviour weights truncated at is_cap), else ppo"))
@@ -171,20 +179,24 @@ class AlgoConfig(_Section):
     clip_high: float | None = Field(None, ge=0, description="default 0.2 (ppo) or 4e-4 (gspo); > clip_low = clip-higher")
     dual_clip: float | None = Field(None, description="dual-clip constant c > 1, None disables")
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                      "seq-mean-token-sum-norm"] = "token-mean"
-    kl_coef: float = Field(0.0, ge=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    kl_in_reward: bool = False
-    entropy_coef: float = 0.0
-    importance_sampling: Literal["none", "truncated", "masked"] = "none"
-    is_level: Literal["token", "sequence"] = "token"
-    is_cap: float = Field(2.0, gt=0)
+                      "seq-mean-token-sum-norm"] = Field("token-mean", description=(
+        "how token losses become one number: mean over all tokens, or per sequence then over sequences"))
+    kl_coef: float = Field(0.0, ge=0,
+        description="weight of the KL penalty to the reference model (needs trainer.reference)")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (k3: unbiased, non-negative)")
+    kl_in_reward: bool = Field(False, description="subtract the KL from the reward instead of adding it to the loss")
+    entropy_coef: float = Field(0.0, description="entropy bonus weight")
+    importance_sampling: Literal["none", "truncated", "masked"] = Field("none",
+        description="correct engine/trainer mismatch: truncated or masked weights")
+    is_level: Literal["token", "sequence"] = Field("token",
+        description="importance weights per token or per sequence")
+    is_cap: float = Field(2.0, gt=0, description="cap of the importance weights")
     behaviour_mode: Literal["truncate", "mask"] = Field("truncate", description=(
         "decoupled PPO: truncate behaviour weights at is_cap, or drop tokens above it"))
-    value_coef: float = Field(0.5, ge=0)
-    value_clip: float | None = None
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)
+    value_coef: float = Field(0.5, ge=0, description="weight of the value loss (critic)")
+    value_clip: float | None = Field(None, description="clip range of the value loss; None disables")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount (GAE)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
 
     @model_validator(mode="after")
     def _clip_defaults(self) -> "AlgoConfig":
@@ -206,19 +218,20 @@ class SFTConfig(_Section):
         "stop early once the greedy reward on held-out TRAINING tasks reaches this"))
     check_every: int = Field(50, ge=1, description="warm-start steps between target checks")
     check_size: int = Field(100, ge=1, description="training tasks held out for the target check")
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(64, ge=1, description="examples per warm-start step")
+    lr: float = Field(1e-3, gt=0, description="warm-start learning rate")
 
 
 class LoopConfig(_Section):
-    steps: int = Field(50, ge=0)
+    steps: int = Field(50, ge=0, description="RL training steps")
     batch_size: int = Field(16, ge=1, description="groups (tasks) per training step")
     max_staleness: int = Field(0, ge=0, description="0 = synchronous on-policy")
     eval_every: int = Field(0, ge=0, description="0 = only initial and final evaluation")
     eval_temperature: float = Field(0.0, ge=0, description="0 = greedy held-out evaluation")
     eval_sampled: bool = Field(False, description="also evaluate at the rollout temperature")
-    checkpoint_every: int = Field(0, ge=0)
-    seed: int = 0
+    checkpoint_every: int = Field(0, ge=0,
+        description="steps between checkpoints; 0 = none (final/ is always written)")
+    seed: int = Field(0, description="seed of task order, sampling and the tiny model")
     time_limit_s: float | None = Field(None, gt=0, description="stop RL after this many seconds")
     concurrency: int | None = Field(None, ge=1, description=(
         "groups in flight at most; default batch_size * (max_staleness + 1)"))
@@ -266,24 +279,27 @@ class LaunchConfig(_Section):
 
 
 class ObserveConfig(_Section):
-    progress: bool = True
-    tensorboard: bool = True
-    log_every: int = Field(1, ge=1)
+    progress: bool = Field(True, description="progress bars and summary on the console")
+    tensorboard: bool = Field(True, description="write TensorBoard event files to <run dir>/tensorboard")
+    log_every: int = Field(0, ge=0, description=(
+        "console lines when not a terminal: one per this many steps; 0 = about 20 per phase"))
 
 
 class RunConfig(_Section):
-    name: str = "default"
+    name: str = Field("default", description="run name (the run directory's prefix)")
     output_dir: str | None = Field(None, description="run directory; default runs/<name>-<timestamp>")
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    reward: RewardConfig = RewardConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    algo: AlgoConfig = AlgoConfig()
-    sft: SFTConfig = SFTConfig()
-    loop: LoopConfig = LoopConfig()
-    observe: ObserveConfig = ObserveConfig()
-    launch: LaunchConfig = LaunchConfig()
+    model: ModelConfig = Field(ModelConfig(), description="the policy model")
+    data: DataConfig = Field(DataConfig(), description="tasks: training and held-out prompts with reference answers")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="the rollout engine and its sampling")
+    reward: RewardConfig = Field(RewardConfig(), description="the reward function")
+    trainer: TrainerConfig = Field(TrainerConfig(),
+        description="the policy trainer (optimizer, micro-batches, devices)")
+    algo: AlgoConfig = Field(AlgoConfig(), description="advantages and the policy loss")
+    sft: SFTConfig = Field(SFTConfig(), description="the supervised warm-start before RL")
+    loop: LoopConfig = Field(LoopConfig(),
+        description="the RL loop: steps, batch, staleness, evaluation, checkpoints")
+    observe: ObserveConfig = Field(ObserveConfig(), description="console, metrics files and trackers")
+    launch: LaunchConfig = Field(LaunchConfig(), description="where the roles run (devices, processes, weight sync)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
@@ -304,6 +320,12 @@ class RunConfig(_Section):
         return self
 
 
+DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "default.yaml"
+# Names `base:` accepts besides a path: the built-in default recipe, or nothing (pydantic defaults).
+BUILTIN_BASES = {"default": DEFAULT_RECIPE}
+NO_BASE = ("none", "null", None)
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"recipe {path} does not exist; give a YAML or TOML file path")
@@ -319,6 +341,45 @@ def _read_file(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
     return data
+
+
+def _base_path(recipe: Path, base: Any) -> Path | None:
+    if base in NO_BASE:
+        return None
+    if not isinstance(base, str):
+        raise ConfigError(f"recipe {recipe}: base must be 'default', 'none' or a recipe path, got {base!r}")
+    if base in BUILTIN_BASES:
+        return BUILTIN_BASES[base]
+    path = Path(base).expanduser()
+    path = path if path.is_absolute() else recipe.parent / path
+    if not path.is_file():
+        raise ConfigError(f"recipe {recipe}: base {base!r} is not a recipe file ({path} does not exist); "
+                          f"give a path relative to the recipe, 'default' or 'none'")
+    return path
+
+
+def read_recipe(path: str | Path) -> tuple[dict[str, Any], Path | None]:
+    """A recipe's data with its ``base:`` chain deep-merged under it, and the direct base's path
+    (None: the recipe inherits nothing, i.e. the pydantic defaults)."""
+    path = Path(path)
+    seen: list[Path] = []
+    layers: list[dict[str, Any]] = []
+    first_base: Path | None = None
+    cur: Path | None = path
+    while cur is not None:
+        if cur.resolve() in seen:
+            raise ConfigError(f"recipe {path}: base chain loops back to {cur}; remove one base: key")
+        seen.append(cur.resolve())
+        data = _read_file(cur)
+        nxt = _base_path(cur, data.pop("base", None))
+        if cur == path:
+            first_base = nxt
+        layers.append(data)
+        cur = nxt
+    merged: dict[str, Any] = {}
+    for layer in reversed(layers):
+        merged = _deep_merge(merged, layer)
+    return merged, first_base
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -340,12 +401,33 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
+def _section_model(loc: tuple) -> type[BaseModel] | None:
+    """The model class holding the field at ``loc`` (a pydantic error location)."""
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        f = model.model_fields.get(str(part))
+        ann = f.annotation if f is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def did_you_mean(word: str, choices: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or an empty string."""
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"{loc}: unknown field (check the spelling; see `conveyor config` for all fields)")
+            model = _section_model(e["loc"])
+            hint = did_you_mean(str(e["loc"][-1]), list(model.model_fields)) if model else ""
+            where = ".".join(str(x) for x in e["loc"][:-1])
+            lines.append(f"{loc}: unknown field{hint}; see `conveyor config {where or 'SECTION'}` for the fields")
         else:
             got = e.get("input")
             got_s = json.dumps(got, default=str)[:60] if not isinstance(got, dict) else "a mapping"
@@ -355,15 +437,97 @@ def _format_errors(err: ValidationError) -> str:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict[str, Any] | None = None) -> RunConfig:
+    """Validate ``base`` (a mapping), then the recipe at ``path`` (with its own ``base:`` chain)
+    merged over it, then the dotted ``overrides``."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
-        data = _deep_merge(data, _read_file(Path(path)))
+        data = _deep_merge(data, read_recipe(path)[0])
     for item in overrides or []:
         apply_override(data, item)
+    return validate(data)
+
+
+def validate(data: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_errors(e)) from None
+
+
+def base_config(path: str | Path | None) -> tuple[str, RunConfig]:
+    """What the recipe at ``path`` inherits: a label and the config of its base alone
+    (the pydantic defaults when it names none)."""
+    if path is None:
+        return "none (pydantic defaults)", RunConfig()
+    _, base = read_recipe(path)
+    if base is None:
+        return "none (pydantic defaults)", RunConfig()
+    label = "default (the built-in recipe)" if base == DEFAULT_RECIPE else str(base)
+    return label, validate(read_recipe(base)[0])
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and k not in _DICT_FIELDS:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# Fields whose value is a mapping: compared whole, not key by key.
+_DICT_FIELDS = {"options", "kwargs", "vllm_kwargs"}
+
+
+def config_diff(cfg: RunConfig, base: RunConfig) -> list[tuple[str, Any, Any]]:
+    """``(dotted field, base value, value)`` for every field where ``cfg`` differs from ``base``."""
+    a, b = _flat(base.model_dump(mode="json")), _flat(cfg.model_dump(mode="json"))
+    return [(k, a.get(k), b[k]) for k in b if a.get(k) != b[k] and k != "output_dir"]
+
+
+def _short_value(v: Any) -> str:
+    return json.dumps(v, default=str) if not isinstance(v, str) else v
+
+
+def format_diff(diff: list[tuple[str, Any, Any]]) -> str:
+    return ", ".join(f"{k}={_short_value(v)}" for k, _, v in diff) or "nothing"
+
+
+def sections() -> list[str]:
+    return [k for k, f in RunConfig.model_fields.items()
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)]
+
+
+def describe_section(cfg: RunConfig, name: str) -> str:
+    """One section's fields: name, current value, default and description, one field per line."""
+    parts = name.split(".")
+    model: Any = cfg
+    for i, part in enumerate(parts):
+        fields = type(model).model_fields if isinstance(model, BaseModel) else {}
+        if part not in fields or not isinstance(getattr(model, part), BaseModel):
+            choices = [k for k in fields if isinstance(getattr(model, k), BaseModel)]
+            where = ".".join(parts[:i]) or "the config"
+            known = f"sections: {', '.join(choices)}" if choices else f"{where} has fields only"
+            raise ConfigError(f"{'.'.join(parts[:i + 1])} is not a section of {where}"
+                              f"{did_you_mean(part, choices)}; {known}")
+        model = getattr(model, part)
+    doc = (type(model).__doc__ or "").strip()
+    parent = RunConfig.model_fields[parts[0]].description if len(parts) == 1 else None
+    lines = [f"[{name}] {doc or parent or ''}".rstrip()]
+    for key, f in type(model).model_fields.items():
+        value = getattr(model, key)
+        if isinstance(value, BaseModel):
+            lines.append(f"  {key}: a section; see `conveyor config {name}.{key}`")
+            continue
+        default = f.default_factory() if f.default_factory is not None else f.default
+        cur = _short_value(value if not isinstance(value, tuple) else list(value))
+        dflt = _short_value(default if not isinstance(default, tuple) else list(default))
+        changed = "" if value == default else f"   (default {dflt})"
+        lines.append(f"  {name}.{key} = {cur}{changed}")
+        if f.description:
+            lines += textwrap.wrap(f.description, width=100, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
 
 
 def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

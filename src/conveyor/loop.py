@@ -21,6 +21,7 @@ import time
 
 from conveyor import objective
 from conveyor.rollout.api import SamplingParams
+from conveyor.observe.progress import report_length_skips
 from conveyor.rollout.single_turn import prepare_prompts, to_groups
 from conveyor.step_batch import prepare, train_and_prepare_next
 from conveyor.step_stats import engine_stats, rollout_stats, sync_stats
@@ -34,18 +35,20 @@ def evaluate(c, step: int) -> dict[str, float]:
     """Held-out reward at ``loop.eval_temperature`` (greedy by default); with
     ``loop.eval_sampled`` also at the rollout temperature (the policy's expected reward)."""
     cfg = c.cfg
-    m = eval_tasks(c, c.eval_tasks, cfg.loop.eval_temperature, "eval_")
-    if cfg.loop.eval_sampled:
-        m.update(eval_tasks(c, c.eval_tasks, cfg.rollout.temperature, "eval_sampled_"))
+    with c.logger.phase("eval", 2 if cfg.loop.eval_sampled else 1) as bar:
+        m = eval_tasks(c, c.eval_tasks, cfg.loop.eval_temperature, "eval_")
+        bar.update()
+        if cfg.loop.eval_sampled:
+            m.update(eval_tasks(c, c.eval_tasks, cfg.rollout.temperature, "eval_sampled_"))
     c.logger.log(step, m, kind="eval")
     return m
 
 
 def eval_tasks(c, tasks, temperature: float, prefix: str) -> dict[str, float]:
     params = sampling(c.cfg, n=1, temperature=temperature, seed=c.cfg.loop.seed + 7919)
+    n = len(tasks)
     tasks, prompts = prepare_prompts(c.tokenizer, tasks, c.max_prompt_tokens, c.add_special_tokens)
-    if not tasks:
-        return {prefix + "reward": float("nan")}
+    report_length_skips(c, n - len(tasks), n, prefix)
     t0 = time.perf_counter()
     outs = c.producer.request([list(p) for p in prompts], params).result(timeout=c.cfg.launch.timeout_s)
     groups = to_groups(c.tokenizer, tasks, prompts, outs, time.perf_counter() - t0)

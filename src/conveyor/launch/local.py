@@ -106,6 +106,7 @@ def build(cfg: RunConfig, run_dir: Path, path: str) -> Components:
 
     from conveyor.data.api import TaskCursor
     from conveyor.observe.metrics import MetricsLogger
+    from conveyor.observe.progress import PhaseProgress
     from conveyor.observe.timers import PhaseTimer
     from conveyor.reward.api import load_reward
     from conveyor.reward.service import RewardService
@@ -125,7 +126,7 @@ def build(cfg: RunConfig, run_dir: Path, path: str) -> Components:
         train_source=train_src, eval_tasks=[eval_src[i] for i in range(len(eval_src))],
         cursor=TaskCursor(train_src, lc.batch_size, seed=lc.seed),
         logger=MetricsLogger(run_dir, tensorboard=cfg.observe.tensorboard, progress=cfg.observe.progress,
-                             total_steps=lc.steps, log_every=cfg.observe.log_every),
+                             console=PhaseProgress(lc.steps, cfg.sft.steps, cfg.observe.log_every)),
         timer=PhaseTimer(), buffer=TrajectoryBuffer(lc.buffer_size or lc.batch_size * (lc.max_staleness + 1)),
         add_special_tokens=not cfg.data.chat_template and not cfg.data.source.startswith("synthetic:"),
     )
@@ -229,7 +230,7 @@ def _run(c: Components, cfg: RunConfig, run_dir: Path, base: str, start_path: st
         "wall_seconds": time.perf_counter() - t0, "rl_seconds": rl_seconds,
         "trained_samples_per_second": (steps_done - start_step) * cfg.loop.batch_size * cfg.rollout.n
         / max(rl_seconds, 1e-9),
-        "final_metrics": last, "run_dir": str(run_dir),
+        "final_metrics": last, "run_dir": str(run_dir), "max_prompt_tokens": c.max_prompt_tokens,
     })
     if cfg.loop.checkpoint_every:
         c.checkpoint(steps_done, summary)
@@ -237,12 +238,9 @@ def _run(c: Components, cfg: RunConfig, run_dir: Path, base: str, start_path: st
     c.tokenizer.save_pretrained(run_dir / "final")
     from conveyor.observe.report import write_summary
     write_summary(run_dir, summary)
-    for key, label in (("eval_reward", "greedy"), ("eval_sampled_reward", "sampled")):
-        if f"{key}_final" in summary:
-            pts = [summary.get(f"{key}_{p}", float("nan")) for p in ("initial", "warmstart", "final")]
-            c.logger.message(f"held-out reward ({label}): initial {pts[0]:.3f} -> warm-start {pts[1]:.3f} "
-                             f"-> after RL {pts[2]:.3f}")
-    c.logger.message(f"{steps_done} RL steps, {summary['wall_seconds']:.0f}s in all; results in {run_dir}")
+    if cfg.observe.progress:  # the table of held-out numbers, the run's layout, how to try the model
+        from conveyor.observe.progress import summary_text
+        c.logger.message(summary_text(summary, run_dir, c.eval_tasks[:1]))
     return summary
 
 

@@ -32,6 +32,7 @@ directory holds beyond its own files.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
@@ -41,6 +42,7 @@ import time
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol, TextIO, runtime_checkable
 
 from tqdm import tqdm
@@ -296,6 +298,10 @@ class ProgressSink:
             body = " ".join(f"{k}={format_value(k, v)}" for k, v in metrics.items())
         return f"[{kind}] step {step}{total} {elapsed} | {body}"
 
+    def phase(self, name: str, total: int) -> contextlib.AbstractContextManager:
+        """No bar for short phases here; ``.update()`` on what it yields does nothing."""
+        return _no_bar()
+
     def message(self, text: str) -> None:
         if self._bar is not None:
             self._bar.write(text, file=self.stream)  # clears and redraws the bar around the text
@@ -307,6 +313,10 @@ class ProgressSink:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _no_bar() -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext(SimpleNamespace(update=lambda n=1: None))
 
 
 def _require(module: str, sink: str) -> Any:
@@ -396,16 +406,19 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, progress: bool = True,
                  total_steps: int | None = None, keys: Sequence[str] = DEFAULT_KEYS,
-                 log_every: int = 1, sinks: Sequence[Sink] = (), stream: TextIO | None = None) -> None:
+                 log_every: int = 1, sinks: Sequence[Sink] = (), stream: TextIO | None = None,
+                 console: Any = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._stream = stream
         self.sinks: list[Sink] = [JsonlSink(self.run_dir / METRICS_FILE)]
         if tensorboard:
             self.sinks.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR))
-        self.progress: ProgressSink | None = None
+        # ``console``: a sink with ``message`` and ``phase`` (observe.progress.PhaseProgress)
+        # that replaces the plain bar.
+        self.progress: Any = None
         if progress:
-            self.progress = ProgressSink(total_steps, keys, log_every, stream=stream)
+            self.progress = console or ProgressSink(total_steps, keys, max(log_every, 1), stream=stream)
             self.sinks.append(self.progress)
         self.sinks.extend(sinks)
         self._closed = False
@@ -427,6 +440,12 @@ class MetricsLogger:
             self.progress.message(text)
         else:
             print(text, file=self._stream if self._stream is not None else sys.stderr, flush=True)
+
+    def phase(self, name: str, total: int) -> contextlib.AbstractContextManager:
+        """A short phase's bar (``.update()`` advances it), where the console draws one."""
+        if self.progress is None:
+            return _no_bar()
+        return self.progress.phase(name, total)
 
     def close(self) -> None:
         """Flush and close every sink; safe to call twice."""

@@ -1,0 +1,256 @@
+"""The Python API beside the CLI: load a recipe, train, try the model, evaluate it.
+
+Contract
+- ``load_config(recipe=None, overrides=())``: the built-in default recipe when
+  ``recipe`` is None (as ``conveyor train`` with no recipe), else the file (its
+  ``base:`` chain merged under it), then the dotted overrides; a ``ConfigError``
+  names a bad field.
+- ``train(cfg, run_dir=None, resume=False) -> TrainSummary``: checks devices
+  before anything starts (``launch.preflight``), runs the whole run (initial
+  eval, warm-start, RL, final eval, ``final/``) and returns its typed summary.
+- ``generate(run_dir, prompts, ...) -> list[str]``: completions of the run's
+  final model (or a checkpoint), the run's prompt formatting applied.
+- ``evaluate(run_dir, overrides=(), checkpoint=None) -> EvalResult``: held-out
+  reward of that model with the run's reward and eval set, greedy and sampled.
+- ``model_dir(run_dir, checkpoint=None)``: where a run's model is (``final/``,
+  or a checkpoint directory); ``export(run_dir, out, checkpoint=None)`` writes
+  it as a plain HF directory, from any of them (sharded FSDP checkpoints too).
+
+It knows the run directory's layout and nothing of the loop's internals.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from conveyor.config import DEFAULT_RECIPE, ConfigError, RunConfig
+from conveyor.config import load_config as _load
+
+PHASES = ("initial", "warmstart", "final")
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Held-out numbers of one model: mean reward greedy and sampled, and the exact-answer rate
+    (the reward's ``exact`` metric when it reports one; None otherwise or when not evaluated)."""
+    greedy_reward: float | None
+    sampled_reward: float | None = None
+    exact: float | None = None
+    sampled_exact: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_metrics(cls, m: dict[str, Any], suffix: str = "") -> EvalResult:
+        def get(key: str) -> float | None:
+            v = m.get(key + suffix)
+            return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+        own = {k[:len(k) - len(suffix)] if suffix else k: v for k, v in m.items()
+               if k.startswith("eval_") and (not suffix or k.endswith(suffix))}
+        return cls(get("eval_reward"), get("eval_sampled_reward"), get("eval_exact"),
+                   get("eval_sampled_exact"), own)
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    """What a finished run reports; ``raw`` is the run's ``summary.json`` as a dict."""
+    run_dir: Path
+    model_dir: Path
+    steps: int
+    wall_seconds: float
+    initial: EvalResult
+    warmstart: EvalResult
+    final: EvalResult
+    raw: dict[str, Any]
+
+
+def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    return _load(recipe if recipe is not None else DEFAULT_RECIPE, list(overrides))
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    import datetime as _dt
+    if cfg.output_dir:
+        return Path(cfg.output_dir)
+    return Path("runs") / f"{cfg.name}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False) -> TrainSummary:
+    from conveyor.launch.local import run_local
+    from conveyor.launch.preflight import check_devices
+    from conveyor.observe.progress import quiet_libraries, say
+    check_devices(cfg)
+    quiet_libraries()
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
+    if cfg.sft.steps == 0 and not resume:
+        say("warm-start: skipped (sft.steps is 0); RL starts from the base model. "
+            "Set sft.steps=N to teach the answer format first")
+    raw = run_local(cfg, run_dir, resume=resume)
+    return summary_of(raw, run_dir)
+
+
+def summary_of(raw: dict[str, Any], run_dir: Path) -> TrainSummary:
+    return TrainSummary(run_dir=run_dir, model_dir=run_dir / "final", steps=int(raw.get("steps", 0)),
+                        wall_seconds=float(raw.get("wall_seconds", 0.0)),
+                        **{p: EvalResult.from_metrics(raw, f"_{p}") for p in PHASES}, raw=raw)
+
+
+def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    import yaml
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir}: no config.yaml there; give a run directory written by conveyor train")
+    return _load(None, list(overrides), base=yaml.safe_load(path.read_text()))
+
+
+def model_dir(run_dir: str | Path, checkpoint: str | Path | None = None) -> Path:
+    """Where the run's model is: ``final/`` (a plain HF directory), or the given checkpoint's
+    directory (a path, a step number, or ``latest``), which may be sharded (see ``export``)."""
+    from conveyor.launch.local import latest_checkpoint
+    run_dir = Path(run_dir)
+    if checkpoint is not None:
+        return checkpoint_dir(run_dir, checkpoint)
+    if (run_dir / "final" / "config.json").is_file():
+        return run_dir / "final"
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ConfigError(f"{run_dir}: no final/ model and no checkpoints/step_*; "
+                          "give the directory of a finished run (conveyor train --output-dir)")
+    return ckpt
+
+
+def checkpoint_dir(run_dir: Path, checkpoint: str | Path) -> Path:
+    from conveyor.launch.local import latest_checkpoint
+    text = str(checkpoint)
+    if text == "latest":
+        ckpt = latest_checkpoint(run_dir)
+    elif text.isdigit():
+        ckpt = run_dir / "checkpoints" / f"step_{int(text):06d}"
+    else:
+        ckpt = Path(text) if Path(text).is_dir() else run_dir / text
+    if ckpt is None or not (ckpt / "policy").is_dir():
+        have = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+        raise ConfigError(f"--checkpoint {checkpoint}: no checkpoint there; {run_dir} has "
+                          f"{', '.join(have) or 'no checkpoints'} (give a step number, a path or latest)")
+    return ckpt
+
+
+def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None) -> Path:
+    """Write the run's model (``final/`` or a checkpoint, sharded FSDP ones included) to ``out``
+    as a plain Hugging Face directory with the tokenizer; returns where it came from."""
+    import shutil
+    import warnings
+
+    from conveyor.trainer.checkpoint import export_hf
+    src, out = model_dir(run_dir, checkpoint), Path(out)
+    if out.exists():
+        raise ConfigError(f"{out} already exists; give a new directory to export to")
+    if (src / "policy").is_dir():  # a checkpoint: policy/ (or, sharded, dcp/ + policy/'s config)
+        with warnings.catch_warnings():  # dcp's single-process read warns that no process group exists
+            warnings.simplefilter("ignore", UserWarning)
+            export_hf(src, out)
+    else:
+        shutil.copytree(src, out)
+    return src
+
+
+@contextlib.contextmanager
+def _plain_model(run_dir: str | Path, checkpoint: str | Path | None) -> Iterator[Path]:
+    """A plain HF directory of the run's model for the length of the block (a sharded checkpoint
+    is exported into a temporary directory)."""
+    import tempfile
+
+    from conveyor.trainer.checkpoint import SHARDED_MARKER
+    src = model_dir(run_dir, checkpoint)
+    if not (src / SHARDED_MARKER).is_file():
+        yield src / "policy" if (src / "policy").is_dir() else src
+        return
+    with tempfile.TemporaryDirectory(prefix="conveyor-model-") as tmp:
+        export(run_dir, Path(tmp) / "model", checkpoint)
+        yield Path(tmp) / "model"
+
+
+def _engine(cfg: RunConfig, path: Path):
+    from transformers import AutoTokenizer
+
+    from conveyor.rollout.factory import make_engine
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=cfg.model.trust_remote_code)
+    rollout = cfg.rollout.model_copy(update={"engine": "native"}) if cfg.rollout.engine == "remote" else cfg.rollout
+    return make_engine(rollout, str(path), tok), tok
+
+
+def format_prompt(cfg: RunConfig, tokenizer, text: str) -> str:
+    """The run's prompt formatting (data.prompt_template, chat template, system prompt) for a new prompt."""
+    d = cfg.data
+    if d.source.startswith("synthetic:"):
+        return text
+    try:
+        text = d.prompt_template.format_map({"prompt": text})
+    except (KeyError, IndexError) as e:
+        raise ConfigError(f"data.prompt_template names {e} besides {{prompt}}; pass --raw and the whole "
+                          "prompt text") from None
+    if d.chat_template:
+        messages = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
+        messages.append({"role": "user", "content": text})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text
+
+
+def generate(run_dir: str | Path, prompts: Sequence[str], *, checkpoint: str | Path | None = None,
+             temperature: float = 0.0, max_new_tokens: int | None = None, raw: bool = False,
+             seed: int = 0) -> list[str]:
+    """Completions of the run's model for ``prompts`` (greedy unless ``temperature`` > 0)."""
+    from conveyor.launch.preflight import check_devices
+    from conveyor.observe.progress import quiet_libraries
+    from conveyor.rollout.api import SamplingParams
+    cfg = run_config(run_dir)
+    check_devices(cfg)
+    quiet_libraries()
+    with _plain_model(run_dir, checkpoint) as path:
+        engine, tok = _engine(cfg, path)
+    special = not cfg.data.chat_template and not cfg.data.source.startswith("synthetic:")
+    ids = [tok(p if raw else format_prompt(cfg, tok, p), add_special_tokens=special)["input_ids"]
+           for p in prompts]
+    limit = engine.context_limit - 1
+    if any(len(i) > limit for i in ids):
+        raise ConfigError(f"a prompt is longer than the model's context ({limit} tokens); shorten it")
+    params = SamplingParams.from_config(cfg.rollout, n=1, temperature=temperature, seed=seed,
+                                        max_new_tokens=max_new_tokens or cfg.rollout.max_new_tokens)
+    try:
+        outs = engine.generate([list(i) for i in ids], params)
+    finally:
+        engine.close()
+    return [tok.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]
+
+
+def evaluate(run_dir: str | Path, overrides: Sequence[str] = (), *,
+             checkpoint: str | Path | None = None) -> EvalResult:
+    """Held-out reward of the run's model with the run's reward and eval set (overrides apply,
+    e.g. ``data.eval_size=500``), greedy and at the rollout temperature."""
+    import tempfile
+
+    from conveyor import loop
+    from conveyor.config import LaunchConfig
+    from conveyor.launch.local import build, start_rollouts
+    from conveyor.launch.preflight import check_devices
+    from conveyor.observe.progress import quiet_libraries
+    cfg = run_config(run_dir, overrides)
+    # One engine in this process is enough to evaluate, whatever the run's placement was.
+    launch = LaunchConfig(timeout_s=cfg.launch.timeout_s)
+    cfg = cfg.model_copy(update={"launch": launch, "loop": cfg.loop.model_copy(update={"eval_sampled": True}),
+                                 "observe": cfg.observe.model_copy(update={"tensorboard": False,
+                                                                           "progress": False})})
+    check_devices(cfg)
+    quiet_libraries()
+    with tempfile.TemporaryDirectory(prefix="conveyor-eval-") as tmp, \
+            _plain_model(run_dir, checkpoint) as path:
+        c = build(cfg, Path(tmp), str(path))
+        try:
+            start_rollouts(c, str(path), 0)
+            m = loop.evaluate(c, 0)
+        finally:
+            c.close()
+    return EvalResult.from_metrics(m)

@@ -1,0 +1,49 @@
+"""Refuse, before anything starts, a run that asks for GPUs this machine does not have.
+
+Contract: ``check_devices(cfg, visible_gpus=None)`` raises ``DeviceError``, one
+line naming the field and the fix, when ``trainer.device`` or
+``rollout.device`` names CUDA (or a CUDA index) that is not visible, or when
+``launch.placement`` / ``launch.trainer_ranks`` / ``launch.engines`` need more
+GPUs than are visible (``placement.plan``'s own check, run early). On a
+machine without GPUs and with devices left at ``auto``, every placement runs
+on CPU and nothing is refused. It starts no process and allocates nothing.
+"""
+from __future__ import annotations
+
+from conveyor.config import RunConfig
+
+
+class DeviceError(ValueError):
+    """A device or placement this machine cannot provide; the message names the field and the fix."""
+
+
+def visible_gpu_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _check_field(field: str, device: str, gpus: int) -> None:
+    if not device.startswith("cuda"):
+        return
+    index = int(device.split(":", 1)[1]) if ":" in device and device.split(":", 1)[1].isdigit() else 0
+    if gpus == 0:
+        raise DeviceError(f"{field}={device} but this machine has no usable CUDA GPU (torch sees none); "
+                          f"set {field}=auto or {field}=cpu")
+    if index >= gpus:
+        raise DeviceError(f"{field}={device} but only {gpus} CUDA GPU(s) are visible (cuda:0..cuda:{gpus - 1}); "
+                          f"set {field}=auto or a visible index")
+
+
+def check_devices(cfg: RunConfig, visible_gpus: int | None = None) -> None:
+    from conveyor.launch import placement
+    gpus = visible_gpu_count() if visible_gpus is None else visible_gpus
+    _check_field("trainer.device", cfg.trainer.device, gpus)
+    _check_field("rollout.device", cfg.rollout.device, gpus)
+    la = cfg.launch
+    if gpus == 0 and not la.in_process and la.placement == "disaggregated" and la.weight_sync == "ipc":
+        raise DeviceError("launch.weight_sync=ipc needs GPUs; on CPU use launch.weight_sync=shm or broadcast")
+    wants_gpu = cfg.trainer.device != "cpu" and cfg.rollout.device != "cpu"
+    try:
+        placement.plan(cfg, visible_gpus=gpus if wants_gpu else 0)
+    except placement.PlacementError as e:
+        raise DeviceError(str(e)) from None
