@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from conveyor import staleness
+
 
 class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message is one line per problem."""
@@ -230,7 +232,7 @@ class LoopConfig(_Section):
 
     @model_validator(mode="after")
     def _fits(self) -> "LoopConfig":
-        cap = self.batch_size * (self.max_staleness + 1)
+        cap = staleness.capacity(self.batch_size, self.max_staleness)
         if self.buffer_size is not None and self.buffer_size < self.batch_size:
             raise ValueError(f"loop.buffer_size ({self.buffer_size}) must hold one batch "
                              f"(loop.batch_size={self.batch_size})")

@@ -168,6 +168,14 @@ class _Gate:
 class RemoteEngine:
     """A client of one OpenAI-compatible server; thread-safe."""
 
+    streams = False  # no generate_stream: engine workers serve it in waves
+    cuda_device = None  # update_weights returns once the weights are in place
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """No decode-step totals are kept."""
+        return {}
+
     def __init__(self, base_url: str, tokenizer=None, *, model: str | None = None, weight_sync: str = "none",
                  request_timeout_s: float = 600.0, ready_timeout_s: float = 30.0, retries: int = 2,
                  backoff_s: float = 0.25, max_concurrency: int = 64, api_key: str | None = None,

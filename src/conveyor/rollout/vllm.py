@@ -135,6 +135,14 @@ def _free_port() -> int:
 class VLLMEngine:
     """vLLM in this process (its engine core and workers in child processes)."""
 
+    streams = False  # no generate_stream: engine workers serve it in waves
+    cuda_device = None  # update_weights returns once the weights are in place
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """No decode-step totals are kept."""
+        return {}
+
     def __init__(self, model_path: str, tokenizer=None, *, dtype: str = "auto", seed: int = 0,
                  max_model_len: int | None = None, weight_sync: str = "reload", sleep_mode: bool = False,
                  version: int = 0, shm_dir: str | None = None, **vllm_kwargs: Any):

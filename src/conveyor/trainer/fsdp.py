@@ -1,6 +1,6 @@
 """Data-parallel, fully sharded trainer: LocalTrainer's contract over N ranks with FSDP2.
 
-Contract (see ``trainer/api.py`` and ``trainer/local.py``; only differences here)
+Contract (see ``trainer/api.py`` and ``trainer/single.py``; only differences here)
 - ``FSDPTrainer(model_path_or_model, cfg, total_steps, temperature, pad_token_id)``
   needs ``torch.distributed`` initialised by the caller: the default process
   group is the set of trainer ranks. Device: CUDA's current device (the
@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
-from conveyor.trainer.local import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
+from conveyor.trainer.single import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
                                     _load_policy, compile_layers, decoder_layers, fuse_layers,
                                     head_start, logprob_fn, no_cudnn_attention, resolve_device)
 from conveyor.trainer.microbatch import _check_aligned, balance, collate, plan_microbatches

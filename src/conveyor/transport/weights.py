@@ -102,7 +102,11 @@ class _Cell:
 
 
 class StagedWeights:
-    """Versioned staging copy of the policy weights; see the module docstring."""
+    """Versioned staging copy of the policy weights; see the module docstring. A writer and a
+    reader (``transport.api``); it does not say when a reader held a version."""
+
+    received_at = None
+    announced_at = None
 
     def __init__(self, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], ctx=None, device="cpu"):
         """``specs``: (name, shape, dtype) of every tensor the trainer publishes."""
@@ -201,6 +205,9 @@ class StagedWeights:
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         publish_all([self], named_tensors, version)
 
+    def close(self) -> None:
+        """Nothing runs after a commit: every copy is done when it returns."""
+
     def poll(self, engine, engine_id: int = 0, timeout: float = 60.0) -> int | None:
         """Copy the newest published weights into ``engine`` if it has not applied them yet."""
         key = id(engine)
@@ -241,12 +248,12 @@ class Fanin:
         self._last = None  # the transport that delivered the version applied last
 
     @property
-    def received_at(self):
-        return getattr(self._last, "received_at", None)
+    def received_at(self) -> float | None:
+        return None if self._last is None else self._last.received_at
 
     @property
-    def announced_at(self):
-        return getattr(self._last, "announced_at", None)
+    def announced_at(self) -> float | None:
+        return None if self._last is None else self._last.announced_at
 
     @property
     def version(self) -> int:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conveyor.config import AlgoConfig, TrainerConfig
-from conveyor.objective import PolicyLoss
+from conveyor.controller.objective import PolicyLoss
 from conveyor.types import Batch
 
 WORLD = 2
@@ -173,7 +173,7 @@ def run_job(work: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def job(tiny_dir, tmp_path_factory):
-    from conveyor.trainer.local import LocalTrainer
+    from conveyor.trainer.single import LocalTrainer
 
     work = tmp_path_factory.mktemp("fsdp")
     initial = LocalTrainer(tiny_dir, TrainerConfig(device="cpu"), total_steps=1)
@@ -308,7 +308,7 @@ def test_checkpoint_layout_and_both_exports(job, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from conveyor.trainer import checkpoint
-    from conveyor.trainer.local import LocalTrainer
+    from conveyor.trainer.single import LocalTrainer
 
     work, ranks, _ = job
     ckpt = work / "ckpt"

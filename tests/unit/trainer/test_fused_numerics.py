@@ -27,7 +27,7 @@ def rounded_cast(self, src, dst_type):
 interpreter.InterpreterBuilder.cast_impl = rounded_cast
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from conveyor.trainer.layer_kernels import use_fused_layers
+from conveyor.trainer.kernels.layers import use_fused_layers
 from conveyor.trainer.precision import linear_copy
 
 cfg = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -1,7 +1,7 @@
 """NativeEngine: the built-in rollout engine (CPU or one GPU).
 
 Two model runners behind one engine:
-- the fast runner (``fast_runner.py``): its own forward for Llama-family decoders
+- the fast runner (``graph_runner.py``): its own forward for Llama-family decoders
   (Llama 3, Qwen2 / Qwen2.5, Qwen3), a paged KV cache with prompt blocks shared
   by a group's samples, preemption when the pool is full, Triton decode
   attention and CUDA-graph decode on a GPU. ``runner="auto"`` (the default) uses
@@ -75,13 +75,14 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
-from conveyor.rollout.api import Completion, SamplingParams, capped_budgets
-from conveyor.rollout.native.fast_model import unsupported_reason
-from conveyor.rollout.native.fast_runner import FastRunner
+from conveyor.rollout.api import Completion, SamplingParams, StreamChunk, capped_budgets
+from conveyor.rollout.native.decoder import unsupported_reason
+from conveyor.rollout.native.graph_runner import PagedGraphRunner
 from conveyor.rollout.native.paged_loop import PagedLoop, check_fits_pool
 from conveyor.rollout.native.runner import HFModelRunner, KVBatch
 from conveyor.rollout.native.sampling import draw_seeds, request_key, sample
@@ -113,7 +114,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
-def _use_fast_runner(model, device: torch.device, runner: str) -> bool:
+def _use_paged_runner(model, device: torch.device, runner: str) -> bool:
     """The paged fast runner for supported models on a GPU ("auto") or anywhere ("fast"); else HF."""
     if runner == "hf" or (runner == "auto" and device.type != "cuda"):
         return False
@@ -159,9 +160,9 @@ class NativeEngine:
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.refill = refill
-        self.paged = _use_fast_runner(model, dev, runner)
+        self.paged = _use_paged_runner(model, dev, runner)
         if self.paged:
-            self.runner = FastRunner(model, max_batch=max_batch, block_size=block_size, kv_fraction=kv_fraction,
+            self.runner = PagedGraphRunner(model, max_batch=max_batch, block_size=block_size, kv_fraction=kv_fraction,
                                      kv_blocks=kv_blocks, cuda_graphs=cuda_graphs,
                                      prefill_token_budget=prefill_token_budget)
         else:
@@ -205,6 +206,12 @@ class NativeEngine:
     def streams(self) -> bool:
         """Whether ``generate_stream`` (continuous batching) is available: the fast runner only."""
         return self.paged
+
+    @property
+    def cuda_device(self) -> torch.device | None:
+        """The GPU the runner computes on (weight copies are queued there), None on the CPU."""
+        device = self.runner.device if self.runner is not None else None
+        return device if device is not None and device.type == "cuda" else None
 
     @property
     def context_limit(self) -> int:
@@ -291,7 +298,7 @@ class NativeEngine:
                     batch = step.decode(batch, sched)
         return self._completions(requests, len(prompts), params.n)
 
-    def generate_stream(self, params: SamplingParams, intake: Callable[[], list[tuple[Any, list[list[int]]]]],
+    def generate_stream(self, params: SamplingParams, intake: Callable[[], list[StreamChunk]],
                         on_done: Callable[[Any, int, list[Completion]], None]) -> None:
         """Continuous batching over chunks taken from ``intake()``; see the module docstring."""
         self._check_open()
@@ -368,6 +375,14 @@ class NativeEngine:
             raise RuntimeError("NativeEngine is closed; create a new engine")
 
 
+@dataclass
+class _OpenPrompt:
+    """A prompt of a streaming call not reported yet: its chunk's tag, its index there, its samples."""
+    tag: Any
+    index: int
+    requests: list[Request] = field(default_factory=list)
+
+
 class _StreamChunks:
     """One ``generate_stream`` call's chunks: numbering their prompts, and reporting each
     prompt's samples as soon as they have all finished."""
@@ -376,16 +391,16 @@ class _StreamChunks:
         self.engine, self.params, self.on_done = engine, params, on_done
         self.seed = engine._seed(params.seed)
         self.next_index = 0
-        # By prompt index (numbered across the call), dropped once reported:
-        # (tag, index in its chunk, its requests).
-        self.open: dict[int, tuple[Any, int, list[Request]]] = {}
+        # By prompt index (numbered across the call), dropped once reported.
+        self.open: dict[int, _OpenPrompt] = {}
 
-    def add(self, new: list[tuple]) -> list[Request]:
-        """``(tag, prompts)`` or ``(tag, prompts, seed)`` chunks -> their requests, numbered on."""
+    def add(self, new: list[StreamChunk]) -> list[Request]:
+        """Chunks -> their requests, numbered on."""
         out: list[Request] = []
-        for tag, prompts, *seed in new:
+        for chunk in new:
+            tag, prompts = chunk.tag, chunk.prompts
             # A chunk's own seed, or the call's continued over the prompts numbered so far.
-            seed = seed[0] if seed and seed[0] is not None else self.seed + self.next_index
+            seed = chunk.seed if chunk.seed is not None else self.seed + self.next_index
             try:
                 requests = self.engine._capped_requests(prompts, self.params, seed) if prompts else []
                 check_fits_pool(self.engine.runner, requests)
@@ -395,16 +410,16 @@ class _StreamChunks:
             # across the call keeps equal indices of different chunks apart.
             first = self.next_index
             self.next_index += len(prompts)
-            self.open.update({first + i: (tag, i, []) for i in range(len(prompts))})
+            self.open.update({first + i: _OpenPrompt(tag, i) for i in range(len(prompts))})
             for r in requests:
                 r.prompt_index += first
-                self.open[r.prompt_index][2].append(r)
+                self.open[r.prompt_index].requests.append(r)
             out.extend(requests)
         return out
 
     def finished(self, requests: list[Request]) -> None:
         for r in requests:
-            if r.prompt_index in self.open and all(x.finished for x in self.open[r.prompt_index][2]):
+            if r.prompt_index in self.open and all(x.finished for x in self.open[r.prompt_index].requests):
                 self._report(r.prompt_index)
 
     def report_rest(self) -> None:
@@ -413,8 +428,8 @@ class _StreamChunks:
             self._report(index)
 
     def _report(self, index: int) -> None:
-        tag, i, requests = self.open.pop(index)
-        self.on_done(tag, i, self.engine._completions(requests, 1, self.params.n, index)[0])
+        p = self.open.pop(index)
+        self.on_done(p.tag, p.index, self.engine._completions(p.requests, 1, self.params.n, index)[0])
 
 
 class _Step:

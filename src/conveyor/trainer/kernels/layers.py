@@ -19,7 +19,7 @@ torch, over the widest activations of the layer; here one each way, with
 ``silu(gate)`` rounded to the input dtype before the product, as torch does.
 The gate and up projections run as one GEMM against both weights stacked,
 whose packed output the kernel reads in place. A norm whose output feeds one
-such GEMM (here, or the q/k/v GEMM of ``attention_kernels``) writes it in
+such GEMM (here, or the q/k/v GEMM of ``kernels.attention``) writes it in
 autocast's dtype: the bf16 numbers the GEMM's cast would make, without the
 float32 copy and the cast each way.
 
@@ -211,7 +211,7 @@ def _mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
 
 def use_fused_layers(model: torch.nn.Module) -> int:
     """Swap in the fused forwards; returns how many modules changed."""
-    from conveyor.trainer.attention_kernels import fusable, fused_attention_forward
+    from conveyor.trainer.kernels.attention import fusable, fused_attention_forward
     count = 0
     for m in model.modules():
         name = type(m).__name__

@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from conveyor.objective import sft_loss
+from conveyor.controller.objective import sft_loss
 from conveyor.types import Batch, Task
 
 

@@ -13,7 +13,7 @@ the width, forward and backward. Here:
   their gradients as before). The input's gradient is then one GEMM summed
   in float32 before its single rounding, where torch summed three rounded
   ones: this is what lets the norm in front write its output in bf16
-  (``layer_kernels``), which a three-consumer input could not.
+  (``kernels.layers``), which a three-consumer input could not.
 - One Triton kernel rotates q and k in float32 and writes them (and v) in the
   input dtype, which is what the attention kernel casts them to anyway; its
   backward rotates the gradients back in float32 and writes the packed q/k/v

@@ -1,4 +1,4 @@
-"""FastRunner: paged-KV model runner with CUDA-graph decode for Llama-family decoders.
+"""PagedGraphRunner: paged-KV model runner with CUDA-graph decode for Llama-family decoders.
 
 Contract
 - KV pool: one tensor ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]``
@@ -45,8 +45,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from conveyor.rollout.native import fast_ops
-from conveyor.rollout.native.fast_model import FastDecoder
+from conveyor.rollout.native.kernels import torch_ops
+from conveyor.rollout.native.decoder import PagedDecoder
 from conveyor.rollout.native.paged import BlockAllocator, blocks_for, kv_bytes_per_token, kv_pool_blocks
 from conveyor.rollout.native.runner import context_limit
 
@@ -77,20 +77,20 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 def _select_ops(device: torch.device):
     if device.type != "cuda":
-        return fast_ops, False
+        return torch_ops, False
     try:
-        from conveyor.rollout.native import triton_ops
+        from conveyor.rollout.native.kernels import triton_ops
     except Exception as exc:  # noqa: BLE001 - any import failure means no Triton path
         log.warning("fast runner: Triton is unavailable (%s); using torch kernels without CUDA graphs", exc)
-        return fast_ops, False
+        return torch_ops, False
     return triton_ops, True
 
 
-class FastRunner:
+class PagedGraphRunner:
     def __init__(self, model, *, max_batch: int, block_size: int = 16, kv_fraction: float = 0.4,
                  kv_blocks: int | None = None, cuda_graphs: bool = True, prefill_token_budget: int = 16384):
         self.context_limit = context_limit(model.config)
-        self.net = FastDecoder(model, self.context_limit)
+        self.net = PagedDecoder(model, self.context_limit)
         self.device, self.dtype = self.net.device, self.net.dtype
         self.ops, graphable = _select_ops(self.device)
         self.use_graphs = bool(cuda_graphs and graphable)

@@ -207,7 +207,7 @@ def fuse_layers(cfg: TrainerConfig, model: nn.Module, device: torch.device) -> N
     """Our Triton RMSNorm and SwiGLU in ``model`` when ``cfg.kernels`` on a GPU (not under the
     compiler, which fuses them itself)."""
     if cfg.kernels and not cfg.compile and device.type == "cuda" and kernel_available():
-        from conveyor.trainer.layer_kernels import use_fused_layers
+        from conveyor.trainer.kernels.layers import use_fused_layers
         use_fused_layers(model)
 
 
