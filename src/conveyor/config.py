@@ -290,9 +290,9 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
         if self.algo.loss == "auto":
-            # Stale samples clipped against their behaviour policy stop teaching (2x H100, W2:
-            # 5-15% of tokens clipped, reward per sample below synchronous mode); decoupled PPO
-            # learns as much per sample, and with one update per batch it costs no extra pass.
+            # Stale samples clipped against their behaviour policy stop teaching; decoupled PPO
+            # clips against the proximal policy instead, and with one update per batch it costs
+            # no extra pass (docs/architecture.md, "Choices measured").
             self.algo.loss = "decoupled_ppo" if self.loop.max_staleness > 0 else "ppo"
         if self.algo.kl_coef > 0 and not self.trainer.reference:
             raise ValueError("algo.kl_coef > 0 needs a reference model: set trainer.reference=true")

@@ -1,74 +1,25 @@
-"""NativeEngine: the built-in rollout engine (CPU or one GPU).
+"""NativeEngine: the built-in rollout engine (CPU or one GPU), a ``RolloutEngine``.
 
-Two model runners behind one engine:
-- the fast runner (``graph_runner.py``): its own forward for Llama-family decoders
-  (Llama 3, Qwen2 / Qwen2.5, Qwen3), a paged KV cache with prompt blocks shared
-  by a group's samples, preemption when the pool is full, Triton decode
-  attention and CUDA-graph decode on a GPU. ``runner="auto"`` (the default) uses
-  it on a GPU when the model is supported; ``runner="fast"`` uses it on the CPU
-  too (plain-torch kernels, the path the CPU tests exercise). Its generation
-  loop is ``paged_loop.py``. ``kv_fraction`` (of the GPU memory free when the
-  engine is built, default 0.4 so a colocated trainer keeps room for its
-  optimizer state) or ``kv_blocks`` sizes the pool; ``release_memory()`` / ``reacquire_memory()``
-  free and re-allocate it between rollouts.
-- the Hugging Face runner (``runner.py``, dense left-padded DynamicCache): any
-  causal LM; the fallback, logged, for models the fast runner does not support,
-  and the CPU default. The contract below describes its loop; the paged loop
-  keeps the same promises (order, versions, logprobs, context rule, seeding).
+Contract (``conveyor.rollout.api`` states what every engine promises)
+- Two model runners: the paged CUDA-graph runner (``graph_runner.py``, loop in
+  ``paged_loop.py``; Llama / Qwen2 / Qwen3; ``runner="auto"`` picks it on a GPU
+  for supported models, ``"fast"`` forces it, also on the CPU) and the Hugging
+  Face runner (``runner.py``; any causal LM; the logged fallback). Both keep the
+  same promises: order, versions, logprobs, context rule, seeding.
+- ``generate(prompts, params)``: every (prompt, sample) is a request, admitted
+  into the running batch by ``scheduler.py``; each prompt is prefilled once.
+- ``generate_stream(params, intake, on_done)`` (``streams`` is True: the paged
+  runner only): continuous batching over the ``StreamChunk``s ``intake()``
+  returns between steps; ``on_done(tag, i, samples)`` as soon as prompt ``i``
+  of a chunk has all its samples, with what ``generate`` would return.
+- ``update_weights`` takes the step lock, so a swap lands between two decode
+  steps; a token records the version at the start of the step that made it.
+- A sample depends only on its prompt, the seed and the weights (keyed random
+  streams, ``sampling.py``); ``pause`` / ``resume`` / ``abort`` control a call.
+The full contract is in docs/architecture.md ("Built-in engine").
 
-``pause()`` stops scheduling between steps (KV kept), ``resume()`` continues and
-``abort()`` ends the running ``generate`` (or ``generate_stream``) with
-finish_reason "abort".
-
-Contract (see ``conveyor.rollout.api`` for what every engine promises)
-- ``generate(prompts, params)``: each (prompt, sample) pair is a request. A
-  scheduler admits up to ``max_batch`` requests into the running batch; the model
-  runner prefills admitted prompts ONCE and replicates each prompt's KV cache to
-  its samples; every step decodes all running rows, samples in float32, appends
-  token / logprob / version to each request, and removes finished rows from the
-  batch (and their cache rows) at once. Waiting requests join the running batch
-  in admission waves (policy in ``scheduler.py``).
-- ``generate_stream(params, intake, on_done)`` (continuous batching; only with
-  the fast runner, ``engine.streams`` is True then): the generating thread
-  calls ``intake()`` between steps, outside the engine's lock, and gets a list
-  of ``(tag, prompts)`` or ``(tag, prompts, seed)`` chunks, all sampled with
-  ``params`` but for the seed (the first chunks come from the first call).
-  Their requests join the waiting queue of the batch that is already decoding
-  and are admitted by the same policy (KV pool permitting). ``on_done(tag, i, samples)`` is called, on the generating
-  thread, as soon as every sample of the chunk's prompt ``i`` has finished,
-  with what ``generate(prompts, params)[i]`` would return (the same context
-  capping and validation; a bad prompt raises ``ValueError`` naming the chunk
-  and the prompt), so a group's rewards can start while other groups of its
-  chunk still decode. A chunk without prompts reports nothing. The call returns when
-  nothing is running or waiting and ``intake()`` gave nothing. A chunk with a
-  seed samples as ``generate(prompts, params with that seed)`` would; one
-  without continues the call's seed over the prompts numbered before it.
-  Prompt indices are numbered across the call, so chunks never share prompt
-  KV blocks.
-  ``abort()`` ends the call: every unreported prompt is reported, in order,
-  with its unfinished samples marked "abort".
-- Context: a prompt with ``len(prompt) >= context limit`` (the model's
-  ``max_position_embeddings``, or its sliding window when smaller) raises
-  ``ValueError`` naming the prompt index; otherwise generation is capped so that
-  prompt + completion fits the context, ending with finish_reason "length".
-- Versions: a token records the engine's version at the start of the step that
-  produced it. ``update_weights`` takes the same lock as a step, so another thread
-  may call it while ``generate`` runs (and ``generate_stream``'s ``intake`` may
-  call it on the generating thread): the swap lands between two decode steps and
-  later tokens carry the new version (the KV already computed for earlier tokens
-  is kept, as in partial rollouts).
-- Randomness: every request draws from its own stream, keyed by the call's
-  seed (``params.seed``; None: fresh entropy), its prompt's index and its
-  sample index, at the index of the token it draws (``sampling.py``). A
-  sample therefore depends on its prompt, the seed and the weights only: not
-  on ``max_batch``, the other requests of the batch, preemption, or the
-  runner (up to float rounding between runners), and prompt i of a call
-  seeded s samples as prompt 0 of a call seeded s + i.
-
-It does not know about tasks, rewards, trajectories, weight transports or
-where chunks come from: it turns token ids into completions with the weights
-it was last given. One ``generate`` or ``generate_stream`` runs at a time per
-engine.
+It knows nothing of tasks, rewards, trajectories, weight transports or where
+chunks come from. One ``generate`` or ``generate_stream`` runs at a time.
 """
 from __future__ import annotations
 
