@@ -24,6 +24,8 @@ from conveyor.config import AlgoConfig, TrainerConfig
 from conveyor.controller.objective import PolicyLoss
 from conveyor.types import Batch
 
+pytestmark = pytest.mark.slow  # two trainer rank processes per module: over 10 s on a 2-core CPU
+
 WORLD = 2
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
             max_position_embeddings=64)

@@ -200,6 +200,7 @@ def test_gradient_checkpointing_gives_the_same_update(make_model, make_batch, pg
     assert ckpt.model.model.gradient_checkpointing and not plain.model.model.gradient_checkpointing
 
 
+@pytest.mark.slow  # over 10 s on a 2-core CPU
 def test_compiled_layers_give_the_same_logprobs_and_update(make_model, make_batch, pg_loss):
     batch = make_batch(LENGTHS)
     plain = LocalTrainer(make_model(), cfg(lr=1e-4), total_steps=1)
