@@ -148,7 +148,7 @@ def tune_attention() -> None:
     Each timed call reads one of four disjoint block sets in turn, so the KV comes
     from memory rather than from the L2 cache, as in a real step.
     """
-    from conveyor.rollout.native import fast_ops, triton_ops
+    from conveyor.rollout.native.kernels import torch_ops as fast_ops, triton_ops
 
     cases = [(64, 14, 2, 64), (256, 14, 2, 64), (1024, 14, 2, 64), (256, 12, 2, 128)]
     data = {}

@@ -61,7 +61,7 @@ def _trainer(args, path: str, rank: int, world: int):
             "param_dtype": args.param_dtype, "kernels": not args.no_kernel, "fsdp_reshard": args.fsdp_reshard}
     cfg = TrainerConfig(**over)
     if world == 1:
-        from conveyor.trainer.local import LocalTrainer
+        from conveyor.trainer.single import LocalTrainer
         return LocalTrainer(path, cfg, total_steps=100)
     from conveyor.trainer.fsdp import FSDPTrainer
     return FSDPTrainer(path, cfg, total_steps=100)
@@ -71,7 +71,7 @@ def _run(rank: int, world: int, args, path: str, port: int, q) -> None:
     import torch
 
     from conveyor.config import AlgoConfig
-    from conveyor.objective import PolicyLoss
+    from conveyor.controller.objective import PolicyLoss
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)

@@ -109,7 +109,7 @@ def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
 def model_dir(run_dir: str | Path, checkpoint: str | Path | None = None) -> Path:
     """Where the run's model is: ``final/`` (a plain HF directory), or the given checkpoint's
     directory (a path, a step number, or ``latest``), which may be sharded (see ``export``)."""
-    from conveyor.launch.local import latest_checkpoint
+    from conveyor.controller.run import latest_checkpoint
     run_dir = Path(run_dir)
     if checkpoint is not None:
         return checkpoint_dir(run_dir, checkpoint)
@@ -123,7 +123,7 @@ def model_dir(run_dir: str | Path, checkpoint: str | Path | None = None) -> Path
 
 
 def checkpoint_dir(run_dir: Path, checkpoint: str | Path) -> Path:
-    from conveyor.launch.local import latest_checkpoint
+    from conveyor.controller.run import latest_checkpoint
     text = str(checkpoint)
     if text == "latest":
         ckpt = latest_checkpoint(run_dir)
@@ -232,9 +232,9 @@ def evaluate(run_dir: str | Path, overrides: Sequence[str] = (), *,
     e.g. ``data.eval_size=500``), greedy and at the rollout temperature."""
     import tempfile
 
-    from conveyor import loop
     from conveyor.config import LaunchConfig
-    from conveyor.launch.local import build, start_rollouts
+    from conveyor.controller.run import build
+    from conveyor.launch.local import LocalLauncher
     from conveyor.launch.preflight import check_devices
     from conveyor.observe.progress import quiet_libraries
     cfg = run_config(run_dir, overrides)
@@ -247,10 +247,10 @@ def evaluate(run_dir: str | Path, overrides: Sequence[str] = (), *,
     quiet_libraries()
     with tempfile.TemporaryDirectory(prefix="conveyor-eval-") as tmp, \
             _plain_model(run_dir, checkpoint) as path:
-        c = build(cfg, Path(tmp), str(path))
+        s = build(cfg, Path(tmp), str(path), LocalLauncher(cfg, Path(tmp)))
         try:
-            start_rollouts(c, str(path), 0)
-            m = loop.evaluate(c, 0)
+            s.start_rollouts(str(path), 0)
+            m = s.evaluator.evaluate(0)
         finally:
-            c.close()
+            s.close()
     return EvalResult.from_metrics(m)

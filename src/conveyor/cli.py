@@ -92,8 +92,9 @@ def _train(ns) -> int:
 
 
 def _sft(ns) -> int:
-    from conveyor import api, loop
-    from conveyor.launch.local import build, resolve_model_path, start_rollouts, warm_start_phase
+    from conveyor import api
+    from conveyor.controller.run import build, resolve_model_path, warm_start_phase
+    from conveyor.launch.local import LocalLauncher
     from conveyor.launch.preflight import check_devices
     from conveyor.observe.progress import quiet_libraries
     cfg, _ = _config(ns.args, ns.output_dir)
@@ -104,15 +105,15 @@ def _sft(ns) -> int:
     run_dir = api.default_run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     base = resolve_model_path(cfg, run_dir)
-    c = build(cfg, run_dir, base)
+    s = build(cfg, run_dir, base, LocalLauncher(cfg, run_dir))
     try:
-        start_rollouts(c, base, 0)
-        before = loop.evaluate(c, 0)["eval_reward"]
-        warm = warm_start_phase(c, base)
-        after = loop.evaluate(c, cfg.sft.steps)["eval_reward"]
-        c.logger.message(f"held-out reward {before:.3f} -> {after:.3f}; model in {warm}")
+        s.start_rollouts(base, 0)
+        before = s.evaluator.evaluate(0)["eval_reward"]
+        warm = warm_start_phase(s, base)
+        after = s.evaluator.evaluate(cfg.sft.steps)["eval_reward"]
+        s.logger.message(f"held-out reward {before:.3f} -> {after:.3f}; model in {warm}")
     finally:
-        c.close()
+        s.close()
     return 0
 
 

@@ -19,6 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from conveyor import staleness
+
 
 class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message is one line per problem."""
@@ -243,7 +245,7 @@ class LoopConfig(_Section):
 
     @model_validator(mode="after")
     def _fits(self) -> "LoopConfig":
-        cap = self.batch_size * (self.max_staleness + 1)
+        cap = staleness.capacity(self.batch_size, self.max_staleness)
         if self.buffer_size is not None and self.buffer_size < self.batch_size:
             raise ValueError(f"loop.buffer_size ({self.buffer_size}) must hold one batch "
                              f"(loop.batch_size={self.batch_size})")
@@ -304,9 +306,9 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
         if self.algo.loss == "auto":
-            # Stale samples clipped against their behaviour policy stop teaching (2x H100, W2:
-            # 5-15% of tokens clipped, reward per sample below synchronous mode); decoupled PPO
-            # learns as much per sample, and with one update per batch it costs no extra pass.
+            # Stale samples clipped against their behaviour policy stop teaching; decoupled PPO
+            # clips against the proximal policy instead, and with one update per batch it costs
+            # no extra pass (docs/architecture.md, "Choices measured").
             self.algo.loss = "decoupled_ppo" if self.loop.max_staleness > 0 else "ppo"
         if self.algo.kl_coef > 0 and not self.trainer.reference:
             raise ValueError("algo.kl_coef > 0 needs a reference model: set trainer.reference=true")

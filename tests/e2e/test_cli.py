@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 
 from conveyor.cli import main
 
+pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "not slow"` leaves it out
+
 FAST = ["sft.steps=3", "sft.batch_size=8", "loop.batch_size=4", "rollout.n=4", "data.eval_size=16",
         "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
         "loop.time_limit_s=null", "loop.eval_every=0", "observe.tensorboard=false"]

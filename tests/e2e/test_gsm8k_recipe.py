@@ -2,9 +2,13 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from conveyor.config import load_config
 from conveyor.launch.local import run_local
 from conveyor.observe.report import read_metrics
+
+pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "not slow"` leaves it out
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,11 @@ alone explains cannot pass. Runs in about three minutes on two CPU cores.
 """
 import json
 
+import pytest
+
 from conveyor.cli import main
+
+pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "not slow"` leaves it out
 
 
 def test_default_recipe_rl_adds_reward(tmp_path):

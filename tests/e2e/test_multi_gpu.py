@@ -13,8 +13,9 @@ from conveyor.config import load_config
 from conveyor.launch.local import SetupError, run_local
 from conveyor.observe.report import read_metrics
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                reason="needs two GPUs")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs two GPUs")]
 
 TINY = ["sft.steps=0", "loop.batch_size=8", "rollout.n=4", "data.eval_size=8", "loop.eval_every=0",
         "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=128",

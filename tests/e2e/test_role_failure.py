@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "not slow"` leaves it out
+
 
 @pytest.mark.parametrize("role, extra", [
     ("engine0", []),

@@ -16,6 +16,8 @@ from conveyor.config import load_config  # noqa: E402
 from conveyor.launch.local import run_local  # noqa: E402
 from conveyor.observe.report import read_metrics  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "not slow"` leaves it out
+
 
 def test_grpo_with_vllm_engine_learns(tmp_path):
     cfg = load_config(DEFAULT_RECIPE, ["rollout.engine=vllm", "rollout.dtype=float32", "loop.steps=100",

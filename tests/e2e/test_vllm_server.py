@@ -27,6 +27,8 @@ from conveyor.rollout.api import RolloutEngine, SamplingParams  # noqa: E402
 from conveyor.rollout.remote import RemoteEngine, RemoteEngineError  # noqa: E402
 from conveyor.rollout.vllm import checkpoint_eos_ids  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "not slow"` leaves it out
+
 TINY = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256,
             max_position_embeddings=256)
 # 165 tokens: longer than one KV block (128 tokens on CPU), so vLLM's prefix cache holds a block

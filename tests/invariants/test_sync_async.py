@@ -4,11 +4,12 @@
   (disaggregated) reproduce the in-process synchronous run exactly, with
   weights through shared memory or a gloo broadcast; two FSDP trainer ranks
   (gloo) reproduce it to float tolerance.
-  So does the streaming engine (fast runner, continuous batching).
+  So does the streaming engine (paged runner, continuous batching).
 - With max_staleness 2 no trained token is more than 2 versions behind the
   policy being trained, with partial rollouts on and off, and streaming; and
   its first step trains on the synchronous run's first samples.
 """
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -16,6 +17,8 @@ from conveyor.config import load_config
 from conveyor.trainer.checkpoint import export_hf
 from conveyor.launch.local import run_local
 from conveyor.observe.report import read_metrics
+
+pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "not slow"` leaves it out
 
 TINY = ["sft.steps=0", "loop.batch_size=4", "rollout.n=4", "data.eval_size=8", "loop.eval_every=0",
         "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",

@@ -163,6 +163,7 @@ def test_steps_without_an_engine_report_are_covered_by_scaling():
     assert m["rollout_tokens_per_s"] == pytest.approx(12 / 1.0)
 
 
+@pytest.mark.slow  # over 10 s on a 2-core CPU
 def test_weight_sync_benchmark_runs_on_cpu(tmp_path):
     """benchmarks/weight_sync_gpu.py over gloo: versions reach both engines and are timed."""
     import os

@@ -37,6 +37,10 @@ class TaskSource(Protocol):
 
     def __getitem__(self, i: int) -> Task: ...
 
+    def demonstration(self, task: Task, rng: random.Random) -> str | None:
+        """The answer the supervised warm start shows for ``task`` (None: it has none)."""
+        ...
+
 
 class ListSource:
     """An in-memory ``TaskSource`` over a list of tasks."""
@@ -53,6 +57,9 @@ class ListSource:
 
     def __getitem__(self, i: int) -> Task:
         return self.tasks[i]
+
+    def demonstration(self, task: Task, rng: random.Random) -> str | None:
+        return task.answer
 
     def __iter__(self) -> Iterator[Task]:
         return iter(self.tasks)

@@ -1,44 +1,19 @@
 """Task sources read from files and Hugging Face datasets.
 
 Contract: ``load_file_source(cfg, tokenizer, split)`` returns a ``ListSource``
-for ``cfg.source`` in:
-- ``jsonl``: one JSON object per line (blank lines ignored; row numbers are
-  line numbers, so they match an editor).
-- ``parquet``: a Parquet file (needs pyarrow, the ``conveyor[data]`` extra).
-- ``hf``: ``cfg.path`` is a directory written by ``save_to_disk``, a local
-  data file (.jsonl/.json/.parquet/.csv: its only split is "train"), a local
-  dataset directory, or a hub name loaded with
-  ``datasets.load_dataset(path, options["hf_config"], split=...)``.
-- ``gsm8k``: GSM8K rows ``{"question", "answer": "...#### 42"}`` from a jsonl
-  or parquet file, or a Hugging Face dataset (default ``openai/gsm8k``,
-  config ``main``). The gold answer is the text after the last ``####`` with
-  thousands separators removed; the full solution is kept in
-  ``info["solution"]``. Its default reward is ``"math"``.
-Every source's default reward is ``"math"``; set ``reward.fn`` for another.
+for ``cfg.source``: ``jsonl``, ``parquet``, ``hf`` (a saved dataset, a local
+file or directory, or a hub name) or ``gsm8k`` (gold answer after the last
+``####``). Each row becomes ``Task(id="<split>-<row>", prompt, answer, info)``
+with ``cfg.prompt_template`` and, if ``cfg.chat_template``, the tokenizer's
+chat template applied. Invalid rows raise ``DataError`` naming file, 1-based
+row and field, or with ``cfg.skip_invalid`` are skipped and counted. The eval
+split is ``cfg.eval_path`` / ``cfg.eval_split`` when set, else a
+deterministic holdout of ``cfg.eval_size`` rows removed from train. Every
+source's default reward is ``"math"``. Details: docs/architecture.md
+("Module contracts in detail").
 
-Each row becomes ``Task(id="<train|eval>-<row>", prompt, answer, info)``:
-the prompt is ``cfg.prompt_template.format(prompt=row[prompt_field], **row)``,
-then, if ``cfg.chat_template``, the tokenizer's chat template with an
-optional system message and the generation prompt. ``info`` holds the row's
-other fields plus ``row`` (1-based) and ``raw_prompt``. ``answer_field=""``
-means rows carry no gold answer (e.g. for a reward model).
-
-Invalid rows (missing field, non-string or empty prompt, malformed JSON)
-raise ``DataError`` naming the file, the 1-based row and the field, unless
-``cfg.skip_invalid``: then they are skipped, counted in ``stats["skipped"]``
-and reported in one warning. No valid rows at all is always an error.
-
-Eval split: ``cfg.eval_path`` (another file or dataset) and/or
-``cfg.eval_split`` (a split of a Hugging Face dataset, default "test" when
-only eval_path is given) when set; otherwise a deterministic holdout of
-``cfg.eval_size`` valid rows, drawn with ``cfg.seed``, is the eval source and
-is REMOVED from the train source, so the two never share a row. Loading
-"train" and "eval" separately gives complementary sets because both compute
-the same holdout. ``eval_size=0`` without an eval path gives an empty eval
-source (no evaluation).
-
-This module does not know about batching or shuffling (``api.TaskCursor``),
-synthetic tasks, or what any reward computes.
+It does not know about batching or shuffling (``api.TaskCursor``), synthetic
+tasks, or what any reward computes.
 """
 from __future__ import annotations
 

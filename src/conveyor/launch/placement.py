@@ -25,6 +25,7 @@ import socket
 from dataclasses import dataclass, field
 
 from conveyor.config import RunConfig
+from conveyor.transport.api import WeightReader, WeightWriter
 
 
 class PlacementError(ValueError):
@@ -44,9 +45,9 @@ class Placement:
 
 @dataclass
 class Routes:
-    controller: object
-    writers: dict[int, list] = field(default_factory=dict)
-    readers: dict[int, object] = field(default_factory=dict)
+    controller: "WeightWriter | Fanout | None"  # where warm-start weights go (None: no warm start)
+    writers: dict[int, list[WeightWriter]] = field(default_factory=dict)
+    readers: dict[int, WeightReader] = field(default_factory=dict)
 
 
 def _wants_gpu(cfg: RunConfig) -> bool:

@@ -17,11 +17,10 @@ Contract
   returns their answers in order; the first child that raises or dies ends
   the call with its error, without waiting for the others (which may be
   blocked in a collective with it).
-- Messages travel as ``dumps``/``loads`` bytes: CPU tensors are pickled as
-  their raw bytes. (The default reduction of a torch tensor over a pipe puts
-  each one in its own shared-memory file; a batch of 256 samples carries
-  about a thousand tensors and took 0.4-1.7 s per call that way, against
-  about 25 ms as bytes.)
+- Calls and answers (``transport.messages.Call`` / ``Answer``) travel as
+  ``dumps``/``loads`` bytes in which CPU tensors are their raw bytes, not a
+  shared-memory file per tensor as torch's default reduction would make.
+- ``bind_device(device)``: the first thing a role's child main does.
 
 It knows nothing of what the roles do.
 """
@@ -35,6 +34,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+
+from conveyor.transport.messages import Answer, Call
 
 
 class RoleError(RuntimeError):
@@ -117,17 +118,24 @@ class RoleProcess:
             self.proc.join(3.0)
 
 
+def bind_device(device: str) -> None:
+    """Make ``device`` this process's GPU ("cuda" in a role's config then means it); CPU: nothing."""
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+
 def serve_rpc(obj: Any, conn) -> None:
-    """Child side: answer ``(method, args, kwargs)`` messages until ``("__stop__", ...)``."""
+    """Child side: answer each ``Call`` until one of method ``"__stop__"``."""
     while True:
-        method, args, kwargs = loads(conn.recv_bytes())
-        if method == "__stop__":
-            conn.send_bytes(dumps(("ok", None)))
+        call: Call = loads(conn.recv_bytes())
+        if call.method == "__stop__":
+            conn.send_bytes(dumps(Answer(True)))
             return
         try:
-            answer = dumps(("ok", getattr(obj, method)(*args, **kwargs)))
+            answer = dumps(Answer(True, getattr(obj, call.method)(*call.args, **call.kwargs)))
         except Exception:  # noqa: BLE001 - sent back to the caller with the traceback
-            answer = dumps(("err", traceback.format_exc()))
+            answer = dumps(Answer(False, traceback.format_exc()))
         conn.send_bytes(answer)
 
 
@@ -148,7 +156,7 @@ class RpcClient:
 
 
 def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
-    message = dumps((method, args, kwargs))
+    message = dumps(Call(method, tuple(args), dict(kwargs)))
     for c in clients:
         c.proc.check()
         c.conn.send_bytes(message)
@@ -163,11 +171,11 @@ def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, t
             if not c.conn.poll(wait):
                 c.proc.check()
                 continue
-            status, value = _receive(c.conn, c.proc, method)
-            if status == "err":
+            answer = _receive(c.conn, c.proc, method)
+            if not answer.ok:
                 _peer_died(clients)  # a rank whose peer died fails in its collective: name the death
-                raise RoleError(f"{c.proc.role}.{method} raised in the {c.proc.role} process:\n{value}")
-            answers[i] = value
+                raise RoleError(f"{c.proc.role}.{method} raised in the {c.proc.role} process:\n{answer.value}")
+            answers[i] = answer.value
         late = [c for i, c in enumerate(clients) if i not in answers]
         if late and time.monotonic() > deadline:
             raise RoleError(f"{', '.join(c.proc.role for c in late)}.{method} did not answer within "
@@ -187,7 +195,7 @@ def _peer_died(clients: list[RpcClient], grace_s: float = 1.0) -> None:
         time.sleep(0.05)
 
 
-def _receive(conn, proc: RoleProcess, method: str):
+def _receive(conn, proc: RoleProcess, method: str) -> Answer:
     """The answer; a pipe that breaks means the child died: report that, with its exit code."""
     try:
         return loads(conn.recv_bytes())

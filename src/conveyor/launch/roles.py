@@ -1,19 +1,19 @@
 """Start the trainer ranks and the engine workers where ``launch.placement`` says.
 
 Contract
-- ``start_engines(cfg, path, tokenizer, routes, placement, run_dir)`` returns the
-  engine handles, the shared outbox and the context limit. In-process: one
-  engine in a thread of this process. Otherwise ``launch.engines`` child
-  processes, engine i on ``placement.engine_devices[i]`` with
-  ``launch.engine_threads`` CPU threads, polling ``routes.readers[i]``.
-- ``start_trainer(cfg, path, tokenizer, routes, placement, run_dir)`` returns an
-  object with the ``TrainerHost`` methods (train, logprobs, ref_logprobs,
-  values, publish, step, save_checkpoint, load_checkpoint, export_hf): the
-  host itself (in-process) or a proxy that calls every trainer rank process
-  (``launch.trainer_ranks`` of them; more than one form a torch.distributed
-  group and train with FSDP2) and returns rank 0's answer. A rank that raises
-  or dies stops the call at once with its name; the others are stopped.
-- ``make_routes`` / ``plan`` (placement.py) decide devices and transports.
+- ``start_engines(cfg, path, tokenizer, routes, placement, run_dir)`` returns
+  the ``EngineWorker`` handles (``rollout/api.py``), the outbox they all
+  answer on and the engines' context limit. In-process: one engine worker in
+  a thread of this process (``ThreadWorker``). Otherwise ``launch.engines``
+  child processes (``ProcessWorker``), engine i on
+  ``placement.engine_devices[i]`` with ``launch.engine_threads`` CPU threads,
+  reading ``routes.readers[i]``. Both run ``rollout.serve.engine_loop``.
+- ``start_trainer(cfg, path, tokenizer, routes, placement, run_dir)`` returns
+  a ``TrainerHandle`` (``trainer/api.py``): the ``TrainerHost`` itself
+  (in-process) or a ``TrainerProxy`` that calls every trainer rank process
+  (``launch.trainer_ranks``; more than one form a torch.distributed group and
+  train with FSDP2) and returns rank 0's answer. A rank that raises or dies
+  stops the call at once with its name.
 Every start waits for the children to report ready, with the launch
 deadline, and a child that dies while starting is reported with its log.
 
@@ -29,8 +29,11 @@ from pathlib import Path
 from conveyor.config import RunConfig
 from conveyor.launch.placement import Placement, free_port
 from conveyor.launch.procs import RoleError, RoleProcess, RpcClient, call_all
-from conveyor.launch.workers import TrainerHost, engine_loop, engine_process, trainer_process
-from conveyor.producer import EngineHandle
+from conveyor.rollout.api import EngineWorker
+from conveyor.rollout.serve import engine_loop, engine_process
+from conveyor.trainer.api import LossFn
+from conveyor.trainer.serve import TrainerHost, trainer_process
+from conveyor.transport.messages import Failed, Ready, Stop, Trained
 
 
 def mp_context():
@@ -39,7 +42,7 @@ def mp_context():
 
 
 def make_trainer(cfg: RunConfig, path: str, tokenizer):
-    from conveyor.trainer.local import LocalTrainer
+    from conveyor.trainer.single import LocalTrainer
     return LocalTrainer(path, cfg.trainer, **trainer_kwargs(cfg, tokenizer))
 
 
@@ -51,20 +54,78 @@ def trainer_kwargs(cfg: RunConfig, tokenizer) -> dict:
 
 
 class TrainerProxy:
-    """The trainer ranks in their own processes, called like the in-process TrainerHost:
-    every call goes to every rank (they run it together) and rank 0's answer is returned."""
+    """The ``TrainerHandle`` of trainer ranks in their own processes: every call goes to every
+    rank (they run it together) and rank 0's answer is returned."""
 
     def __init__(self, rpcs: list[RpcClient], timeout: float):
         self._rpcs, self._timeout = rpcs, timeout
 
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *a, **k: call_all(self._rpcs, name, a, k, self._timeout)[0]
+    def _all(self, method: str, *args, **kwargs):
+        return call_all(self._rpcs, method, args, kwargs, self._timeout)[0]
+
+    def train_and_publish(self, batch, loss_fn: LossFn, version: int) -> Trained:
+        return self._all("train_and_publish", batch, loss_fn, version)
+
+    def publish(self, version: int) -> float:
+        return self._all("publish", version)
+
+    def logprobs(self, batch):
+        return self._all("logprobs", batch)
+
+    def ref_logprobs(self, batch):
+        return self._all("ref_logprobs", batch)
+
+    def values(self, batch):
+        return self._all("values", batch)
+
+    def step(self) -> int:
+        return self._all("step")
+
+    def save_checkpoint(self, path, extra) -> None:
+        self._all("save_checkpoint", path, extra)
+
+    def load_checkpoint(self, path) -> dict:
+        return self._all("load_checkpoint", path)
+
+    def export_hf(self, path) -> None:
+        self._all("export_hf", path)
 
     def close(self) -> None:
         for rpc in self._rpcs:
             rpc.stop()
+
+
+class ThreadWorker:
+    """An ``EngineWorker``: ``engine_loop`` in a thread of this process."""
+
+    def __init__(self, engine_id: int, inbox: queue.Queue, thread: threading.Thread):
+        self.engine_id, self._inbox, self._thread = engine_id, inbox, thread
+
+    def send(self, message) -> None:
+        self._inbox.put(message)
+
+    def check(self) -> None:
+        if not self._thread.is_alive():
+            raise RoleError(f"engine {self.engine_id} thread ended unexpectedly")
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout=timeout)
+
+
+class ProcessWorker:
+    """An ``EngineWorker``: ``engine_process`` in a child process."""
+
+    def __init__(self, engine_id: int, inbox, process: RoleProcess):
+        self.engine_id, self._inbox, self._process = engine_id, inbox, process
+
+    def send(self, message) -> None:
+        self._inbox.put(message)
+
+    def check(self) -> None:
+        self._process.check()
+
+    def join(self, timeout: float) -> None:
+        self._process.stop(timeout=timeout)
 
 
 def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement, run_dir: Path):
@@ -98,7 +159,8 @@ def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
     return TrainerProxy(rpcs, cfg.launch.timeout_s)
 
 
-def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement, run_dir: Path):
+def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement,
+                  run_dir: Path) -> tuple[list[EngineWorker], object, int]:
     partial = cfg.loop.partial_rollouts
     if placement.sync == "inprocess":
         from conveyor.rollout.factory import make_engine
@@ -108,10 +170,10 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
                                                        cfg.launch.timeout_s),
                              name="engine0", daemon=True)
         t.start()
-        return [EngineHandle(0, inbox, thread=t)], outbox, engine.context_limit
+        return [ThreadWorker(0, inbox, t)], outbox, engine.context_limit
     ctx = mp_context()
     outbox = ctx.Queue()
-    handles = []
+    workers = []
     for i, device in enumerate(placement.engine_devices):
         rollout = cfg.rollout.model_copy(update={"device": device}) if device != "cpu" else cfg.rollout
         spec = {"path": path, "rollout": rollout.model_dump(mode="json"), "device": device,
@@ -119,25 +181,25 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
         inbox = ctx.Queue()
         proc = RoleProcess(f"engine{i}", engine_process, (spec, inbox, outbox, routes.readers[i], i, partial),
                            run_dir / "logs", ctx, threads=cfg.launch.engine_threads)
-        handles.append(EngineHandle(i, inbox, process=proc))
+        workers.append(ProcessWorker(i, inbox, proc))
     context_limit, ready = None, set()
     deadline = time.monotonic() + cfg.launch.timeout_s
-    while len(ready) < len(handles):
-        for h in handles:
-            h.check()
+    while len(ready) < len(workers):
+        for w in workers:
+            w.check()
         try:
             msg = outbox.get(timeout=0.2)
         except queue.Empty:
             if time.monotonic() > deadline:
                 raise RoleError(f"engines did not start within {cfg.launch.timeout_s:.0f}s "
-                                f"({len(ready)}/{len(handles)} ready)") from None
+                                f"({len(ready)}/{len(workers)} ready)") from None
             continue
-        if msg[0] == "error":
-            raise RoleError(f"engine {msg[1]} failed while starting:\n{msg[2]}")
-        if msg[0] == "ready":
-            ready.add(msg[1])
-            context_limit = msg[2]
-    return handles, outbox, context_limit
+        if isinstance(msg, Failed):
+            raise RoleError(f"engine {msg.engine_id} failed while starting:\n{msg.traceback}")
+        if isinstance(msg, Ready):
+            ready.add(msg.engine_id)
+            context_limit = msg.context_limit
+    return workers, outbox, context_limit
 
 
 def _await(ready, proc: RoleProcess, timeout: float, what: str, peers=()) -> None:
@@ -151,14 +213,11 @@ def _await(ready, proc: RoleProcess, timeout: float, what: str, peers=()) -> Non
                             f"{proc.last_lines()}")
 
 
-def stop_engines(handles: list[EngineHandle]) -> None:
-    for h in handles:
+def stop_engines(workers: list[EngineWorker]) -> None:
+    for w in workers:
         try:
-            h.inbox.put(("stop",))
+            w.send(Stop())
         except (OSError, ValueError):
             pass
-    for h in handles:
-        if h.process is not None:
-            h.process.stop(timeout=10)
-        elif h.thread is not None:
-            h.thread.join(timeout=10)
+    for w in workers:
+        w.join(timeout=10)

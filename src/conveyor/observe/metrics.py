@@ -1,34 +1,20 @@
 """Metrics fan-out: one ``log`` call reaches every sink (JSONL, TensorBoard, console, trackers).
 
-Contract:
-- ``MetricsLogger(run_dir, ...)`` owns a list of sinks. ``log(step, metrics,
-  kind)`` validates the metrics once (string keys; numbers, or numpy/torch
-  scalars which are unwrapped) and hands the same dict to every sink, in
-  order. Sinks must not mutate it.
-- A sink is anything with ``log(step, metrics, kind)`` and ``close()``
-  (``Sink``). Built in: ``JsonlSink`` (``run_dir/metrics.jsonl``, the source
-  of truth, flushed per line), ``TensorBoardSink`` (``run_dir/tensorboard``),
-  ``ProgressSink`` (the console), and the optional ``WandbSink`` and
-  ``MlflowSink`` (the ``conveyor[tracking]`` extra).
-- Names: a metric is qualified as ``<kind>/<key>`` wherever the store is
-  shared across kinds (TensorBoard tags, W&B, MLflow): ``train/reward``,
-  ``eval/reward``. So the loop logs eval metrics under the same keys as train
-  metrics and lets ``kind`` tell them apart; a key that already carries its
-  kind (``eval_reward`` logged as eval) is not prefixed twice. The JSONL line
-  keeps the keys exactly as logged, next to its ``kind`` field.
-- Console: all human-readable output (bar, plain lines, ``message``) goes to
-  one stream, stderr by default, so stdout stays free for a command's
-  machine-readable result and ``2>file`` captures the whole story. When that
-  stream is a terminal, a tqdm bar advances on train steps and its postfix
-  shows the latest ``keys``; otherwise (CI, redirected logs) one plain line
-  is printed per ``log_every`` train steps, and for every non-train log.
-- ``log_every`` thins only the console; files receive every step.
-- A failing sink raises: metrics that silently stop are worse than a loud
-  error. ``close()`` closes every sink even if one raises, then re-raises.
+Contract
+- ``MetricsLogger(run_dir, ...)``: ``log(step, metrics, kind)`` validates the
+  metrics once and hands the same dict to every sink in order; a sink is
+  anything with ``log(step, metrics, kind)`` and ``close()``. Built in:
+  ``JsonlSink`` (``metrics.jsonl``, the source of truth, flushed per line),
+  ``TensorBoardSink``, ``ProgressSink`` (the console, stderr), ``WandbSink``,
+  ``MlflowSink``.
+- Where stores are shared across kinds a metric is named ``<kind>/<key>``
+  (``train/reward``, ``eval/reward``); the JSONL keeps keys as logged.
+- ``log_every`` thins only the console. A failing sink raises; ``close()``
+  closes every sink, then re-raises. Details: docs/architecture.md ("Module
+  contracts in detail").
 
 It deliberately does not know which metrics a run produces, how steps are
-numbered (the bar simply shows the largest train step seen), or what a run
-directory holds beyond its own files.
+numbered, or what a run directory holds beyond its own files.
 """
 from __future__ import annotations
 

@@ -232,9 +232,10 @@ def summary_text(summary: Mapping[str, Any], run_dir: Path, examples: Sequence[A
     return "\n".join(lines)
 
 
-def report_length_skips(c, skipped: int, total: int, prefix: str) -> None:
+def report_length_skips(logger, limit: int, skipped: int, total: int, prefix: str, reported: dict) -> None:
     """Say (once per evaluation kind) how many held-out prompts did not fit the engine's context;
-    when none fits, stop with an error naming the fields instead of reporting a nan reward."""
+    when none fits, stop with an error naming the fields instead of reporting a nan reward.
+    ``reported`` (the caller's) remembers what was said, so a note is not repeated."""
     if not skipped:
         return
     what = "training tasks held out for the warm-start check" if prefix.startswith("sft") else "held-out prompts"
@@ -242,10 +243,10 @@ def report_length_skips(c, skipped: int, total: int, prefix: str) -> None:
            "with a longer context (model.path, model.tiny.max_position_embeddings)")
     if skipped == total:
         from conveyor.data.api import DataError
-        raise DataError(f"all {total} {what} are longer than the model's context ({c.max_prompt_tokens} "
+        raise DataError(f"all {total} {what} are longer than the model's context ({limit} "
                         f"prompt tokens), so nothing is left to evaluate; {fix}")
     key = ("sft_check_" if prefix.startswith("sft") else "eval_") + "prompt_too_long"  # greedy and sampled: once
-    if c.stats.get(key) != skipped:
-        c.logger.message(f"note: {skipped} of {total} {what} skipped: longer than the model's context "
-                         f"({c.max_prompt_tokens} prompt tokens); {fix}")
-    c.stats[key] = skipped
+    if reported.get(key) != skipped:
+        logger.message(f"note: {skipped} of {total} {what} skipped: longer than the model's context "
+                       f"({limit} prompt tokens); {fix}")
+    reported[key] = skipped

@@ -2,31 +2,18 @@
 
 Contract
 - ``RewardService(fn, timeout_s, fallback, workers)`` runs the reward ``fn``
-  (see ``api.RewardFn``) on its own worker threads. ``submit(traj)`` returns a
-  ``concurrent.futures.Future`` that ALWAYS resolves to a new trajectory made
-  with ``traj.with_reward(reward, info)`` (plus ``timings["reward_s"]``), at
-  the latest ``timeout_s`` after a worker picked it up. ``score(trajs)`` is
-  the blocking form and keeps the input order.
-- A verifier that raises (anything, even ``SystemExit``), returns a wrong type
-  or a dict without ``"reward"``, returns NaN/inf, or runs past ``timeout_s``
-  yields ``fallback`` and ``reward_info["reward_error"]`` says why. Nothing
-  is re-raised to the caller. ``stats()`` counts: ``scored`` (trajectories
-  returned, fallback included), ``failures`` (raised / wrong type),
-  ``timeouts``, ``nonfinite``, and the gauge ``stuck`` (threads still inside
-  an abandoned call). The first traceback / message of each distinct failure
-  kind is logged once, with the reward's name.
-- Timeouts: a Python thread cannot be killed, so a call past its deadline is
-  ABANDONED: its caller gets the fallback at once, the thread keeps running
-  until the verifier returns (its result is discarded) and a replacement
-  worker is started so stuck calls never shrink the pool. At most
-  ``max_stuck`` abandoned threads are tolerated; beyond that no replacement is
-  started, and if no usable worker remains, queued and new trajectories get
-  the fallback immediately (counted as timeouts, ``reward_error`` "no free
-  worker") instead of waiting forever. A stuck thread that finally returns
-  rejoins the pool if it is short of ``workers``. All threads are daemons, so
-  a verifier stuck for good never blocks interpreter exit. A verifier that
-  can hang for good belongs in a subprocess sandbox, which this service does
-  not provide.
+  (``api.RewardFn``) on worker threads. ``submit(traj)`` returns a Future
+  that ALWAYS resolves to ``traj.with_reward(reward, info)``, at the latest
+  ``timeout_s`` after a worker picked it up; ``score(trajs)`` is the blocking
+  form, in order.
+- A verifier that raises, returns a wrong type, NaN/inf or runs past
+  ``timeout_s`` yields ``fallback`` with ``reward_info["reward_error"]``
+  saying why; nothing is re-raised. ``stats()`` counts scored, failures,
+  timeouts, nonfinite and stuck threads.
+- A call past its deadline is abandoned (a thread cannot be killed) and a
+  replacement worker started, up to ``max_stuck``; beyond that trajectories
+  get the fallback at once. Details: docs/architecture.md ("Module contracts
+  in detail").
 
 This module knows nothing of what a reward computes or which reward a task
 wants; it only runs callables under a deadline and counts what went wrong.

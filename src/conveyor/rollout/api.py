@@ -27,6 +27,15 @@ Contract
   request was cancelled before it finished; reserved for engines that can cancel).
 - ``update_weights`` copies tensors in place into the live model and sets
   ``version``; tokens sampled afterwards record the new version.
+- Capabilities are declared, never probed: ``streams`` (``generate_stream``,
+  continuous batching over ``StreamChunk``s, is available), ``counters``
+  (decode-step totals, empty for engines that keep none), ``cuda_device``
+  (the GPU a weight copy is queued on, None when ``update_weights`` has
+  finished its copy on return), ``context_limit``.
+- ``EngineWorker`` is the controller's handle on one engine worker (a thread
+  or a process serving ``rollout.serve.engine_loop``); every launcher
+  provides it (``launch.roles``), ``tests/unit/launch/test_handles_conform.py``
+  checks it.
 
 This module knows nothing of torch, models or schedulers: it is the vocabulary
 the loop, the workflows and every engine share.
@@ -110,9 +119,24 @@ class Completion:
     text: str = ""
 
 
+@dataclass(frozen=True)
+class StreamChunk:
+    """Prompts that join a running ``generate_stream`` call; ``tag`` comes back in ``on_done``.
+    ``seed``: the chunk's own (its prompt i draws as prompt 0 of a call seeded seed + i), or
+    None to continue the call's seed over the prompts numbered so far."""
+    tag: Any
+    prompts: list[list[int]]
+    seed: int | None = None
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the loop and the workflows need from any generation backend."""
+
+    streams: bool
+    counters: dict[str, float]
+    cuda_device: Any
+    context_limit: int | None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt, prompts and samples in order; [] for no prompts."""
@@ -131,6 +155,22 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release the model and any cache; the engine is unusable afterwards."""
         ...
+
+
+@runtime_checkable
+class EngineWorker(Protocol):
+    """The controller's handle on one engine worker. ``send`` queues a ``messages.Generate`` or
+    ``Stop``; answers arrive on the outbox the launcher returns with the workers. ``check``
+    raises ``RoleError`` naming the worker if it died; ``join`` waits for it to end after a
+    ``Stop`` (stopping its process if it does not)."""
+
+    engine_id: int
+
+    def send(self, message: Any) -> None: ...
+
+    def check(self) -> None: ...
+
+    def join(self, timeout: float) -> None: ...
 
 
 def capped_budgets(prompts: list[list[int]], params: SamplingParams, context_limit: int,

@@ -1,39 +1,22 @@
 """RemoteEngine: any OpenAI-compatible completion server (vLLM's api_server, SGLang) as a rollout engine.
 
-Contract (see ``conveyor.rollout.api`` for what every engine promises)
-- ``generate`` sends one ``POST /v1/completions`` per prompt (token ids as the
-  prompt, ``n`` samples, ``logprobs=1``), up to ``max_concurrency`` at once, and
-  returns completions in prompt and sample order. Completion token ids come from
-  the choice's ``token_ids`` (vLLM's ``return_token_ids``) or, failing that,
-  from the ``token_id:N`` strings that ``return_tokens_as_token_ids`` puts in
-  ``logprobs.tokens``; both must agree with ``token_logprobs`` in length, or the
-  call fails naming the server. Greedy ``n > 1`` asks for one sample and copies
-  it (vLLM refuses greedy ``n > 1``).
-- Logprobs are whatever the server computes: start vLLM with
-  ``--logprobs-mode processed_logprobs`` (see ``rollout.vllm`` for what that
-  means with top-k / top-p); its default ``raw_logprobs`` ignores temperature.
-- Versions: a token records the engine's version when its request was sent.
-  ``update_weights`` waits for this engine's requests in flight and holds new ones
-  back until the server has the new weights, so no request straddles an update.
-- Weights (``weight_sync``): ``"vllm_reload"`` writes one safetensors file to a
-  private directory (``/dev/shm`` by default: the server must run on this host or
-  share ``shm_dir``) and calls the dev-mode endpoints ``/pause?mode=keep``,
-  ``/collective_rpc`` (``reload_weights``), ``/update_weight_version``,
-  ``/reset_prefix_cache`` and ``/resume`` (start vLLM with
-  ``VLLM_SERVER_DEV_MODE=1``); ``"vllm_nccl"`` broadcasts over NCCL through
-  vLLM's ``/init_weight_transfer_engine`` ... ``/finish_weight_update`` routes
-  (needs the vllm package here, a GPU, and a server started with
-  ``--weight-transfer-config '{"backend": "nccl"}'``); ``"sglang_disk"`` writes
-  a checkpoint directory and calls SGLang's ``/update_weights_from_disk``;
-  ``"none"`` only records the version (weights are pushed by something else).
-- Every HTTP call has a deadline (``request_timeout_s``); connection failures
-  and 502/503/504 are retried ``retries`` times with backoff, other errors are
-  not. A server that is down or broken raises ``RemoteEngineError`` naming the
-  URL, what failed and the fix; nothing waits without a deadline.
+Contract (``conveyor.rollout.api`` states what every engine promises)
+- ``generate`` sends one ``POST /v1/completions`` per prompt (token ids in,
+  ``n`` samples, ``logprobs=1``), up to ``max_concurrency`` at once; token ids
+  come from ``token_ids`` or ``logprobs.tokens`` and must agree in length with
+  the logprobs. Logprobs are the server's (start vLLM with
+  ``--logprobs-mode processed_logprobs``).
+- Versions: a token records the version when its request was sent;
+  ``update_weights`` waits for requests in flight and holds new ones back, so
+  no request straddles an update.
+- Weights (``weight_sync``): ``vllm_reload``, ``vllm_nccl``, ``sglang_disk`` or
+  ``none`` (only the version is recorded).
+- Every HTTP call has a deadline; connection failures and 502/503/504 are
+  retried with backoff; a broken server raises ``RemoteEngineError`` naming
+  the URL and the fix. Details: docs/architecture.md ("Module contracts in detail").
 
 It does not start or stop servers, pick models or know the loop; it speaks HTTP
-with the standard library only. The ``vllm_nccl`` and ``sglang_disk`` paths have
-not run on this project's CPU-only CI.
+with the standard library only.
 """
 from __future__ import annotations
 
@@ -167,6 +150,14 @@ class _Gate:
 
 class RemoteEngine:
     """A client of one OpenAI-compatible server; thread-safe."""
+
+    streams = False  # no generate_stream: engine workers serve it in waves
+    cuda_device = None  # update_weights returns once the weights are in place
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """No decode-step totals are kept."""
+        return {}
 
     def __init__(self, base_url: str, tokenizer=None, *, model: str | None = None, weight_sync: str = "none",
                  request_timeout_s: float = 600.0, ready_timeout_s: float = 30.0, retries: int = 2,

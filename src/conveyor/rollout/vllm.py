@@ -1,47 +1,21 @@
 """VLLMEngine: vLLM's offline ``LLM`` behind conveyor's RolloutEngine protocol.
 
-Contract (see ``conveyor.rollout.api`` for what every engine promises)
-- Token ids in (``TokensPrompt``), token ids, logprobs and versions out. ``n``
-  samples per prompt; greedy (``temperature == 0``) with ``n > 1`` generates one
-  sample and returns n copies, because vLLM refuses greedy ``n > 1`` and greedy
-  samples are identical.
-- Logprobs: the engine is started with ``logprobs_mode="processed_logprobs"``
-  and asks for the sampled token's logprob only. vLLM's "processed" means after
-  logit bias, temperature AND top-k / top-p, so it equals the protocol's
-  ``log_softmax(logits / T)`` exactly when truncation is off (``top_k == 0``,
-  ``top_p == 1``, conveyor's defaults) and for greedy; with truncation on it is
-  the logprob of the truncated, renormalised distribution (a warning says so
-  once). ``eos_bias`` becomes vLLM's ``logit_bias`` on the EOS ids, applied
-  before temperature, as in the native sampler. A vLLM without
-  ``processed_logprobs`` (older than 0.10.2) is refused at construction.
-- Stops: EOS (model, generation config and tokenizer) and ``stop_token_ids``
-  stop with the token kept; stop strings stop with
-  ``include_stop_str_in_output`` so the completing token stays in ``token_ids``.
-  ``text`` is decoded by the conveyor tokenizer when one is given.
-- Versions: every completion token records the version label that vLLM's engine
-  core attached to the step that produced it (``CompletionOutput.weight_versions``,
-  set through ``update_weight_version``); a vLLM without version spans gets the
-  engine's version at the call. ``generate`` and ``update_weights`` take one
-  lock, so a weight update from another thread lands between two calls. Every
-  update also resets vLLM's prefix cache, whose KV was computed with the old
-  weights.
-- Weights: ``weight_sync="reload"`` (default, works on CPU and GPU on one host)
-  writes the tensors as one safetensors file into a private directory under
-  ``/dev/shm`` and calls the workers' ``reload_weights(weights_path=...)``;
-  ``"nccl"`` (GPU, trainer on its own GPU) and ``"ipc"`` (GPU, trainer on the
-  same GPU) use vLLM's weight-transfer API with this process as the sender
-  (rank 0). Names are checked against the checkpoint before anything moves.
-  ``last_update_ms`` holds the wall time of the last update.
-- ``pause()`` / ``resume()`` put vLLM to sleep (free the KV cache, offload
-  weights at level 1) and wake it, for a trainer that shares the GPU; they need
-  ``sleep_mode=True`` (or ``enable_sleep_mode`` in the vLLM kwargs). vLLM on CPU
-  ignores sleep.
+Contract (``conveyor.rollout.api`` states what every engine promises)
+- Token ids in, token ids, logprobs and versions out; greedy with ``n > 1``
+  generates one sample and returns n copies.
+- Logprobs are vLLM's ``processed_logprobs``: the protocol's
+  ``log_softmax(logits / T)`` when top-k / top-p are off (conveyor's
+  defaults); with truncation on, of the truncated distribution (warned once).
+  A vLLM without that mode is refused at construction.
+- Versions: each token carries the version vLLM attached to its step; an
+  update resets the prefix cache. ``generate`` and ``update_weights`` share
+  one lock.
+- Weights: ``weight_sync`` "reload" (a safetensors file in /dev/shm), "nccl"
+  or "ipc" (vLLM's weight-transfer API). ``pause`` / ``resume`` use sleep mode.
+Details: docs/architecture.md ("Module contracts in detail").
 
-It does not know the loop, tasks, rewards or where the weights come from; it
-does not start servers (``rollout.remote`` talks to one). The ``vllm`` package is
-imported only when an engine is built, so this module imports without vLLM.
-The NCCL and IPC paths follow vLLM 0.32's weight-transfer API and have not run
-on this project's CPU-only CI.
+It does not know the loop, tasks, rewards or where weights come from, and
+starts no server; ``vllm`` is imported only when an engine is built.
 """
 from __future__ import annotations
 
@@ -134,6 +108,14 @@ def _free_port() -> int:
 
 class VLLMEngine:
     """vLLM in this process (its engine core and workers in child processes)."""
+
+    streams = False  # no generate_stream: engine workers serve it in waves
+    cuda_device = None  # update_weights returns once the weights are in place
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """No decode-step totals are kept."""
+        return {}
 
     def __init__(self, model_path: str, tokenizer=None, *, dtype: str = "auto", seed: int = 0,
                  max_model_len: int | None = None, weight_sync: str = "reload", sleep_mode: bool = False,

@@ -24,9 +24,16 @@ Contract
   real tokens), ``"loss_mask"`` (float) and every ``Batch.fields`` entry
   under its own name, padded with 0, on the trainer's device.
 
-- ``Trainer`` is what the loop holds. Per-sample results are 1-D CPU float32
-  tensors aligned with ``batch.input_ids[i]`` (same convention as
-  ``out["logprobs"]``) and computed without gradient.
+- ``Trainer`` is one trainer (one rank of it). Per-sample results are 1-D
+  CPU float32 tensors aligned with ``batch.input_ids[i]`` (same convention
+  as ``out["logprobs"]``) and computed without gradient. ``streams_publish``
+  declares that ``train`` takes ``publish`` / ``publish_dtype`` and runs its
+  last optimizer step while the weights leave; ``step_ended`` is when the
+  last ``train`` call's optimizer work was done (``time.time()``).
+- ``TrainerHandle`` is what the controller holds: exactly the calls the loop,
+  batch building and the launcher make. ``trainer.serve.TrainerHost`` (one
+  process) and ``launch.roles.TrainerProxy`` (trainer rank processes)
+  provide it; ``tests/unit/launch/test_handles_conform.py`` checks both.
 
 The trainer knows nothing about RL: advantages, clipping, KL and staleness
 live in the loss function and the loop. This module holds only protocols.
@@ -39,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from conveyor.transport.messages import Trained
     from conveyor.types import Batch
 
 
@@ -63,6 +71,9 @@ class LossFn(Protocol):
 @runtime_checkable
 class Trainer(Protocol):
     """Policy (plus optional frozen reference and critic) and its optimizer."""
+
+    streams_publish: bool
+    step_ended: float
 
     @property
     def step(self) -> int:
@@ -100,4 +111,37 @@ class Trainer(Protocol):
 
     def export_hf(self, path: str | Path) -> None:
         """Write the current policy as a plain Hugging Face checkpoint."""
+        ...
+
+
+@runtime_checkable
+class TrainerHandle(Protocol):
+    """The trainer role as the controller calls it, wherever its ranks run."""
+
+    def train_and_publish(self, batch: "Batch", loss_fn: LossFn, version: int) -> "Trained":
+        """One ``train`` call whose new weights leave as ``version`` as its optimizer step ends."""
+        ...
+
+    def publish(self, version: int) -> float:
+        """Publish the current weights as ``version`` (a resume, a warm start); returns host seconds."""
+        ...
+
+    def logprobs(self, batch: "Batch") -> list["torch.Tensor"]: ...
+
+    def ref_logprobs(self, batch: "Batch") -> list["torch.Tensor"]: ...
+
+    def values(self, batch: "Batch") -> list["torch.Tensor"]: ...
+
+    def step(self) -> int:
+        """Completed ``train`` calls: the policy version the trainer holds."""
+        ...
+
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any]) -> None: ...
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]: ...
+
+    def export_hf(self, path: str | Path) -> None: ...
+
+    def close(self) -> None:
+        """Stop the trainer's processes, if it has any."""
         ...

@@ -1,37 +1,21 @@
 """Resumable trainer checkpoints and plain Hugging Face exports.
 
 Contract
-- ``save_checkpoint(trainer, dir, extra)`` writes::
+- ``save_checkpoint(trainer, dir, extra)`` writes ``policy/`` (HF weights and
+  tokenizer files), ``critic.safetensors``, ``training_state.pt`` (optimizers,
+  schedulers, step), ``rng.pt`` and ``extra.json``, assembled under a
+  temporary name and renamed into place, so a crash never leaves half a
+  checkpoint.
+- ``load_checkpoint(trainer, dir) -> extra`` restores it in place (parameters
+  keep their identity). The frozen reference is not saved: resume from the
+  same initial model.
+- ``export_hf(dir, out)`` writes a plain HF checkpoint, also from a sharded
+  one (``dir/fsdp.json``, weights in ``dir/dcp``) in a single process;
+  ``export_policy(trainer, out)`` writes the current policy.
+Details: docs/architecture.md ("Module contracts in detail").
 
-      dir/policy/               the policy via save_pretrained (safetensors), plus
-                                tokenizer files found in trainer.source_dir
-      dir/critic.safetensors    the critic (backbone + value head), if any
-      dir/training_state.pt     trainer.training_state(): optimizers, LR schedulers, step
-      dir/rng.pt                python random, numpy (if installed), torch CPU and CUDA RNG
-      dir/extra.json            ``extra`` (the loop's data cursor, step, ...)
-
-  The directory is assembled under a temporary sibling name and renamed into
-  place, so a crash mid-save never leaves a half-written ``dir``; an older
-  ``dir`` is moved aside first and deleted after the rename (the only window
-  without a checkpoint at ``dir`` is between two renames).
-- ``load_checkpoint(trainer, dir) -> extra`` restores all of the above into an
-  existing trainer in place (parameters keep their identity, so optimizer
-  references stay valid). The frozen reference model is NOT saved: it is
-  whatever the trainer was constructed from, so resume from the same initial
-  model, not from ``dir/policy``.
-- ``export_hf(dir, out)`` copies ``dir/policy`` to ``out``: a plain HF
-  checkpoint any ``from_pretrained`` reads. ``export_policy(trainer, out)``
-  writes the trainer's current policy the same way.
-- Sharded checkpoints (written by ``FSDPTrainer.save``, see trainer/fsdp.py)
-  are recognised by ``dir/fsdp.json`` (``SHARDED_MARKER``): their weights
-  live in ``dir/dcp`` (torch.distributed.checkpoint) and ``dir/policy`` holds
-  only config and tokenizer files. ``export_hf`` turns one into a plain HF
-  checkpoint in a single process, without a process group, reading only the
-  policy weights (not the optimizer state); ``load_checkpoint`` refuses one.
-
-The trainer is duck-typed: it needs ``model`` (a ``PreTrainedModel``),
-``critic`` (an ``nn.Module`` or None), ``source_dir`` (a path or None),
-``training_state()`` and ``load_training_state(state)``. This module does not
+The trainer is duck-typed (``model``, ``critic``, ``source_dir``,
+``training_state()``, ``load_training_state(state)``). This module does not
 know what the extra state means, nor anything about training.
 """
 from __future__ import annotations

@@ -1,45 +1,22 @@
 """Data-parallel, fully sharded trainer: LocalTrainer's contract over N ranks with FSDP2.
 
-Contract (see ``trainer/api.py`` and ``trainer/local.py``; only differences here)
-- ``FSDPTrainer(model_path_or_model, cfg, total_steps, temperature, pad_token_id)``
-  needs ``torch.distributed`` initialised by the caller: the default process
-  group is the set of trainer ranks. Device: CUDA's current device (the
-  caller has called ``torch.cuda.set_device``) or "cpu" (gloo) when
-  ``cfg.device`` resolves to cpu. Every decoder layer (``_no_split_modules``)
-  and then the root are ``fully_shard``-ed, as are the frozen reference and
-  the critic. With ``cfg.param_dtype`` bfloat16 (auto on CUDA with
-  ``cfg.autocast_bf16``) the layers' linear weights and biases are gathered in
-  bf16, embeddings and the head in fp32, gradients reduced in fp32 (fp32
-  master weights and AdamW state), the layers' norm weights are not sharded
-  (fp32 on every rank, gradients summed by one all-reduce per optimizer step),
-  and forward runs under autocast: LocalTrainer's numbers. With float32
-  everything is gathered in fp32 (under autocast on CUDA); on CPU (auto)
-  everything is fp32, so CPU runs match LocalTrainer to rounding.
-- Every public method is COLLECTIVE: call it on every rank with identical
+Contract (``trainer/api.py``, ``trainer/single.py``; only differences here)
+- ``FSDPTrainer(model_path_or_model, cfg, total_steps, temperature,
+  pad_token_id)`` needs ``torch.distributed`` initialised by the caller (the
+  default group is the trainer ranks) and the device set. Decoder layers, the
+  root, the reference and the critic are ``fully_shard``-ed; with bf16 the
+  layers' linear weights are gathered in bf16, embeddings and head in fp32,
+  norm weights kept whole on every rank, gradients reduced in fp32:
+  LocalTrainer's numbers (on CPU everything is fp32).
+- Every public method is COLLECTIVE: call it on every rank with the same
   arguments (the full Batch); every rank returns the same result.
-- ``train``: LocalTrainer's epochs, mini-batches and LR schedule. Each
-  mini-batch's samples are dealt to ranks by tokens (longest first onto the
-  least-loaded rank) and each rank plans micro-batches of its share; ranks
-  with fewer micro-batches run zero-weighted dummy passes so that every rank
-  runs the same number of (collective) forwards and backwards. Gradients are
-  summed, not averaged, over ranks, and the loss still gets the mini-batch's
-  GLOBAL ``num_tokens``/``num_seqs``, so the update equals the single-device
-  one. Metrics are reduced over ranks: ``microbatches`` counts real
-  micro-batches on all ranks; ``time_s`` is the slowest rank's.
-- A non-finite loss, or a loss_fn error, on ANY rank raises on EVERY rank
-  before backward (the flag is all-reduced), and that mini-batch takes no
-  optimizer step.
-- ``logprobs``/``ref_logprobs``/``values``: token-balanced shares, gathered
-  back into the batch's order on every rank.
-- ``named_weights(dtype=None)``: collective generator of full (unsharded)
-  tensors on the trainer's device; iterate it to the end on every rank.
-- ``save``/``load``: a sharded checkpoint directory (see checkpoint.py):
-  ``dcp/`` (model + optimizer, and critic + its optimizer, via
-  torch.distributed.checkpoint), ``training_state.pt`` (schedulers, step),
-  ``rng/rank{r}.pt``, ``extra.json``, ``policy/`` (config + tokenizer files)
-  and the ``fsdp.json`` marker; rank 0 renames it into place atomically.
-  The ranks must share a filesystem. ``export_hf`` writes a plain HF
-  checkpoint from rank 0.
+- ``train``: samples dealt to ranks by tokens, dummy passes so every rank runs
+  as many forwards; gradients summed over ranks with the mini-batch's global
+  ``num_tokens`` / ``num_seqs``, so the update equals the single-device one. A
+  non-finite loss on any rank raises on every rank before backward.
+- ``save`` / ``load``: a sharded checkpoint directory (``checkpoint.py``) on a
+  filesystem the ranks share; ``export_hf`` writes plain HF from rank 0.
+Details: docs/architecture.md ("The sharded trainer").
 
 It does not start processes, pick ranks or set devices: the launcher does.
 """
@@ -60,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint
 from conveyor.trainer.api import LossFn
-from conveyor.trainer.local import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
+from conveyor.trainer.single import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
                                     _load_policy, compile_layers, decoder_layers, fuse_layers,
                                     head_start, logprob_fn, no_cudnn_attention, resolve_device)
 from conveyor.trainer.microbatch import _check_aligned, balance, collate, plan_microbatches
@@ -157,9 +134,8 @@ def _shard(module: nn.Module, mesh, dtype: torch.dtype, device: torch.device, ke
     for layer in decoder_layers(module):
         norms: set[nn.Parameter] = set()
         if low is not exact:
-            # A few KB each: as FSDP units of their own (one dtype per unit) they cost an
-            # all-gather, a reduce-scatter and four hooks per micro-batch each, about half
-            # of a step's collectives (profile in docs/benchmarks.md).
+            # A few KB each: as FSDP units of their own (one dtype per unit) they would cost an
+            # all-gather, a reduce-scatter and four hooks per micro-batch each.
             norms = {p for m in layer.modules() if _is_norm(m) for p in m.parameters(recurse=False)}
         fully_shard(layer, mesh=mesh, mp_policy=low, ignored_params=norms or None, reshard_after_forward=not keep)
         replicated |= norms
@@ -445,8 +421,8 @@ class FSDPTrainer(LocalTrainer):
         """Full policy tensors (float32, or ``dtype``) named as in ``state_dict()``; COLLECTIVE.
 
         Shards are cast before gathering (bf16 halves the bytes) and gathered ``bucket_mb``
-        MiB of shards at a time in one all-gather (one per tensor cost ~0.3 ms each, 90-165 ms
-        for a 0.5B model's 290 tensors). A tensor tied to an earlier one (output = input
+        MiB of shards at a time in one all-gather (not one collective per tensor, each with its
+        own launch and latency). A tensor tied to an earlier one (output = input
         embedding) is gathered once and yielded under both names."""
         dtype = dtype or torch.float32
         items = list(self.model.state_dict(keep_vars=True).items())

@@ -13,7 +13,7 @@ Contract
   largest memory of an RL step at a 150k vocabulary) never exist. Values and
   gradients equal the plain form to float rounding (tested).
 - On CUDA with Triton installed (``kernel=None``: auto) both passes are
-  ``logprob_kernel``'s instead: one read of the logits per pass, padding and
+  ``kernels.logprob``'s instead: one read of the logits per pass, padding and
   each row's last position skipped. ``kernel=False`` forces the torch form.
 - ``chunk_rows=None`` (or ``with_entropy``) is the plain autograd form.
 
@@ -32,7 +32,7 @@ class TargetLogprob(torch.autograd.Function):
     rows with a negative target give 0 and no gradient.
 
     Backward: d out_i / d logits_ij = ([j == t_i] - p_ij) / T with p = softmax(logits_i / T).
-    With ``kernel`` both passes are ``logprob_kernel``'s (one read of the logits each),
+    With ``kernel`` both passes are ``kernels.logprob``'s (one read of the logits each),
     otherwise torch ops over ``chunk`` rows at a time.
     """
 
@@ -40,7 +40,7 @@ class TargetLogprob(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, chunk: int, kernel: bool):
         ctx.temperature, ctx.chunk, ctx.kernel = temperature, chunk, kernel
         if kernel:
-            from conveyor.trainer import logprob_kernel
+            from conveyor.trainer.kernels import logprob as logprob_kernel
             out, lse = logprob_kernel.forward(logits, target, temperature)
             ctx.save_for_backward(logits, target, lse)
             return out
@@ -59,7 +59,7 @@ class TargetLogprob(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         logits, target, lse = ctx.saved_tensors
         if ctx.kernel:
-            from conveyor.trainer import logprob_kernel
+            from conveyor.trainer.kernels import logprob as logprob_kernel
             return logprob_kernel.backward(logits, target, lse, grad_out, ctx.temperature), None, None, None, None
         grad = torch.empty_like(logits)
         grad_out = grad_out.float().masked_fill(target < 0, 0.0)

@@ -5,9 +5,9 @@ On a GPU the trainers compute what float32 weights under bf16 autocast compute:
 every linear layer sees bf16 weights and inputs, while embeddings, norms, biases
 and the residual stream stay float32. ``LocalTrainer`` holds the linear weights
 as bf16 copies of the float32 masters (refreshed after every optimizer step, so
-autocast has no weight to cast), ``FSDPTrainer`` gathers them in bf16. Measured
-on W2 (docs/benchmarks.md): running embeddings and norms in bf16 as well learned
-clearly less.
+autocast has no weight to cast), ``FSDPTrainer`` gathers them in bf16. Embeddings
+and norms stay float32 because bf16 there learns less (docs/architecture.md,
+"Choices measured").
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ def compute_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
 def linear_copy(model: nn.Module, dtype: torch.dtype) -> tuple[nn.Module, list]:
     """``model`` with the weights of its linear layers as ``dtype`` copies, each feeding its
     gradient to its master, and every other tensor shared with ``model``. A weight tied to an
-    embedding stays shared: autocast casts it for the head and the lookup stays float32.
-    (Everything in bf16, embeddings and norms included, learned clearly less on W2.)"""
+    embedding stays shared: autocast casts it for the head and the lookup stays float32."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)} - embedded
     memo = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in linear}

@@ -1,50 +1,19 @@
 """Weights from trainer rank 0 to engine processes by a collective broadcast (NCCL or gloo).
 
-Contract
-- ``BroadcastWeights(specs, ctx, engines, backend, dtype, port, bucket_mb, timeout_s)``
-  is made by the controller and handed (pickled) to trainer rank 0, the only
-  writer, and to every engine process (readers, engine ids 0..engines-1).
-  ``backend`` is "nccl" (CUDA tensors; each engine on a GPU of its own) or
-  "gloo" (CPU tensors; what CPU tests run). Every tensor travels in ``dtype``
-  (the engines' dtype: bf16 halves the bytes of float32 master weights),
-  packed into flat buckets of at most ``bucket_mb`` MiB.
-- Writer: ``begin(version)``, ``put(name, tensor)`` for every name,
-  ``commit()`` (or ``publish(named, version)``). ``begin`` waits, with the
-  deadline, until every engine has received the previous version, so a
-  bucket is never overwritten while a reader still receives it; it then
-  announces serial and version in shared memory and broadcasts a header
-  ``[serial, version, tensors, numel]``. Each bucket is broadcast as soon as
-  its last tensor is put (buckets in order), so casting the next bucket
-  overlaps sending this one (a bucket's tensors are copied together, with one
-  foreach call, so a writer's tensors must stay valid until ``commit``).
-  ``commit`` sends a trailer ``[serial]`` and
-  returns once every engine has received all of it (the root's broadcast
-  may end first). ``commit(wait=False)``, for callers whose engines wait for
-  the version a chunk was admitted for (the RL loop's publishes), returns
-  as soon as the copies and sends are queued: on CUDA the transfer runs on
-  its own stream while the caller trains on (its next kernels are queued
-  after the copies, so changing the weights afterwards is safe), and the
-  next ``begin`` (or ``close``) waits for it and raises its failure.
-  A publish that fails or lacks a tensor sends the
-  rest and a trailer ``[-1]`` instead, and the engines discard it (they keep
-  the version they have; a received but unapplied one is dropped too). The
-  first publish opens the group: a TCPStore on ``port`` hosted by the writer
-  (rank 0), engines join as ranks 1..engines.
-- Reader: ``poll(engine)``, called by the engine's worker between decode
-  steps or requests, starts the receiver thread on its first call and
-  applies the newest fully received version to the engine (a device-local
-  copy from the staging buckets; on CUDA queued on the engine's stream, so
-  its next step sees the version and the host does not wait for the copy)
-  and returns it, or None. The receiver thread (woken by the announcement,
-  not polling) receives into the staging buckets whenever a version is announced,
-  so the trainer never waits for a generation to finish; the engine decides
-  when to swap (the admission rule and partial rollouts are unchanged).
-  The header is checked against the announcement and the layout: a
-  mismatch raises ``WeightSyncError`` naming both versions.
-- Never hang: the writer's wait for receivers, the reader's wait for the
-  staging lock and the store rendezvous have ``timeout_s``; the collectives
-  run on a group with the same timeout. An error in the receiver thread is
-  raised by the engine's next ``poll``, naming the engine.
+Contract: ``BroadcastWeights(specs, ctx, engines, backend, dtype, port,
+bucket_mb, timeout_s)`` is a ``WeightWriter`` for trainer rank 0 and a
+``WeightReader`` for engines 0..engines-1 (``transport/api.py``), made by the
+controller and pickled to both. Tensors travel in ``dtype`` (the engines')
+in flat buckets of at most ``bucket_mb`` MiB; a bucket is sent as soon as its
+last tensor is put. ``begin`` waits until every engine received the previous
+version (no bucket is overwritten while read), then sends a header
+``[serial, version, tensors, numel]``; ``commit`` sends a trailer
+``[serial]`` (``[-1]`` for a failed or incomplete publish, which engines
+discard) and, unless ``wait=False``, returns once every engine holds it. A
+reader's receiver thread takes every announced version into staging buckets
+at once; ``poll`` copies the newest whole one into the engine. A header that
+disagrees with the announcement or the layout is a ``WeightSyncError``;
+every wait has ``timeout_s``. Details: docs/architecture.md ("Launch").
 
 It knows nothing of optimizers, models or the admission rule.
 """
@@ -393,7 +362,7 @@ class BroadcastWeights:
                     return
             self._open(engine_id + 1)
             self._staging = self._alloc()
-            # Named views made once: building ~300 of them per swap cost ~2 ms of the engine's time.
+            # Named views made once, not per swap: the engine's decode loop waits while they are built.
             self._staged = self._views(self._staging)
             stream = torch.cuda.Stream() if self.backend == "nccl" else None
             header = torch.zeros(4, dtype=torch.long, device=self._device())

@@ -1,35 +1,16 @@
-"""Versioned weight transports from the trainer to the rollout engines.
+"""Versioned weight transports through one staging copy, and the helpers every transport shares.
 
-Contract: a transport has a writer side, called by whoever owns the trainer
-after an optimizer step, either ``publish(named_tensors, version)`` or the
-streaming form ``begin(version)``, ``put(name, tensor)`` for every tensor,
-``commit()`` (so a sharded trainer can hand over one gathered tensor at a
-time and several transports can be fed from one pass). The reader side,
-``poll(engine)``, is called by an engine's worker between generation steps:
-if a newer version than the engine serves is published, it copies the
-weights into the engine (``engine.update_weights``) and returns the new
-version; ``wait_news(engine, timeout)`` blocks until ``poll`` would do so
-(a watcher thread wakes on it instead of polling on a timer). Every lock
-wait has a deadline and raises ``WeightSyncTimeout`` naming the side, the
-version and the wait.
-
-``StagedWeights`` keeps one staging copy of the weights, allocated once: the
-writer copies into it under a lock and then bumps the version; readers copy
-out under the same lock. The staging copy is what lets the trainer start its
-next optimizer step while engines are still picking up the last version.
-- ``StagedWeights(specs, ctx=None, device)``: trainer and engines in one
-  process; staging tensors on the trainer's device, a thread lock.
-- ``StagedWeights(specs, ctx)``: trainer and engines in different processes
-  of one machine; the staging tensors live in shared memory (CPU), the lock
-  and the version counter are inter-process. Nothing crosses a pipe per
-  update and no tensor is pickled.
-- ``StagedWeights(specs, ctx, device="cuda:i")``: a trainer rank and an engine
-  in different processes on the same GPU: the staging tensors are on that
-  GPU and reach the other process as CUDA IPC handles when pickled, so an
-  update is two device-local copies.
-``broadcast.BroadcastWeights`` serves engines on GPUs of their own (NCCL).
-``Fanin(transports)`` is what an engine polls when more than one writer
-feeds it (the controller's warm-start weights, then the trainer's).
+Contract: ``StagedWeights(specs, ctx, device)`` is a ``WeightWriter`` and a
+``WeightReader`` (``transport/api.py``) over one staging copy allocated once:
+the writer copies into it under a lock and bumps the version, readers copy
+out under the same lock, so the trainer can step again while engines pick up
+the last version. ``ctx=None``: one process (a thread lock, staging on the
+trainer's device); with ``ctx`` and a CPU device: shared memory across
+processes; with ``ctx`` and ``cuda:i``: CUDA IPC between a trainer rank and
+an engine on GPU i. ``Fanin(transports)`` reads from several writers (the
+warm start, then the trainer). ``publish_all`` feeds several writers from one
+pass over a trainer's tensors; ``weight_specs`` lists a checkpoint's tensors
+without loading it. Every lock wait has a deadline (``WeightSyncTimeout``).
 
 It knows nothing of optimizers, schedules or the admission rule.
 """
@@ -102,7 +83,11 @@ class _Cell:
 
 
 class StagedWeights:
-    """Versioned staging copy of the policy weights; see the module docstring."""
+    """Versioned staging copy of the policy weights; see the module docstring. A writer and a
+    reader (``transport.api``); it does not say when a reader held a version."""
+
+    received_at = None
+    announced_at = None
 
     def __init__(self, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]], ctx=None, device="cpu"):
         """``specs``: (name, shape, dtype) of every tensor the trainer publishes."""
@@ -201,6 +186,9 @@ class StagedWeights:
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         publish_all([self], named_tensors, version)
 
+    def close(self) -> None:
+        """Nothing runs after a commit: every copy is done when it returns."""
+
     def poll(self, engine, engine_id: int = 0, timeout: float = 60.0) -> int | None:
         """Copy the newest published weights into ``engine`` if it has not applied them yet."""
         key = id(engine)
@@ -241,12 +229,12 @@ class Fanin:
         self._last = None  # the transport that delivered the version applied last
 
     @property
-    def received_at(self):
-        return getattr(self._last, "received_at", None)
+    def received_at(self) -> float | None:
+        return None if self._last is None else self._last.received_at
 
     @property
-    def announced_at(self):
-        return getattr(self._last, "announced_at", None)
+    def announced_at(self) -> float | None:
+        return None if self._last is None else self._last.announced_at
 
     @property
     def version(self) -> int:

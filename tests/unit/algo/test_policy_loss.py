@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conveyor.config import AlgoConfig
-from conveyor.objective import PolicyLoss, needs
+from conveyor.controller.objective import PolicyLoss, needs
 
 
 def _inputs(seed=0):

@@ -60,19 +60,14 @@ def test_summary_table_layout_and_commands(tmp_path):
     assert "exact answers" not in summary_text({"eval_reward_final": 1.0}, Path(tmp_path))
 
 
-def _controller(limit=5):
-    msgs = []
-    return SimpleNamespace(stats={}, max_prompt_tokens=limit,
-                           logger=SimpleNamespace(message=msgs.append)), msgs
-
-
 def test_length_skips_are_reported_once_and_none_left_is_an_error():
-    c, msgs = _controller()
-    report_length_skips(c, 3, 10, "eval_")
-    report_length_skips(c, 3, 10, "eval_")
+    msgs, reported = [], {}
+    logger = SimpleNamespace(message=msgs.append)
+    report_length_skips(logger, 5, 3, 10, "eval_", reported)
+    report_length_skips(logger, 5, 3, 10, "eval_", reported)
     assert len(msgs) == 1 and msgs[0].startswith("note: 3 of 10 held-out prompts skipped")
     assert "(5 prompt tokens)" in msgs[0] and "model.tiny.max_position_embeddings" in msgs[0]
-    assert c.stats == {"eval_prompt_too_long": 3}
+    assert reported == {"eval_prompt_too_long": 3}
     with pytest.raises(DataError, match=r"all 10 held-out prompts are longer than the model's context "
                                         r"\(5 prompt tokens\), so nothing is left to evaluate; shorten"):
-        report_length_skips(c, 10, 10, "eval_")
+        report_length_skips(logger, 5, 10, 10, "eval_", reported)

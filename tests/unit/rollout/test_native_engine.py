@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conveyor.data.tiny import build_model, build_tokenizer
-from conveyor.rollout.api import Completion, RolloutEngine, SamplingParams
+from conveyor.rollout.api import Completion, RolloutEngine, SamplingParams, StreamChunk
 from conveyor.rollout.native import NativeEngine
 from conveyor.rollout.native.sampling import draw_seeds, request_key, sample
 
@@ -311,8 +311,8 @@ class Script:
 
     def intake(self):
         self.calls += 1
-        chunks = self.schedule.pop(self.calls, [])
-        self.sizes.update({tag: len(ps) for tag, ps, *_ in chunks})
+        chunks = [StreamChunk(*c) for c in self.schedule.pop(self.calls, [])]
+        self.sizes.update({c.tag: len(c.prompts) for c in chunks})
         return chunks
 
     def on_done(self, tag, i, samples):

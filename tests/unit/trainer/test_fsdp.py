@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from conveyor.config import AlgoConfig, TrainerConfig
-from conveyor.objective import PolicyLoss
+from conveyor.controller.objective import PolicyLoss
 from conveyor.types import Batch
+
+pytestmark = pytest.mark.slow  # two trainer rank processes per module: over 10 s on a 2-core CPU
 
 WORLD = 2
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
@@ -173,7 +175,7 @@ def run_job(work: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def job(tiny_dir, tmp_path_factory):
-    from conveyor.trainer.local import LocalTrainer
+    from conveyor.trainer.single import LocalTrainer
 
     work = tmp_path_factory.mktemp("fsdp")
     initial = LocalTrainer(tiny_dir, TrainerConfig(device="cpu"), total_steps=1)
@@ -308,7 +310,7 @@ def test_checkpoint_layout_and_both_exports(job, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from conveyor.trainer import checkpoint
-    from conveyor.trainer.local import LocalTrainer
+    from conveyor.trainer.single import LocalTrainer
 
     work, ranks, _ = job
     ckpt = work / "ckpt"

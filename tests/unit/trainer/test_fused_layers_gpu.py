@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def _grads(master, ids, fused: bool, low: bool) -> dict[str, torch.Tensor]:
-    from conveyor.trainer.layer_kernels import use_fused_layers
+    from conveyor.trainer.kernels.layers import use_fused_layers
     from conveyor.trainer.precision import linear_copy
     m = copy.deepcopy(master)
     c = linear_copy(m, torch.bfloat16)[0] if low else m

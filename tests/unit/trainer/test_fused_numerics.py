@@ -7,6 +7,8 @@ The fused forwards move bf16 roundings (the norm output written in bf16, one q/k
 GEMM, the rotary terms rounded once), so the gradients cannot equal torch's bit for bit; what must
 hold is that they are as accurate. An earlier bf16 norm output whose three consumers' gradients
 autograd summed in bf16 was less accurate, and learned visibly worse on W2 (docs/benchmarks.md)."""
+import pytest
+
 CHECK = r"""
 import copy
 import numpy as np
@@ -27,7 +29,7 @@ def rounded_cast(self, src, dst_type):
 interpreter.InterpreterBuilder.cast_impl = rounded_cast
 
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from conveyor.trainer.layer_kernels import use_fused_layers
+from conveyor.trainer.kernels.layers import use_fused_layers
 from conveyor.trainer.precision import linear_copy
 
 cfg = Qwen2Config(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -68,5 +70,6 @@ print("numerics ok")
 """
 
 
+@pytest.mark.slow  # over 10 s on a 2-core CPU
 def test_fused_layers_are_as_close_to_float32_as_autocast(interpreted):
     assert "numerics ok" in interpreted(CHECK, timeout=900)

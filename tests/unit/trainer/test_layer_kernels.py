@@ -5,7 +5,7 @@ CHECK = r"""
 import torch
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from conveyor.data.tiny import build_model, build_tokenizer
-from conveyor.trainer.layer_kernels import rms_norm, swiglu, use_fused_layers
+from conveyor.trainer.kernels.layers import rms_norm, swiglu, use_fused_layers
 
 g = torch.Generator().manual_seed(0)
 # rows not a multiple of the backward's 32 rows per program, widths not powers of two
@@ -59,7 +59,7 @@ except ValueError as e:
 
 # rotary: q, k, v out of one packed projection, against Hugging Face's formula
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
-from conveyor.trainer.attention_kernels import rotary
+from conveyor.trainer.kernels.attention import rotary
 heads, kv, d = 6, 2, 16
 qkv = torch.randn(3, 7, (heads + 2 * kv) * d, generator=g, requires_grad=True)
 ang = torch.randn(3, 7, d // 2, generator=g)
@@ -109,7 +109,7 @@ fused.load_state_dict(plain.state_dict())
 assert use_fused_layers(fused) == 9
 ids = torch.randint(3, 120, (3, 11), generator=g)
 pos = torch.tensor([list(range(11)), list(range(3, 14)), [0] * 4 + list(range(7))])
-import conveyor.trainer.attention_kernels as attention
+import conveyor.trainer.kernels.attention as attention
 rotations = []
 attention_rotary = attention.rotary
 attention.rotary = lambda *a: rotations.append(1) or attention_rotary(*a)

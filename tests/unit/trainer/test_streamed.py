@@ -8,7 +8,7 @@ import torch
 
 from conveyor.config import TrainerConfig
 from conveyor.trainer import streamed
-from conveyor.trainer.local import LocalTrainer
+from conveyor.trainer.single import LocalTrainer
 
 LENGTHS = [9, 4, 12, 6, 7, 3, 10, 5]
 

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conveyor.config import TrainerConfig
 from conveyor.trainer.checkpoint import export_hf
-from conveyor.trainer.local import LocalTrainer
+from conveyor.trainer.single import LocalTrainer
 
 CFG = dict(device="cpu", lr=1e-3, warmup_steps=1, lr_schedule="linear", critic=True, critic_lr=1e-3,
            micro_batch_tokens=16)

@@ -6,7 +6,7 @@ import torch
 
 from conveyor.config import TrainerConfig
 from conveyor.trainer.api import Trainer
-from conveyor.trainer.local import LocalTrainer, NonFiniteLossError, lr_multiplier, token_logprobs
+from conveyor.trainer.single import LocalTrainer, NonFiniteLossError, lr_multiplier, token_logprobs
 from conveyor.trainer.microbatch import collate
 
 LENGTHS = [9, 4, 12, 6, 7, 3, 10, 5]
@@ -204,6 +204,7 @@ def test_gradient_checkpointing_gives_the_same_update(make_model, make_batch, pg
     assert ckpt.model.model.gradient_checkpointing and not plain.model.model.gradient_checkpointing
 
 
+@pytest.mark.slow  # over 10 s on a 2-core CPU
 def test_compiled_layers_give_the_same_logprobs_and_update(make_model, make_batch, pg_loss):
     batch = make_batch(LENGTHS)
     plain = LocalTrainer(make_model(), cfg(lr=1e-4), total_steps=1)
@@ -257,7 +258,7 @@ def test_dropping_the_padding_mask_changes_no_real_token(make_model, make_batch,
 
 
 def test_the_head_skips_the_shared_prompt_and_changes_nothing(make_model, make_batch, pg_loss, monkeypatch):
-    import conveyor.trainer.local as local
+    import conveyor.trainer.single as local
     batch = make_batch(LENGTHS)
     for i, m in enumerate(batch.loss_mask):  # every row's loss starts at position 3 or later
         m[: 3 + i % 2] = 0

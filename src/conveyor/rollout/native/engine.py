@@ -1,87 +1,39 @@
-"""NativeEngine: the built-in rollout engine (CPU or one GPU).
+"""NativeEngine: the built-in rollout engine (CPU or one GPU), a ``RolloutEngine``.
 
-Two model runners behind one engine:
-- the fast runner (``fast_runner.py``): its own forward for Llama-family decoders
-  (Llama 3, Qwen2 / Qwen2.5, Qwen3), a paged KV cache with prompt blocks shared
-  by a group's samples, preemption when the pool is full, Triton decode
-  attention and CUDA-graph decode on a GPU. ``runner="auto"`` (the default) uses
-  it on a GPU when the model is supported; ``runner="fast"`` uses it on the CPU
-  too (plain-torch kernels, the path the CPU tests exercise). Its generation
-  loop is ``paged_loop.py``. ``kv_fraction`` (of the GPU memory free when the
-  engine is built, default 0.4 so a colocated trainer keeps room for its
-  optimizer state) or ``kv_blocks`` sizes the pool; ``release_memory()`` / ``reacquire_memory()``
-  free and re-allocate it between rollouts.
-- the Hugging Face runner (``runner.py``, dense left-padded DynamicCache): any
-  causal LM; the fallback, logged, for models the fast runner does not support,
-  and the CPU default. The contract below describes its loop; the paged loop
-  keeps the same promises (order, versions, logprobs, context rule, seeding).
+Contract (``conveyor.rollout.api`` states what every engine promises)
+- Two model runners: the paged CUDA-graph runner (``graph_runner.py``, loop in
+  ``paged_loop.py``; Llama / Qwen2 / Qwen3; ``runner="auto"`` picks it on a GPU
+  for supported models, ``"fast"`` forces it, also on the CPU) and the Hugging
+  Face runner (``runner.py``; any causal LM; the logged fallback). Both keep the
+  same promises: order, versions, logprobs, context rule, seeding.
+- ``generate(prompts, params)``: every (prompt, sample) is a request, admitted
+  into the running batch by ``scheduler.py``; each prompt is prefilled once.
+- ``generate_stream(params, intake, on_done)`` (``streams`` is True: the paged
+  runner only): continuous batching over the ``StreamChunk``s ``intake()``
+  returns between steps; ``on_done(tag, i, samples)`` as soon as prompt ``i``
+  of a chunk has all its samples, with what ``generate`` would return.
+- ``update_weights`` takes the step lock, so a swap lands between two decode
+  steps; a token records the version at the start of the step that made it.
+- A sample depends only on its prompt, the seed and the weights (keyed random
+  streams, ``sampling.py``); ``pause`` / ``resume`` / ``abort`` control a call.
+The full contract is in docs/architecture.md ("Built-in engine").
 
-``pause()`` stops scheduling between steps (KV kept), ``resume()`` continues and
-``abort()`` ends the running ``generate`` (or ``generate_stream``) with
-finish_reason "abort".
-
-Contract (see ``conveyor.rollout.api`` for what every engine promises)
-- ``generate(prompts, params)``: each (prompt, sample) pair is a request. A
-  scheduler admits up to ``max_batch`` requests into the running batch; the model
-  runner prefills admitted prompts ONCE and replicates each prompt's KV cache to
-  its samples; every step decodes all running rows, samples in float32, appends
-  token / logprob / version to each request, and removes finished rows from the
-  batch (and their cache rows) at once. Waiting requests join the running batch
-  in admission waves (policy in ``scheduler.py``).
-- ``generate_stream(params, intake, on_done)`` (continuous batching; only with
-  the fast runner, ``engine.streams`` is True then): the generating thread
-  calls ``intake()`` between steps, outside the engine's lock, and gets a list
-  of ``(tag, prompts)`` or ``(tag, prompts, seed)`` chunks, all sampled with
-  ``params`` but for the seed (the first chunks come from the first call).
-  Their requests join the waiting queue of the batch that is already decoding
-  and are admitted by the same policy (KV pool permitting). ``on_done(tag, i, samples)`` is called, on the generating
-  thread, as soon as every sample of the chunk's prompt ``i`` has finished,
-  with what ``generate(prompts, params)[i]`` would return (the same context
-  capping and validation; a bad prompt raises ``ValueError`` naming the chunk
-  and the prompt), so a group's rewards can start while other groups of its
-  chunk still decode. A chunk without prompts reports nothing. The call returns when
-  nothing is running or waiting and ``intake()`` gave nothing. A chunk with a
-  seed samples as ``generate(prompts, params with that seed)`` would; one
-  without continues the call's seed over the prompts numbered before it.
-  Prompt indices are numbered across the call, so chunks never share prompt
-  KV blocks.
-  ``abort()`` ends the call: every unreported prompt is reported, in order,
-  with its unfinished samples marked "abort".
-- Context: a prompt with ``len(prompt) >= context limit`` (the model's
-  ``max_position_embeddings``, or its sliding window when smaller) raises
-  ``ValueError`` naming the prompt index; otherwise generation is capped so that
-  prompt + completion fits the context, ending with finish_reason "length".
-- Versions: a token records the engine's version at the start of the step that
-  produced it. ``update_weights`` takes the same lock as a step, so another thread
-  may call it while ``generate`` runs (and ``generate_stream``'s ``intake`` may
-  call it on the generating thread): the swap lands between two decode steps and
-  later tokens carry the new version (the KV already computed for earlier tokens
-  is kept, as in partial rollouts).
-- Randomness: every request draws from its own stream, keyed by the call's
-  seed (``params.seed``; None: fresh entropy), its prompt's index and its
-  sample index, at the index of the token it draws (``sampling.py``). A
-  sample therefore depends on its prompt, the seed and the weights only: not
-  on ``max_batch``, the other requests of the batch, preemption, or the
-  runner (up to float rounding between runners), and prompt i of a call
-  seeded s samples as prompt 0 of a call seeded s + i.
-
-It does not know about tasks, rewards, trajectories, weight transports or
-where chunks come from: it turns token ids into completions with the weights
-it was last given. One ``generate`` or ``generate_stream`` runs at a time per
-engine.
+It knows nothing of tasks, rewards, trajectories, weight transports or where
+chunks come from. One ``generate`` or ``generate_stream`` runs at a time.
 """
 from __future__ import annotations
 
 import logging
 import secrets
 import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
-from conveyor.rollout.api import Completion, SamplingParams, capped_budgets
-from conveyor.rollout.native.fast_model import unsupported_reason
-from conveyor.rollout.native.fast_runner import FastRunner
+from conveyor.rollout.api import Completion, SamplingParams, StreamChunk, capped_budgets
+from conveyor.rollout.native.decoder import unsupported_reason
+from conveyor.rollout.native.graph_runner import PagedGraphRunner
 from conveyor.rollout.native.paged_loop import PagedLoop, check_fits_pool
 from conveyor.rollout.native.runner import HFModelRunner, KVBatch
 from conveyor.rollout.native.sampling import draw_seeds, request_key, sample
@@ -113,7 +65,7 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPES[dtype]
 
 
-def _use_fast_runner(model, device: torch.device, runner: str) -> bool:
+def _use_paged_runner(model, device: torch.device, runner: str) -> bool:
     """The paged fast runner for supported models on a GPU ("auto") or anywhere ("fast"); else HF."""
     if runner == "hf" or (runner == "auto" and device.type != "cuda"):
         return False
@@ -159,9 +111,9 @@ class NativeEngine:
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.refill = refill
-        self.paged = _use_fast_runner(model, dev, runner)
+        self.paged = _use_paged_runner(model, dev, runner)
         if self.paged:
-            self.runner = FastRunner(model, max_batch=max_batch, block_size=block_size, kv_fraction=kv_fraction,
+            self.runner = PagedGraphRunner(model, max_batch=max_batch, block_size=block_size, kv_fraction=kv_fraction,
                                      kv_blocks=kv_blocks, cuda_graphs=cuda_graphs,
                                      prefill_token_budget=prefill_token_budget)
         else:
@@ -205,6 +157,12 @@ class NativeEngine:
     def streams(self) -> bool:
         """Whether ``generate_stream`` (continuous batching) is available: the fast runner only."""
         return self.paged
+
+    @property
+    def cuda_device(self) -> torch.device | None:
+        """The GPU the runner computes on (weight copies are queued there), None on the CPU."""
+        device = self.runner.device if self.runner is not None else None
+        return device if device is not None and device.type == "cuda" else None
 
     @property
     def context_limit(self) -> int:
@@ -291,7 +249,7 @@ class NativeEngine:
                     batch = step.decode(batch, sched)
         return self._completions(requests, len(prompts), params.n)
 
-    def generate_stream(self, params: SamplingParams, intake: Callable[[], list[tuple[Any, list[list[int]]]]],
+    def generate_stream(self, params: SamplingParams, intake: Callable[[], list[StreamChunk]],
                         on_done: Callable[[Any, int, list[Completion]], None]) -> None:
         """Continuous batching over chunks taken from ``intake()``; see the module docstring."""
         self._check_open()
@@ -368,6 +326,14 @@ class NativeEngine:
             raise RuntimeError("NativeEngine is closed; create a new engine")
 
 
+@dataclass
+class _OpenPrompt:
+    """A prompt of a streaming call not reported yet: its chunk's tag, its index there, its samples."""
+    tag: Any
+    index: int
+    requests: list[Request] = field(default_factory=list)
+
+
 class _StreamChunks:
     """One ``generate_stream`` call's chunks: numbering their prompts, and reporting each
     prompt's samples as soon as they have all finished."""
@@ -376,16 +342,16 @@ class _StreamChunks:
         self.engine, self.params, self.on_done = engine, params, on_done
         self.seed = engine._seed(params.seed)
         self.next_index = 0
-        # By prompt index (numbered across the call), dropped once reported:
-        # (tag, index in its chunk, its requests).
-        self.open: dict[int, tuple[Any, int, list[Request]]] = {}
+        # By prompt index (numbered across the call), dropped once reported.
+        self.open: dict[int, _OpenPrompt] = {}
 
-    def add(self, new: list[tuple]) -> list[Request]:
-        """``(tag, prompts)`` or ``(tag, prompts, seed)`` chunks -> their requests, numbered on."""
+    def add(self, new: list[StreamChunk]) -> list[Request]:
+        """Chunks -> their requests, numbered on."""
         out: list[Request] = []
-        for tag, prompts, *seed in new:
+        for chunk in new:
+            tag, prompts = chunk.tag, chunk.prompts
             # A chunk's own seed, or the call's continued over the prompts numbered so far.
-            seed = seed[0] if seed and seed[0] is not None else self.seed + self.next_index
+            seed = chunk.seed if chunk.seed is not None else self.seed + self.next_index
             try:
                 requests = self.engine._capped_requests(prompts, self.params, seed) if prompts else []
                 check_fits_pool(self.engine.runner, requests)
@@ -395,16 +361,16 @@ class _StreamChunks:
             # across the call keeps equal indices of different chunks apart.
             first = self.next_index
             self.next_index += len(prompts)
-            self.open.update({first + i: (tag, i, []) for i in range(len(prompts))})
+            self.open.update({first + i: _OpenPrompt(tag, i) for i in range(len(prompts))})
             for r in requests:
                 r.prompt_index += first
-                self.open[r.prompt_index][2].append(r)
+                self.open[r.prompt_index].requests.append(r)
             out.extend(requests)
         return out
 
     def finished(self, requests: list[Request]) -> None:
         for r in requests:
-            if r.prompt_index in self.open and all(x.finished for x in self.open[r.prompt_index][2]):
+            if r.prompt_index in self.open and all(x.finished for x in self.open[r.prompt_index].requests):
                 self._report(r.prompt_index)
 
     def report_rest(self) -> None:
@@ -413,8 +379,8 @@ class _StreamChunks:
             self._report(index)
 
     def _report(self, index: int) -> None:
-        tag, i, requests = self.open.pop(index)
-        self.on_done(tag, i, self.engine._completions(requests, 1, self.params.n, index)[0])
+        p = self.open.pop(index)
+        self.on_done(p.tag, p.index, self.engine._completions(p.requests, 1, self.params.n, index)[0])
 
 
 class _Step:

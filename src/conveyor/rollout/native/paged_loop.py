@@ -1,48 +1,20 @@
-"""The native engine's generation loop over the paged fast runner.
+"""The native engine's generation loop over the paged CUDA-graph runner.
 
-Contract
-- ``PagedLoop(engine, params, stop).run(requests, feed, on_finish)``
-  fills every request's tokens, logprobs, versions and finish reason (the same
-  contract as the dense loop in ``engine.py``). Each iteration: take new
-  requests from ``feed()`` (optional; called outside the engine's lock, so a
-  weight update may land there) onto the back of the waiting queue; admit a
-  wave that the KV pool can take (FIFO, ``Scheduler.admit(fits)``), prefill it
-  and sample each admitted request's first token; then make room for the
-  running batch's next tokens (preempting the most recently admitted requests
-  when the pool is full; they go back to the front of the queue and are
-  recomputed on re-admission), decode one token for every running request and
-  sample. Finished requests free their blocks at once and are handed to
-  ``on_finish(requests)`` (optional; outside the lock), each exactly once.
-  ``run`` returns when nothing is waiting or running and ``feed()`` gave
-  nothing: that is continuous batching, new requests join a batch that is
-  still decoding instead of waiting for its longest sequence.
-- The caller keeps ``prompt_index`` unique per prompt within one ``run``: the
-  runner shares prompt KV blocks among requests of the same index.
-- Sampling: plain temperature or greedy sampling on the GPU uses the fused
-  one-pass sampler (``triton_ops.sample_plain``: same distribution, logprob and
-  random numbers); top-k / top-p and the CPU use ``sampling.sample``. Each row
-  draws from its request's stream (``Request.key``) at the index of the token
-  it draws, so a request's tokens do not depend on its batch.
-- One step ahead: a decode step is queued (its input tokens taken on the
-  device from the samples of the step before) before the host reads the step
-  before's tokens and logprobs (one copy to pinned memory per step), so the
-  host's work per row overlaps the device's next step. A request that ends on
-  a stop token has been decoded once more; that token is dropped. One that
-  ends by length is not decoded again. Admission and preemption first read
-  the step in flight (they change KV blocks and rows), as do a pause and the
-  end of ``run``.
-- A step holds the engine's lock while it queues the forward (prefill or
-  decode) and records the version at its start. A weight update from another
-  thread (or from ``feed``) therefore lands between two steps' forwards: on
-  CUDA its copy is queued on the same stream after the kernels queued so far
-  and before the next step's.
-- ``engine.counters`` adds up decode steps, the rows they decoded, and the host's
-  seconds in decode steps (queueing, GPU, sampled tokens back) and in admissions
-  (prefill and first tokens): what an engine's step costs in a run.
-- ``engine.pause()`` stops scheduling between steps (the KV blocks stay);
-  ``engine.resume()`` continues; ``engine.abort()`` ends the call: unfinished
-  requests (running or still waiting) get finish_reason "abort" with the
-  tokens they have; they are not passed to ``on_finish``.
+Contract: ``PagedLoop(engine, params, stop).run(requests, feed, on_finish)``
+fills every request's tokens, logprobs, versions and finish reason (the
+contract of ``engine.py``). Each iteration takes new requests from ``feed()``
+(outside the engine's lock), admits a FIFO wave the KV pool can take,
+prefills it, makes room for the next tokens (preempting the latest admitted
+when the pool is full; they are recomputed on re-admission) and decodes one
+token per running request; finished requests free their blocks and go to
+``on_finish`` once each. ``run`` returns when nothing waits or runs and
+``feed()`` gave nothing: continuous batching. ``prompt_index`` must be unique
+per prompt within a ``run`` (prompt KV blocks are shared by index). A decode
+step is queued before the host reads the step before's tokens, so host and
+device overlap; a step holds the engine's lock only while it queues its
+forward, so weight updates land between steps. ``engine.counters`` adds up
+decode steps, rows and host seconds; ``pause`` / ``resume`` / ``abort`` act
+between steps. Details: docs/architecture.md ("Built-in engine").
 
 It knows nothing of model internals or KV layout (the runner owns those), nor
 of chunks or callers: requests in, finished requests out.

@@ -22,7 +22,7 @@ Contract
 This is the one module that knows Hugging Face internals: the forward keyword
 for the cache (``cache`` in recent transformers, ``past_key_values`` before) and
 the per-layer ``keys`` / ``values`` tensors of ``DynamicCache``. It serves any
-causal LM; Llama-family models on a GPU get the paged ``fast_runner.FastRunner``
+causal LM; Llama-family models on a GPU get the paged ``graph_runner.PagedGraphRunner``
 instead (see ``engine.py``). It knows nothing of sampling, requests or stop
 conditions.
 """

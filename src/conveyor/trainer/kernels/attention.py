@@ -1,35 +1,18 @@
 """The trainer's attention block on a GPU: one q/k/v GEMM and a Triton rotary kernel.
 
-Hugging Face's Llama / Qwen2 / Mistral attention runs three projections on the
-same input (under autocast each casts it to bf16 again) and applies the rotary
-embedding with torch ops against float32 ``cos`` / ``sin``: bf16 * float32
-promotes q and k to float32, so about a dozen passes over them (the rotation,
-two products, a sum, the casts back for the attention kernel) run at twice
-the width, forward and backward. Here:
-
-- q, k and v come from one GEMM against the three weights concatenated (a
-  copy of a few MiB per layer and micro-batch; the gradient of the
-  concatenation hands each weight its own rows, so the float32 masters get
-  their gradients as before). The input's gradient is then one GEMM summed
-  in float32 before its single rounding, where torch summed three rounded
-  ones: this is what lets the norm in front write its output in bf16
-  (``layer_kernels``), which a three-consumer input could not.
-- One Triton kernel rotates q and k in float32 and writes them (and v) in the
-  input dtype, which is what the attention kernel casts them to anyway; its
-  backward rotates the gradients back in float32 and writes the packed q/k/v
-  gradient in one pass. The forward numbers are those of the torch ops (up to
-  a fused multiply-add); the backward rounds once where torch rounds the two
-  rotary terms separately.
+q, k and v come from one GEMM against the three weights concatenated (the
+input's gradient is one GEMM summed in float32, which lets the norm in front
+write bf16, ``kernels.layers``), and one Triton kernel rotates q and k in
+float32 and writes q/k/v in the input dtype, forward and backward, instead of
+a dozen float32 passes of the torch rotary embedding.
 
 Contract: ``fused_attention_forward`` replaces the forward of an attention
-module that has ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` and no per-head
-norms (``fusable(module)``); with a KV cache (Hugging Face makes one unless
-the caller passes ``use_cache=False``, as the trainers do), non-float32
-``cos`` / ``sin`` or missing position embeddings it runs the module's own
-forward (on a float32 copy of its input under autocast).
+module with ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj`` and no per-head
+norms (``fusable(module)``); with a KV cache, non-float32 ``cos`` / ``sin`` or
+no position embeddings it runs the module's own forward.
 ``rotary(qkv, cos, sin, heads, kv_heads)`` works on any ``[..., (heads + 2 *
-kv_heads) * head_dim]``. Set ``TRITON_INTERPRET=1`` before importing to run on
-CPU tensors (tests do).
+kv_heads) * head_dim]``. ``TRITON_INTERPRET=1`` runs it on CPU tensors (tests).
+Details: docs/architecture.md ("Module contracts in detail").
 """
 from __future__ import annotations
 

@@ -1,33 +1,29 @@
 """The loop's weight-sync metrics: each step reports the versions up to the one published before it."""
-import types
-
 import pytest
 
-from conveyor.step_stats import sync_stats
+from conveyor.controller.step_stats import sync_stats
+from conveyor.transport.messages import WeightSwap
 
 
 def event(version: int, applied: float, pause: float = 0.001, held: float | None = None, announced=None):
-    # (engine, version, applied_at, pause_s, received_at, announced_at), as the producer records them
-    return (0, version, applied, pause, held, announced)
+    return WeightSwap(0, version, applied, pause, held, announced)
 
 
 def test_each_step_reports_the_previous_version_whatever_has_already_swapped():
-    producer = types.SimpleNamespace(stats=types.SimpleNamespace(weight_events=[]))
     published = {1: 10.0, 2: 20.0}
     pending: list = []
     # logged after the step that published version 2: version 1 swapped at 10.004, and version 2
     # happened to swap already too (the race the per-version report removes)
-    producer.stats.weight_events = [event(1, 10.004, held=10.001, announced=9.99), event(2, 20.006, pause=0.003)]
-    out = sync_stats(producer, published, pending, upto=1)
+    new = [event(1, 10.004, held=10.001, announced=9.99), event(2, 20.006, pause=0.003)]
+    out = sync_stats(new, published, pending, upto=1)
     assert out["weight_sync_ms"] == pytest.approx(4.0)
     assert out["weight_transfer_ms"] == pytest.approx(1.0) and out["weight_announce_ms"] == pytest.approx(-10.0)
     assert out["weight_pause_ms"] == pytest.approx(1.0)
-    assert [e[1] for e in pending] == [2] and producer.stats.weight_events == []
+    assert [e.version for e in pending] == [2]
     # the next step reports version 2 from what waited, nothing new arrived
-    out = sync_stats(producer, published, pending, upto=2)
+    out = sync_stats([], published, pending, upto=2)
     assert out["weight_sync_ms"] == pytest.approx(6.0) and out["weight_pause_ms"] == pytest.approx(3.0)
     assert pending == [] and "weight_transfer_ms" not in out
     # a version this loop did not publish (before a resume) gives a pause but no sync time
-    producer.stats.weight_events = [event(0, 5.0)]
-    assert sync_stats(producer, published, pending, upto=3) == {"weight_pause_ms": pytest.approx(1.0)}
-    assert sync_stats(producer, published, pending, upto=4) == {}
+    assert sync_stats([event(0, 5.0)], published, pending, upto=3) == {"weight_pause_ms": pytest.approx(1.0)}
+    assert sync_stats([], published, pending, upto=4) == {}

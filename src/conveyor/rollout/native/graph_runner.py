@@ -1,37 +1,20 @@
-"""FastRunner: paged-KV model runner with CUDA-graph decode for Llama-family decoders.
+"""PagedGraphRunner: paged-KV model runner with CUDA-graph decode for Llama-family decoders.
 
 Contract
-- KV pool: one tensor ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]``
-  in the model dtype, sized by ``kv_blocks`` or by ``kv_fraction`` of the free GPU
-  memory (``paged.kv_pool_blocks``); a small fixed pool on the CPU. Each running
-  request owns a ``SeqKV``: a row of the persistent block table, its block ids
-  (``len(blocks) == ceil(cached / block_size)``) and ``cached``, the number of its
-  tokens whose keys and values are in the pool.
-- ``prefill(requests)`` computes the KV of every known token of each request
-  (prompt plus tokens generated before a preemption) and returns float32-castable
-  next-token logits ``[len(requests), V]`` in request order. Requests with the
-  same prompt and nothing generated yet (the samples of one group admitted
-  together) are computed once: the others share its full blocks (reference
-  counts) and get a copy of its last partial block, so they can diverge.
-- ``ensure_slots(running)`` gives every running request a slot for its next
-  token; when the pool is empty it preempts from the end of ``running`` (the most
-  recently admitted first), frees their blocks and returns them: their KV is
-  recomputed by a later ``prefill``. ``decode(running)`` then feeds each
-  request's last token, writes its KV and returns logits ``[B, V]``; a
-  request's last token may still be on the device (``decode(running, last,
-  src)``: sampled by a step whose results the host has not read yet), so a
-  step can be queued while the one before it runs. ``cached`` then counts that
-  token too. ``room_for_next_tokens(running)`` says whether the next tokens fit
-  without preemption (the loop preempts only with no step in flight).
-- ``free(request)`` returns a finished (or preempted) request's blocks and row.
-- Decode runs as a CUDA graph captured per batch bucket (the batch is padded to
-  the bucket; padded rows point at the reserved null block and row). Graph
-  inputs are static buffers filled by one host-to-device copy per step (from two
-  pinned staging buffers used in turn). Weights
-  are read through references to the model's parameters, so in-place weight
-  updates need no recapture.
-- ``release_memory()`` drops the pool and the graphs (no request may be running);
-  ``reacquire_memory()`` allocates them again.
+- KV pool: one tensor in the model dtype, ``kv_blocks`` or ``kv_fraction`` of
+  the free GPU memory (a small pool on the CPU); each running request owns a
+  ``SeqKV`` (a block-table row, its blocks, ``cached`` tokens).
+- ``prefill(requests)`` computes every known token's KV and returns
+  next-token logits in request order; the samples of one group admitted
+  together share the prompt's full blocks.
+- ``ensure_slots(running)`` makes room for the next tokens, preempting the
+  latest admitted when the pool is full; ``decode(running[, last, src])``
+  feeds each request's last token (possibly still on the device) and returns
+  logits; ``free(request)`` returns its blocks.
+- Decode runs as a CUDA graph per batch bucket; weights are read through
+  references to the model's parameters, so in-place updates need no
+  recapture. ``release_memory`` / ``reacquire_memory`` drop and rebuild pool
+  and graphs. Details: docs/architecture.md ("Module contracts in detail").
 
 It knows nothing of sampling, stop rules or versions: the engine's paged loop
 (``paged_loop.py``) drives it.
@@ -45,8 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from conveyor.rollout.native import fast_ops
-from conveyor.rollout.native.fast_model import FastDecoder
+from conveyor.rollout.native.kernels import torch_ops
+from conveyor.rollout.native.decoder import PagedDecoder
 from conveyor.rollout.native.paged import BlockAllocator, blocks_for, kv_bytes_per_token, kv_pool_blocks
 from conveyor.rollout.native.runner import context_limit
 
@@ -77,20 +60,20 @@ def decode_buckets(max_batch: int) -> list[int]:
 
 def _select_ops(device: torch.device):
     if device.type != "cuda":
-        return fast_ops, False
+        return torch_ops, False
     try:
-        from conveyor.rollout.native import triton_ops
+        from conveyor.rollout.native.kernels import triton_ops
     except Exception as exc:  # noqa: BLE001 - any import failure means no Triton path
         log.warning("fast runner: Triton is unavailable (%s); using torch kernels without CUDA graphs", exc)
-        return fast_ops, False
+        return torch_ops, False
     return triton_ops, True
 
 
-class FastRunner:
+class PagedGraphRunner:
     def __init__(self, model, *, max_batch: int, block_size: int = 16, kv_fraction: float = 0.4,
                  kv_blocks: int | None = None, cuda_graphs: bool = True, prefill_token_budget: int = 16384):
         self.context_limit = context_limit(model.config)
-        self.net = FastDecoder(model, self.context_limit)
+        self.net = PagedDecoder(model, self.context_limit)
         self.device, self.dtype = self.net.device, self.net.dtype
         self.ops, graphable = _select_ops(self.device)
         self.use_graphs = bool(cuda_graphs and graphable)

@@ -15,7 +15,7 @@ import random
 
 import torch
 
-from conveyor.objective import sft_loss
+from conveyor.controller.objective import sft_loss
 from conveyor.types import Batch, Task
 
 
@@ -42,10 +42,9 @@ def warm_start(trainer, tokenizer, source, steps: int, batch_size: int, seed: in
     on (the caller checks on them). Returns the number of steps taken."""
     rng = random.Random(f"sft-{seed}")
     pool = [i for i in range(len(source)) if not exclude or i not in exclude]
-    demo = getattr(source, "demonstration", None)  # a source may show imperfect demonstrations
     for step in range(steps):
         tasks = [source[pool[rng.randrange(len(pool))]] for _ in range(batch_size)]
-        answers = [demo(t, rng) for t in tasks] if demo else None
+        answers = [source.demonstration(t, rng) for t in tasks]  # a source may show imperfect ones
         m = trainer.train(sft_batch(tokenizer, tasks, add_special_tokens, answers), sft_loss)
         if log is not None:
             log(step, {"sft_loss": m["loss"], "lr": m.get("lr", 0.0)})

@@ -1,38 +1,19 @@
 """Single-device trainer: a Hugging Face causal LM, AdamW, and a token budget.
 
-Contract (see ``trainer/api.py`` for the loss-function and output alignment)
-- ``LocalTrainer(model_path_or_model, cfg, total_steps, temperature, pad_token_id)``
-  holds the policy in float32 on one device (``cfg.device``; "auto" picks CUDA
-  when available): ``model`` is the master weights that the optimizer steps,
-  checkpoints save and ``named_weights`` publishes. Forward and backward run on
-  ``compute`` under bf16 autocast (on CUDA if ``cfg.autocast_bf16``): with
-  ``cfg.param_dtype`` bfloat16 (auto on CUDA) a module that holds the weights
-  of its linear layers as bf16 copies (gradients summed into the masters' in
-  float32, copies refreshed after every optimizer step) and shares every other
-  tensor with ``model`` (embeddings, norms, biases stay float32, as autocast
-  leaves them): the numbers of float32 weights under autocast without a cast
-  of every weight in every micro-batch. With float32 ``model`` itself. On CPU
-  (auto) nothing is cast, so CPU runs are exact and deterministic.
-- ``train(batch, loss_fn)`` makes ``cfg.ppo_epochs`` passes; each pass cuts
-  the batch into ``cfg.mini_batches`` contiguous chunks (same chunks every
-  pass, sizes differing by at most one) and takes one optimizer step per
-  chunk: zero grad, one backward per micro-batch (``plan_microbatches`` with
-  ``cfg.micro_batch_tokens``), clip, step. ``num_tokens`` given to the loss is
-  the chunk's loss-token count, floored at 1 so an all-masked chunk gives a
-  zero loss rather than 0/0.
-- The LR schedule counts ``train()`` calls, not optimizer steps: the
-  scheduler steps once per call, so ``cfg.warmup_steps`` and ``total_steps``
-  are in loop steps whatever ``ppo_epochs`` / ``mini_batches`` are. The
-  multiplier for call k (0-based) is ``lr_multiplier(k, ...)``.
-- ``total_steps`` (the argument) is authoritative for decaying schedules; the
-  caller resolves ``cfg.total_steps`` against the loop's step count.
-- A non-finite loss or gradient norm raises ``NonFiniteLossError`` naming the
-  step, epoch, mini-batch and micro-batch; the offending mini-batch takes no
-  optimizer step (earlier mini-batches of the same call already have).
-- Optional frozen reference (``cfg.reference``): a deep copy of the policy at
-  construction. Optional critic (``cfg.critic``): a copy of the backbone plus
-  a ``Linear(hidden, 1)`` head with its own AdamW (``cfg.critic_lr``, same
-  schedule shape), stepped together with the policy.
+Contract (``trainer/api.py`` for the loss function and output alignment)
+- ``LocalTrainer(model_path_or_model, cfg, total_steps, temperature,
+  pad_token_id)`` holds float32 master weights on one device; on CUDA forward
+  and backward run under bf16 autocast on bf16 copies of the linear weights
+  (``precision.py``), on CPU nothing is cast (exact, deterministic).
+- ``train(batch, loss_fn)``: ``cfg.ppo_epochs`` passes over
+  ``cfg.mini_batches`` contiguous chunks, one optimizer step per chunk over
+  token-budget micro-batches (``microbatch.py``); ``num_tokens`` is the
+  chunk's loss tokens, floored at 1. The LR schedule counts ``train`` calls.
+- A non-finite loss or gradient norm raises ``NonFiniteLossError`` naming
+  where; that mini-batch takes no step.
+- Optional frozen reference and critic (its own AdamW). ``streams_publish``:
+  ``train(publish=...)`` runs the last optimizer step while weights leave
+  (``streamed.py``). Details: docs/architecture.md ("Module contracts in detail").
 
 It does not know what the loss computes, where the batch came from, or how
 weights reach engines (``named_weights`` just yields the live tensors).
@@ -77,8 +58,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def no_cudnn_attention(device: torch.device) -> None:
-    """cuDNN's attention builds a graph for every new ``[batch, length]`` (about 2 ms of host
-    time per call: 1.2 s of a 0.5B step on H100) and an RL step brings new shapes every time;
+    """cuDNN's attention builds a graph for every new ``[batch, length]`` (milliseconds of host
+    time per call) and an RL step brings new shapes every time;
     flash attention has no per-shape setup. Process-wide rather than a context, so that the
     recompute of checkpointed layers during backward picks the same kernel."""
     if device.type == "cuda":
@@ -207,7 +188,7 @@ def fuse_layers(cfg: TrainerConfig, model: nn.Module, device: torch.device) -> N
     """Our Triton RMSNorm and SwiGLU in ``model`` when ``cfg.kernels`` on a GPU (not under the
     compiler, which fuses them itself)."""
     if cfg.kernels and not cfg.compile and device.type == "cuda" and kernel_available():
-        from conveyor.trainer.layer_kernels import use_fused_layers
+        from conveyor.trainer.kernels.layers import use_fused_layers
         use_fused_layers(model)
 
 

@@ -1,29 +1,24 @@
 """The loop's engine metrics: idle fractions per engine, and the decode-step size and time over all engines."""
-import types
-
 import pytest
 
-from conveyor.step_stats import engine_stats
-
-
-def handle(i, busy, idle, **counters):
-    return types.SimpleNamespace(engine_id=i, busy_s=busy, idle_s=idle, counters=counters)
+from conveyor.controller.step_stats import engine_stats
+from conveyor.transport.messages import EngineClock
 
 
 def test_engine_stats_are_deltas_since_the_last_step():
-    e0 = handle(0, 1.0, 1.0, decode_steps=10, decode_rows=100, decode_s=0.05, prefill_s=0.1)
-    e1 = handle(1, 0.0, 0.0)  # an engine that keeps no counters (the HF runner, a remote server)
-    last = {0: (0.0, 0.0, {}), 1: (0.0, 0.0, {})}
-    out = engine_stats([e0, e1], last)
+    e0 = EngineClock(1.0, 1.0, dict(decode_steps=10, decode_rows=100, decode_s=0.05, prefill_s=0.1))
+    e1 = EngineClock(0.0, 0.0)  # an engine that keeps no counters (the HF runner, a remote server)
+    last = {0: EngineClock(), 1: EngineClock()}
+    out = engine_stats({0: e0, 1: e1}, last)
     assert out["engine0_idle_frac"] == pytest.approx(0.5) and "engine1_idle_frac" not in out
     assert out["engine_batch_mean"] == pytest.approx(10.0) and out["engine_step_ms"] == pytest.approx(5.0)
     assert out["engine_prefill_frac"] == pytest.approx(0.1)
     # the next step: 30 steps of 20 rows at 2 ms, no prefill, busy the whole 1.5 s
-    e0.busy_s, e0.counters = 2.5, dict(decode_steps=40, decode_rows=700, decode_s=0.11, prefill_s=0.1)
-    out = engine_stats([e0, e1], last)
+    e0 = EngineClock(2.5, 1.0, dict(decode_steps=40, decode_rows=700, decode_s=0.11, prefill_s=0.1))
+    out = engine_stats({0: e0, 1: e1}, last)
     assert out["engine0_idle_frac"] == pytest.approx(0.0)
     assert out["engine_batch_mean"] == pytest.approx(20.0) and out["engine_step_ms"] == pytest.approx(2.0)
     assert out["engine_prefill_frac"] == pytest.approx(0.0)
     # nothing decoded since: no step stats rather than a division by zero
-    out = engine_stats([e0, e1], last)
+    out = engine_stats({0: e0, 1: e1}, last)
     assert "engine_step_ms" not in out and "engine_batch_mean" not in out

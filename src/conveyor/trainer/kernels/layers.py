@@ -1,34 +1,18 @@
 """RMSNorm, the SwiGLU product and the fused MLP / attention forwards, for the trainer on a GPU.
 
-Hugging Face's Llama / Qwen2 / Qwen3 / Mistral RMSNorm is eight element-wise
-ops forward and about as many backward, each a pass over the activations
-and a kernel launch; a 0.5B model has 49 of them per forward. At hidden
-size 896 that memory traffic and those launches cost more than the norms'
-arithmetic. Here the forward reads each row once and writes it once (plus
-one float32 ``rstd`` per row); the backward reads ``x`` and ``dy`` once and
-writes ``dx`` once, with the weight's gradient summed in float32 per program
-and then across programs.
-
-Same numbers as the Hugging Face module: statistics in float32, the
-normalised row rounded to the input dtype before it is scaled by the weight
-(``weight * x_hat.to(input_dtype)``), gradients through that rounding as
-autograd takes them.
-
-The MLP's ``silu(gate) * up`` is two kernels forward and three backward in
-torch, over the widest activations of the layer; here one each way, with
-``silu(gate)`` rounded to the input dtype before the product, as torch does.
-The gate and up projections run as one GEMM against both weights stacked,
-whose packed output the kernel reads in place. A norm whose output feeds one
-such GEMM (here, or the q/k/v GEMM of ``attention_kernels``) writes it in
-autocast's dtype: the bf16 numbers the GEMM's cast would make, without the
-float32 copy and the cast each way.
+RMSNorm as one Triton kernel each way (one read and one write of each row,
+the weight's gradient summed in float32) with the Hugging Face module's
+numbers; ``silu(gate) * up`` as one kernel each way, reading the packed
+output of one gate/up GEMM in place. A norm whose output feeds one GEMM
+writes it in autocast's dtype (the numbers the GEMM's cast would make).
 
 Contract: ``use_fused_layers(model) -> int`` swaps the forward of every
 supported norm, SiLU MLP and attention module of ``model`` (by class name)
 and returns how many; ``rms_norm(x, weight, eps, out_dtype=None)`` works on
-any ``[..., H]``, ``swiglu(gate, up)`` on any two equal shapes and
+any ``[..., H]``, ``swiglu(gate, up)`` on two equal shapes and
 ``swiglu(packed)`` on ``[..., 2 w]`` (gate then up in each row).
-Set ``TRITON_INTERPRET=1`` before importing to run on CPU tensors (tests do).
+``TRITON_INTERPRET=1`` runs them on CPU tensors (tests do).
+Details: docs/architecture.md ("Module contracts in detail").
 """
 from __future__ import annotations
 
@@ -193,8 +177,7 @@ def _norm_forward(module, hidden_states: torch.Tensor) -> torch.Tensor:
     # A norm whose output feeds one GEMM (a fused q/k/v or gate/up projection) writes it in
     # autocast's dtype: the same numbers the GEMM's cast would make, without a float32 copy.
     # Feeding several GEMMs it stays float32: autograd would sum their input gradients in bf16,
-    # and with that, on H100, the W2 warm start no longer reached its target loss (0.76-0.84
-    # after its 1500 steps where it had stopped at 0.58 after 1100; docs/benchmarks.md).
+    # which learns measurably worse (docs/architecture.md, "Choices measured").
     device = hidden_states.device.type
     low = getattr(module, "feeds_one_gemm", False) and torch.is_autocast_enabled(device)
     return rms_norm(hidden_states, module.weight, module.variance_epsilon,
@@ -211,7 +194,7 @@ def _mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
 
 def use_fused_layers(model: torch.nn.Module) -> int:
     """Swap in the fused forwards; returns how many modules changed."""
-    from conveyor.trainer.attention_kernels import fusable, fused_attention_forward
+    from conveyor.trainer.kernels.attention import fusable, fused_attention_forward
     count = 0
     for m in model.modules():
         name = type(m).__name__

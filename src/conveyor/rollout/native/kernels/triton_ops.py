@@ -1,7 +1,7 @@
 """Triton versions of the fast runner's fused operations (GPU path).
 
 Contract: the same four functions and results (up to rounding) as
-``fast_ops.py``, which states what each computes. Differences that matter:
+``kernels/torch_ops.py``, which states what each computes. Differences that matter:
 - ``add_rmsnorm`` updates ``residual`` in place (the torch version returns a new
   tensor); callers use the returned residual either way.
 - ``decode_attention`` is a paged, grouped-query flash-decoding kernel: one
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.rollout.native.fast_ops import rmsnorm  # noqa: F401  (Qwen3 q/k norms: small, left to torch)
+from conveyor.rollout.native.kernels.torch_ops import rmsnorm  # noqa: F401  (Qwen3 q/k norms: small, left to torch)
 
 _LOG2E = 1.4426950408889634
 

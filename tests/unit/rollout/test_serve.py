@@ -1,4 +1,4 @@
-"""engine_loop with a real tiny NativeEngine (fast runner, CPU) in a thread, real queues and a
+"""engine_loop with a real tiny NativeEngine (paged runner, CPU) in a thread, real queues and a
 real in-process weight transport: with partial rollouts a chunk that arrives while another
 runs joins it and is reported as soon as it ends; evaluation requests, other sampling params
 and "stop" wait for the running call to drain; weights published mid-call reach the running
@@ -14,10 +14,11 @@ import time
 import pytest
 
 from conveyor.data.tiny import build_model, build_tokenizer
-from conveyor.launch import workers
-from conveyor.launch.workers import engine_loop
+from conveyor.rollout import serve as workers
 from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.native import NativeEngine
+from conveyor.rollout.serve import engine_loop
+from conveyor.transport.messages import Done, Failed, Generate, Stop, WeightSwap
 from conveyor.transport.weights import StagedWeights
 
 CANDIDATES = ["a", "b", "ok", "c", "no", "The quick brown fox", "hi there", "1+2="]
@@ -84,24 +85,29 @@ def on_decode_step(eng, step: int, action) -> None:
     eng.runner.decode = decode
 
 
-def read(outbox, kind: str, n: int, timeout: float = 15.0) -> list[tuple]:
-    """Every message, in order, up to and including the ``n``-th one of ``kind``."""
+def read(outbox, kind: type, n: int, timeout: float = 15.0) -> list:
+    """Every message, in order, up to and including the ``n``-th one of type ``kind``."""
     got, seen, deadline = [], 0, time.monotonic() + timeout
     while seen < n:
         msg = outbox.get(timeout=max(0.01, deadline - time.monotonic()))
-        if msg[0] == "error" and kind != "error":
-            raise AssertionError(f"engine loop failed:\n{msg[2]}")
+        if isinstance(msg, Failed) and kind is not Failed:
+            raise AssertionError(f"engine loop failed:\n{msg.traceback}")
         got.append(msg)
-        seen += msg[0] == kind
+        seen += isinstance(msg, kind)
     return got
 
 
-def messages(outbox, kind: str, n: int) -> list[tuple]:
-    return [m for m in read(outbox, kind, n) if m[0] == kind]
+def messages(outbox, kind: type, n: int) -> list:
+    return [m for m in read(outbox, kind, n) if isinstance(m, kind)]
+
+
+def what(m) -> tuple[str, int]:
+    """("weights", version) of a swap, ("done", chunk id) of an answer."""
+    return ("weights", m.version) if isinstance(m, WeightSwap) else ("done", m.chunk_id)
 
 
 def stop(inbox, thread) -> None:
-    inbox.put(("stop",))
+    inbox.put(Stop())
     thread.join(timeout=10)
     assert not thread.is_alive()
 
@@ -117,19 +123,19 @@ def test_chunk_joining_a_running_call_is_reported_first(model, tok, params, shor
     for partial, order in [(True, [(1, 0), (1, 1), (0, 0)]), (False, [(0, 0), (1, 0)])]:
         eng = fast(model, tok)
         inbox, outbox, t = serve(eng, StagedWeights(specs(model)), partial)
-        on_decode_step(eng, 3, lambda: inbox.put(("generate", 1, [short, short], params)))
-        inbox.put(("generate", 0, [long], params))
-        done = messages(outbox, "done", len(order))
+        on_decode_step(eng, 3, lambda: inbox.put(Generate(1, [short, short], params)))
+        inbox.put(Generate(0, [long], params))
+        done = messages(outbox, Done, len(order))
         # Streaming: chunk 1 arrived on the 3rd decode step of chunk 0's 40-token sample,
         # joined its batch and ended first. Waves (no partial): it waits for chunk 0.
-        assert [(m[2], m[5]) for m in done] == order, partial
+        assert [(m.chunk_id, m.offset) for m in done] == order, partial
         outs = {}
         for m in done:
-            outs.setdefault(m[2], []).extend(m[3])
+            outs.setdefault(m.chunk_id, []).extend(m.completions)
         assert tokens(outs[0]) == tokens(ref.generate([long], params))
         assert tokens(outs[1]) == tokens(ref.generate([short, short], params))
-        busy = [m[4]["busy_s"] for m in done]
-        assert 0 < busy[0] <= busy[1] and all(m[4]["idle_s"] >= 0 for m in done)
+        busy = [m.clock.busy_s for m in done]
+        assert 0 < busy[0] <= busy[1] and all(m.clock.idle_s >= 0 for m in done)
         stop(inbox, t)
 
 
@@ -139,27 +145,27 @@ def test_evaluation_other_params_and_stop_wait_for_the_running_call(model, tok, 
     inbox, outbox, t = serve(eng, StagedWeights(specs(model)))
 
     def arrive():
-        inbox.put(("generate", -1, [long], params))  # evaluation: never merged, nor merges
+        inbox.put(Generate(-1, [long], params))  # evaluation: never merged, nor merges
         # Compatible but behind a held message; short, so it would end first in any call it joined.
-        inbox.put(("generate", 1, [short], params))
+        inbox.put(Generate(1, [short], params))
     on_decode_step(eng, 3, arrive)
-    inbox.put(("generate", 0, [long], params))
-    assert [m[2] for m in messages(outbox, "done", 3)] == [0, -1, 1]
+    inbox.put(Generate(0, [long], params))
+    assert [m.chunk_id for m in messages(outbox, Done, 3)] == [0, -1, 1]
 
     eng = fast(model, tok)
     inbox, outbox, t = serve(eng, StagedWeights(specs(model)))
     other = SamplingParams(temperature=0.0, max_new_tokens=2)
 
     def arrive_other():
-        inbox.put(("generate", 11, [short], other))  # different params: served after the call
-        inbox.put(("stop",))
-        inbox.put(("generate", 12, [short], params))  # behind "stop": never served
+        inbox.put(Generate(11, [short], other))  # different params: served after the call
+        inbox.put(Stop())
+        inbox.put(Generate(12, [short], params))  # behind "stop": never served
     on_decode_step(eng, 3, arrive_other)
-    inbox.put(("generate", 10, [long], params))
-    done = messages(outbox, "done", 2)
-    assert [m[2] for m in done] == [10, 11] and len(done[1][3][0][0].token_ids) == 2
+    inbox.put(Generate(10, [long], params))
+    done = messages(outbox, Done, 2)
+    assert [m.chunk_id for m in done] == [10, 11] and len(done[1].completions[0][0].token_ids) == 2
     t.join(timeout=10)
-    assert not t.is_alive() and inbox.get_nowait()[1] == 12 and outbox.empty()
+    assert not t.is_alive() and inbox.get_nowait().chunk_id == 12 and outbox.empty()
 
 
 def test_weights_published_mid_call_reach_running_and_later_chunks(model, tok, params, short_long, monkeypatch):
@@ -177,14 +183,14 @@ def test_weights_published_mid_call_reach_running_and_later_chunks(model, tok, p
         reached.set()
         assert go.wait(10)
     on_decode_step(eng, 3, pause_on_step)
-    inbox.put(("generate", 0, [long], params))
+    inbox.put(Generate(0, [long], params))
     assert reached.wait(10)
     weights.publish(other.state_dict().items(), version=1)  # from this thread, as a trainer would
-    inbox.put(("generate", 1, [long], params))
+    inbox.put(Generate(1, [long], params))
     go.set()
-    log = read(outbox, "done", 2)
-    assert [(m[0], m[2]) for m in log] == [("weights", 1), ("done", 0), ("done", 1)]
-    done = {m[2]: m[3][0][0] for m in log if m[0] == "done"}
+    log = read(outbox, Done, 2)
+    assert [what(m) for m in log] == [("weights", 1), ("done", 0), ("done", 1)]
+    done = {m.chunk_id: m.completions[0][0] for m in log if isinstance(m, Done)}
     # Prefill and decode steps 1-3 ran with version 0; the poll before chunk 1 entered swapped.
     assert done[0].versions == [0] * 4 + [1] * (len(done[0].versions) - 4)
     assert done[1].versions == [1] * len(done[1].versions)
@@ -193,7 +199,7 @@ def test_weights_published_mid_call_reach_running_and_later_chunks(model, tok, p
     assert done[1].token_ids == new.generate([long], params)[0][0].token_ids
     # Idle: the loop keeps polling, so a publish between calls is applied without a request.
     weights.publish(model.state_dict().items(), version=2)
-    assert messages(outbox, "weights", 1)[0][2] == 2 and eng.version == 2
+    assert messages(outbox, WeightSwap, 1)[0].version == 2 and eng.version == 2
     stop(inbox, t)
 
 
@@ -222,16 +228,17 @@ def test_a_version_is_swapped_between_two_steps_without_a_new_chunk(model, tok, 
     eng.update_weights = update_weights
     inbox, outbox, t = serve(eng, weights)
     t_publish = time.time()
-    inbox.put(("generate", 0, [long], params))
-    log = read(outbox, "done", 1)
-    if not any(m[0] == "weights" for m in log):  # stamped by the watcher thread: it may come later
-        log += read(outbox, "weights", 1)
+    inbox.put(Generate(0, [long], params))
+    log = read(outbox, Done, 1)
+    if not any(isinstance(m, WeightSwap) for m in log):  # stamped by the watcher thread: it may come later
+        log += read(outbox, WeightSwap, 1)
     assert swapped_by == [t.name]  # the serving thread, between two of its steps
-    assert sorted((m[0], m[2]) for m in log) == [("done", 0), ("weights", 1)]
-    log.sort(key=lambda m: m[0] != "weights")
-    _, _, _, applied_at, pause_s, received_at, announced_at = log[0]
-    assert received_at is None and announced_at is None and t_publish < applied_at < time.time() and 0 <= pause_s < 5
-    done = log[1][3][0][0]
+    assert sorted(what(m) for m in log) == [("done", 0), ("weights", 1)]
+    log.sort(key=lambda m: not isinstance(m, WeightSwap))
+    swap = log[0]
+    assert swap.received_at is None and swap.announced_at is None
+    assert t_publish < swap.applied_at < time.time() and 0 <= swap.pause_s < 5
+    done = log[1].completions[0][0]
     # The prefill's token and decode steps 1-4 ran on version 0, every later step on version 1.
     assert done.versions == [0] * 5 + [1] * (len(done.versions) - 5)
     assert done.token_ids[:5] == fast(model, tok).generate([long], params)[0][0].token_ids[:5]
@@ -241,6 +248,9 @@ def test_a_version_is_swapped_between_two_steps_without_a_new_chunk(model, tok, 
 
 class _FailingWeights:
     """A transport whose receiver broke: it announces news, and poll raises."""
+
+    received_at = announced_at = None
+    version = 0
 
     def __init__(self):
         self.broken = threading.Event()
@@ -260,9 +270,9 @@ def test_a_weight_watcher_that_fails_reports_the_error_while_the_engine_decodes(
     eng = fast(model, tok)
     inbox, outbox, t = serve(eng, weights)
     on_decode_step(eng, 3, weights.broken.set)  # fails mid-call, nothing else wrong
-    inbox.put(("generate", 0, [long], params))
-    (err,) = messages(outbox, "error", 1)
-    assert err[1] == 0 and "engine 0 weight receiver failed: the writer died" in err[2]
+    inbox.put(Generate(0, [long], params))
+    (err,) = messages(outbox, Failed, 1)
+    assert err.engine_id == 0 and "engine 0 weight receiver failed: the writer died" in err.traceback
     # The generating thread's own poll (idle, after the call) fails too and ends the loop.
     t.join(timeout=10)
     assert not t.is_alive()
@@ -277,13 +287,13 @@ def test_a_chunk_waits_for_the_version_it_was_admitted_for(model, tok, params, s
     weights = StagedWeights(specs(model))
     eng = fast(model, tok)
     inbox, outbox, t = serve(eng, weights, partial)
-    inbox.put(("generate", 0, [long], params, 1))  # admitted for version 1, not yet published
+    inbox.put(Generate(0, [long], params, 1))  # admitted for version 1, not yet published
     time.sleep(0.3)
     assert outbox.empty()  # waiting, not generating on version 0
     weights.publish(other.state_dict().items(), version=1)
-    log = read(outbox, "done", 1)
-    assert [(m[0], m[2]) for m in log] == [("weights", 1), ("done", 0)]
-    done = log[1][3][0][0]
+    log = read(outbox, Done, 1)
+    assert [what(m) for m in log] == [("weights", 1), ("done", 0)]
+    done = log[1].completions[0][0]
     assert done.versions == [1] * len(done.token_ids) and done.token_ids
     assert done.token_ids == fast(other, tok).generate([long], params)[0][0].token_ids
     stop(inbox, t)
@@ -301,16 +311,16 @@ def test_running_rows_decode_on_while_a_chunk_waits_for_its_version(model, tok, 
     def decode(running, *ahead):
         count[0] += 1
         if count[0] == 3:
-            inbox.put(("generate", 1, [long], params, 1))  # admitted for version 1, not yet published
+            inbox.put(Generate(1, [long], params, 1))  # admitted for version 1, not yet published
         if count[0] == 12:
             weights.publish(other.state_dict().items(), version=1)
         return real(running, *ahead)
     eng.runner.decode = decode
     inbox, outbox, t = serve(eng, weights, timeout_s=5.0)
-    inbox.put(("generate", 0, [long], params, 0))
-    log = read(outbox, "done", 2)
-    assert [(m[0], m[2]) for m in log] == [("weights", 1), ("done", 0), ("done", 1)]
-    done = {m[2]: m[3][0][0] for m in log if m[0] == "done"}
+    inbox.put(Generate(0, [long], params, 0))
+    log = read(outbox, Done, 2)
+    assert [what(m) for m in log] == [("weights", 1), ("done", 0), ("done", 1)]
+    done = {m.chunk_id: m.completions[0][0] for m in log if isinstance(m, Done)}
     # Chunk 0 decoded on version 0 from before chunk 1 arrived (step 3) until the publish (step 12).
     first_new = done[0].versions.index(1)
     assert first_new >= 12 and set(done[0].versions[:first_new]) == {0}
@@ -322,10 +332,10 @@ def test_running_rows_decode_on_while_a_chunk_waits_for_its_version(model, tok, 
 def test_a_version_that_never_comes_is_a_named_error(model, tok, params, short_long):
     _, long = short_long
     inbox, outbox, t = serve(fast(model, tok), StagedWeights(specs(model)), timeout_s=0.5)
-    inbox.put(("generate", 3, [long], params, 2))
-    (err,) = messages(outbox, "error", 1)
-    assert "engine 0: weights version 2 (a chunk was admitted for it) did not arrive within 0s" in err[2]
-    assert "the engine holds version 0" in err[2]
+    inbox.put(Generate(3, [long], params, 2))
+    (err,) = messages(outbox, Failed, 1)
+    assert "engine 0: weights version 2 (a chunk was admitted for it) did not arrive within 0s" in err.traceback
+    assert "the engine holds version 0" in err.traceback
     t.join(timeout=10)
     assert not t.is_alive()
 
@@ -334,9 +344,9 @@ def test_bad_chunk_is_reported_as_an_error(model, tok, params, short_long):
     short, long = short_long
     eng = fast(model, tok)
     inbox, outbox, t = serve(eng, StagedWeights(specs(model)))
-    on_decode_step(eng, 2, lambda: inbox.put(("generate", 5, [short, []], params)))
-    inbox.put(("generate", 4, [long], params))
-    (err,) = messages(outbox, "error", 1)
-    assert err[1] == 0 and "generate_stream chunk 5: generate: prompt 1 is empty" in err[2]
+    on_decode_step(eng, 2, lambda: inbox.put(Generate(5, [short, []], params)))
+    inbox.put(Generate(4, [long], params))
+    (err,) = messages(outbox, Failed, 1)
+    assert err.engine_id == 0 and "generate_stream chunk 5: generate: prompt 1 is empty" in err.traceback
     t.join(timeout=10)
     assert not t.is_alive()

@@ -16,7 +16,7 @@ import torch
 from conveyor.data.tiny import build_model, build_tokenizer
 from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.native import NativeEngine
-from conveyor.rollout.native.fast_runner import FastRunner, decode_buckets
+from conveyor.rollout.native.graph_runner import PagedGraphRunner, decode_buckets
 from conveyor.rollout.native.paged import BlockAllocator, blocks_for, kv_pool_blocks
 from conveyor.rollout.native.scheduler import Request
 
@@ -109,7 +109,7 @@ def test_pool_sizing_and_buckets():
 def test_greedy_equals_hf_generate(tok, prompts, arch, device):
     model = tiny(tok, arch)
     eng = fast(model, tok, device, max_batch=4)
-    assert isinstance(eng.runner, FastRunner)
+    assert isinstance(eng.runner, PagedGraphRunner)
     out = eng.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12))
     for prompt, (c,) in zip(prompts, out):
         assert c.token_ids == hf_greedy(model, prompt, 12, tok.eos_token_id)
@@ -301,7 +301,7 @@ def _triton_device():
 @pytest.mark.parametrize("shape", [(3, 4, 2, 16, 1), (5, 14, 2, 64, 1), (2, 12, 2, 128, 4), (64, 7, 1, 32, 8)])
 def test_triton_decode_attention_matches_reference(shape, monkeypatch):
     dev = _triton_device()
-    from conveyor.rollout.native import fast_ops, triton_ops
+    from conveyor.rollout.native.kernels import torch_ops, triton_ops
 
     b, nq, nkv, d, splits = shape
     monkeypatch.setattr(triton_ops, "num_splits", lambda *_: splits)
@@ -311,35 +311,35 @@ def test_triton_decode_attention_matches_reference(shape, monkeypatch):
     ctx = torch.randint(1, 300, (b,), generator=gen).to(dev)
     tables = torch.randint(1, nb, (b, 20), generator=gen).to(torch.int32).to(dev)
     q = torch.randn(b, nq, d, generator=gen).to(dev)
-    ref = fast_ops.decode_attention(q, kc, vc, tables, ctx, 0.125, ps, int(ctx.max()))
+    ref = torch_ops.decode_attention(q, kc, vc, tables, ctx, 0.125, ps, int(ctx.max()))
     out = triton_ops.decode_attention(q, kc, vc, tables, ctx, 0.125, ps)
     assert (out - ref).abs().max().item() < 1e-4
 
 
 def test_triton_pointwise_kernels_match_reference():
     dev = _triton_device()
-    from conveyor.rollout.native import fast_ops, triton_ops
+    from conveyor.rollout.native.kernels import torch_ops, triton_ops
 
     gen = torch.Generator().manual_seed(0)
     x, r, w = (torch.randn(*s, generator=gen).to(dev) for s in [(5, 96), (5, 96), (96,)])
-    (a, ra), (b, rb) = fast_ops.add_rmsnorm(x, r.clone(), w, 1e-6), triton_ops.add_rmsnorm(x, r.clone(), w, 1e-6)
+    (a, ra), (b, rb) = torch_ops.add_rmsnorm(x, r.clone(), w, 1e-6), triton_ops.add_rmsnorm(x, r.clone(), w, 1e-6)
     assert (a - b).abs().max().item() < 1e-5 and (ra - rb).abs().max().item() == 0
     nq, nkv, d, t, s = 4, 2, 16, 7, 64
     qkv = torch.randn(t, (nq + 2 * nkv) * d, generator=gen).to(dev)
     pos, slots = torch.randint(0, 30, (t,), generator=gen).to(dev), torch.randperm(s, generator=gen)[:t].to(dev)
     cos, sin = (torch.randn(40, d, generator=gen).to(dev) for _ in range(2))
     caches = [torch.zeros(s, nkv, d, device=dev) for _ in range(4)]
-    q1 = fast_ops.rope_store(qkv, pos, slots, cos, sin, caches[0], caches[1], nq, nkv)
+    q1 = torch_ops.rope_store(qkv, pos, slots, cos, sin, caches[0], caches[1], nq, nkv)
     q2 = triton_ops.rope_store(qkv, pos, slots, cos, sin, caches[2], caches[3], nq, nkv)
     assert (q1 - q2).abs().max().item() < 1e-5
     assert torch.allclose(caches[0], caches[2], atol=1e-5) and torch.equal(caches[1], caches[3])
     gu = torch.randn(3, 3000, generator=gen).to(dev)
-    assert (fast_ops.silu_mul(gu) - triton_ops.silu_mul(gu)).abs().max().item() < 1e-5
+    assert (torch_ops.silu_mul(gu) - triton_ops.silu_mul(gu)).abs().max().item() < 1e-5
 
 
 def test_triton_fused_sampler_matches_reference():
     dev = _triton_device()
-    from conveyor.rollout.native import triton_ops
+    from conveyor.rollout.native.kernels import triton_ops
     from conveyor.rollout.native.sampling import draw_seeds, request_key, sample
 
     def seeds(n):

@@ -1,6 +1,6 @@
 """The fast runner's fused operations, in plain torch (the reference, and the CPU path).
 
-Contract (``triton_ops.py`` implements the same four functions with the same
+Contract (``kernels/triton_ops.py`` implements the same four functions with the same
 signatures and results up to rounding; the runner picks one set)
 - ``add_rmsnorm(x, residual, weight, eps) -> (normed, residual)``: the new
   residual is ``residual + x`` (``x`` itself when ``residual`` is None) and

@@ -5,12 +5,14 @@ import types
 import pytest
 import torch
 
-from conveyor import objective
+from conveyor.controller import objective
 from conveyor.config import load_config
 from conveyor.data.tiny import build_model, build_tokenizer
-from conveyor.step_batch import prepare, train_and_prepare_next
-from conveyor.trainer.local import LocalTrainer
+from conveyor.controller.step_batch import prepare, train_and_prepare_next
+from conveyor.trainer.serve import TrainerHost
+from conveyor.trainer.single import LocalTrainer
 from conveyor.transport.buffer import TrajectoryBuffer
+from conveyor.transport.messages import Scored
 from conveyor.types import Group, Task, Trajectory
 
 N, G = 4, 4  # groups per step, samples per group
@@ -28,15 +30,16 @@ def groups(count: int, seed: int, sizes=None):
             trajs.append(Trajectory(task=task, prompt_ids=(5, 6, 7), completion_ids=ids,
                                     logprobs=tuple(-rng.random() for _ in range(n)), versions=(0,) * n,
                                     loss_mask=(1,) * n, reward=rng.random()))
-        out.append((seed * 100 + i, Group(task, tuple(trajs))))
+        out.append(Scored(seed * 100 + i, Group(task, tuple(trajs))))
     return out
 
 
 @pytest.fixture(scope="module")
 def bundle():
     cfg = load_config(None, [f"loop.batch_size={N}", "trainer.device=cpu", "launch.timeout_s=30"])
-    trainer = LocalTrainer(build_model(build_tokenizer(), hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                                       intermediate_size=64, seed=0), cfg.trainer, total_steps=10)
+    trainer = TrainerHost(LocalTrainer(build_model(build_tokenizer(), hidden_size=32, num_layers=1, num_heads=4,
+                                                   num_kv_heads=2, intermediate_size=64, seed=0),
+                                       cfg.trainer, total_steps=10), writers=[])
     loss = objective.PolicyLoss(cfg.algo, norm_len=cfg.rollout.max_new_tokens, one_update=True)
     return cfg, trainer, loss
 
@@ -48,16 +51,27 @@ def components(cfg, trainer, items):
     return types.SimpleNamespace(cfg=cfg, trainer=trainer, buffer=buffer)
 
 
+def prep(c, items, need):
+    return prepare(c.trainer, c.cfg.algo, items, need)
+
+
+def train_next(c, batch, loss, need, last=False):
+    """One step through the trainer handle; returns (the step's metrics, the prefetch or None)."""
+    trained, ahead = train_and_prepare_next(c.trainer, c.buffer, c.cfg.loop, c.cfg.algo, batch, loss, need,
+                                            version=c.trainer.step() + 1, timeout_s=30, last=last)
+    return trained.metrics, ahead
+
+
 def test_the_next_batch_is_built_from_the_buffered_groups(bundle):
     cfg, trainer, loss = bundle
     need = objective.needs(cfg.algo, one_update=True)
     first, second = groups(N, 1), groups(N, 2)
     c = components(cfg, trainer, second + groups(2, 3))
-    _, batch, _, _ = prepare(c, first, need)
-    metrics, ahead = train_and_prepare_next(c, batch, loss, need)
+    _, batch, _, _ = prep(c, first, need)
+    metrics, ahead = train_next(c, batch, loss, need)
     assert metrics["num_seqs"] == N * G
     got_groups, got_batch, stats, _ = ahead.take(30)
-    want_groups, want_batch, want_stats, _ = prepare(c, second, need)
+    want_groups, want_batch, want_stats, _ = prep(c, second, need)
     assert [g.task.id for g in got_groups] == [g.task.id for g in want_groups]
     assert all(torch.equal(a, b) for a, b in zip(got_batch.input_ids, want_batch.input_ids))
     assert all(torch.equal(a, b) for a, b in zip(got_batch.fields["advantages"], want_batch.fields["advantages"]))
@@ -67,14 +81,14 @@ def test_the_next_batch_is_built_from_the_buffered_groups(bundle):
 def test_nothing_is_taken_without_a_full_batch_or_when_the_trainer_is_needed(bundle):
     cfg, trainer, loss = bundle
     assert cfg.loop.max_staleness == 0  # synchronous: the next groups cannot arrive during training
-    _, batch, _, _ = prepare(components(cfg, trainer, []), groups(N, 1), objective.needs(cfg.algo, True))
+    _, batch, _, _ = prep(components(cfg, trainer, []), groups(N, 1), objective.needs(cfg.algo, True))
     c = components(cfg, trainer, groups(N - 1, 2))
-    assert train_and_prepare_next(c, batch, loss, objective.needs(cfg.algo, True))[1] is None
+    assert train_next(c, batch, loss, objective.needs(cfg.algo, True))[1] is None
     assert len(c.buffer) == N - 1
     c = components(cfg, trainer, groups(N, 2))
     proximal = objective.Needs(proximal=True, reference=False, values=False)
-    assert train_and_prepare_next(c, batch, loss, proximal)[1] is None and len(c.buffer) == N
-    assert train_and_prepare_next(c, batch, loss, objective.needs(cfg.algo, True), last=True)[1] is None
+    assert train_next(c, batch, loss, proximal)[1] is None and len(c.buffer) == N
+    assert train_next(c, batch, loss, objective.needs(cfg.algo, True), last=True)[1] is None
     assert len(c.buffer) == N  # the last step leaves the buffer alone
 
 
@@ -82,24 +96,24 @@ def test_with_staleness_the_next_batch_waits_for_groups_that_arrive_during_train
     cfg, trainer, loss = bundle
     cfg = cfg.model_copy(update={"loop": cfg.loop.model_copy(update={"max_staleness": 2})})
     need = objective.needs(cfg.algo, True)
-    _, batch, _, _ = prepare(components(cfg, trainer, []), groups(N, 1), need)
+    _, batch, _, _ = prep(components(cfg, trainer, []), groups(N, 1), need)
     late = groups(N, 2)
     c = components(cfg, trainer, late[:-1])
-    _, ahead = train_and_prepare_next(c, batch, loss, need)
+    _, ahead = train_next(c, batch, loss, need)
     with pytest.raises(TimeoutError, match="launch.timeout_s"):
         ahead.take(0.2)  # one group short: still waiting, nothing lost
     c.buffer.put(late[-1], timeout=1)
     got_groups, *_ = ahead.take(30)
-    assert [g.task.id for g in got_groups] == [g.task.id for _, g in late] and len(c.buffer) == 0
+    assert [g.task.id for g in got_groups] == [s.group.task.id for s in late] and len(c.buffer) == 0
 
 
 def test_a_bad_next_batch_fails_after_the_step_trained(bundle):
     cfg, trainer, loss = bundle
     need = objective.needs(cfg.algo, True)
-    _, batch, _, _ = prepare(components(cfg, trainer, []), groups(N, 1), need)
+    _, batch, _, _ = prep(components(cfg, trainer, []), groups(N, 1), need)
     c = components(cfg, trainer, groups(N, 2, sizes={0: G - 1}))  # unequal groups: no group advantages
-    step = trainer.step
-    _, ahead = train_and_prepare_next(c, batch, loss, need)
-    assert trainer.step == step + 1
+    step = trainer.step()
+    _, ahead = train_next(c, batch, loss, need)
+    assert trainer.step() == step + 1
     with pytest.raises(ValueError, match="equal group sizes"):
         ahead.take(30)

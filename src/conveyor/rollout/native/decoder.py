@@ -1,12 +1,12 @@
 """The fast runner's own forward for Llama-family decoders (Llama 3, Qwen2 / Qwen2.5, Qwen3).
 
 Contract
-- ``unsupported_reason(model)`` is None when ``FastDecoder`` can run ``model``
+- ``unsupported_reason(model)`` is None when ``PagedDecoder`` can run ``model``
   (a ``*ForCausalLM`` whose ``model_type`` is llama, qwen2 or qwen3, SiLU MLP,
   RMSNorm, full attention in every layer, a position-independent rotary
   embedding), else a sentence saying why not; the engine then keeps the Hugging
   Face runner.
-- ``FastDecoder(model, max_positions)`` reads the weights from the model's own
+- ``PagedDecoder(model, max_positions)`` reads the weights from the model's own
   modules and keeps references to them, so an in-place copy into the model's
   parameters (``update_weights``) is seen by the next forward and by captured
   CUDA graphs. The q / k / v projections and the gate / up projections are
@@ -104,7 +104,7 @@ def _bias(lin) -> torch.Tensor | None:
     return None if lin.bias is None else lin.bias
 
 
-class FastDecoder:
+class PagedDecoder:
     """Weights and forward of one supported decoder; see the module docstring."""
 
     def __init__(self, model, max_positions: int):

@@ -1,0 +1,1 @@
+"""controller: the pieces the loop and a run use besides the roles (admission, batches, step stats, objective, evaluation, warm start, one run)."""

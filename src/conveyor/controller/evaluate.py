@@ -1,0 +1,58 @@
+"""Held-out evaluation: the policy's reward on tasks it does not train on.
+
+Contract: ``Evaluator(cfg, tasks, prompting, rollouts, rewards, logger)``;
+``evaluate(step)`` generates one sample per held-out task at
+``loop.eval_temperature`` (greedy by default) and, with
+``loop.eval_sampled``, also at the rollout temperature (the policy's
+expected reward), scores them, logs the means as ``eval_*`` /
+``eval_sampled_*`` metrics at ``step`` and returns them. ``on(tasks,
+temperature, prefix)`` does one such pass over any tasks (the warm start's
+early-stop check). Requests go through the producer outside the training
+schedule, with a fixed seed, and wait with the launch deadline. It knows
+nothing of training or of how the engines run.
+"""
+from __future__ import annotations
+
+import time
+
+from conveyor.config import RunConfig
+from conveyor.controller.producer import Producer, Prompting
+from conveyor.observe.progress import report_length_skips
+from conveyor.rollout.api import SamplingParams
+from conveyor.rollout.single_turn import prepare_prompts, to_groups
+from conveyor.types import Task
+
+
+class Evaluator:
+    def __init__(self, cfg: RunConfig, tasks: list[Task], prompting: Prompting, rollouts: Producer, rewards,
+                 logger):
+        self.cfg, self.tasks, self.prompting = cfg, tasks, prompting
+        self.rollouts, self.rewards, self.logger = rollouts, rewards, logger
+        self.length_notes: dict[str, int] = {}  # prompts skipped for length, as last reported
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        with self.logger.phase("eval", 2 if cfg.loop.eval_sampled else 1) as bar:
+            m = self.on(self.tasks, cfg.loop.eval_temperature, "eval_")
+            bar.update()
+            if cfg.loop.eval_sampled:
+                m.update(self.on(self.tasks, cfg.rollout.temperature, "eval_sampled_"))
+        self.logger.log(step, m, kind="eval")
+        return m
+
+    def on(self, tasks: list[Task], temperature: float, prefix: str) -> dict[str, float]:
+        cfg, p = self.cfg, self.prompting
+        params = SamplingParams.from_config(cfg.rollout, n=1, temperature=temperature, seed=cfg.loop.seed + 7919)
+        n = len(tasks)
+        tasks, prompts = prepare_prompts(p.tokenizer, tasks, p.max_prompt_tokens, p.add_special_tokens)
+        report_length_skips(self.logger, p.max_prompt_tokens, n - len(tasks), n, prefix, self.length_notes)
+        t0 = time.perf_counter()
+        outs = self.rollouts.request([list(x) for x in prompts], params).result(timeout=cfg.launch.timeout_s)
+        groups = to_groups(p.tokenizer, tasks, prompts, outs, time.perf_counter() - t0)
+        trajs = self.rewards.score([t for g in groups for t in g.trajectories])
+        m = {prefix + "reward": sum(t.reward for t in trajs) / len(trajs),
+             prefix + "len": sum(len(t.completion_ids) for t in trajs) / len(trajs)}
+        for key in sorted({k for t in trajs for k in t.reward_info if k != "reward_error"}):
+            vals = [float(t.reward_info[key]) for t in trajs if key in t.reward_info]
+            m[prefix + key] = sum(vals) / len(vals)
+        return m

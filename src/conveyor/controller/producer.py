@@ -1,0 +1,254 @@
+"""The producer: admits rollouts by the staleness rule, routes them to engines, scores, buffers.
+
+Contract: ``Producer`` runs in one controller thread and owns the state the
+loop and it share. It keeps at most ``concurrency`` groups in flight, admits
+new ones (once ``start_admitting()`` was called) only while
+``staleness.admissible`` allows for the published version (``version()``,
+told by the loop through ``published(v)``), sends each admitted chunk as a
+``messages.Generate`` to the engine worker with the fewest groups in flight,
+turns ``Done`` completions into groups, has every trajectory scored by the
+reward service (off this thread) and puts each complete group into the
+buffer as ``Scored``. Chunks never straddle a training step and their
+sampling seed is their place in the schedule. ``snapshot()`` (engine clocks,
+skipped prompts) and ``take_swaps()`` (weight swaps since the last call) are
+what the loop reads of it.
+
+Failures stop the run: an engine that reports an error or whose process died,
+a buffer that stays full or a reward that never returns closes the buffer
+with a ``RoleError`` naming the role, which the loop re-raises.
+
+It knows nothing of training, advantages or how engines are launched.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from conveyor import staleness
+from conveyor.config import LoopConfig
+from conveyor.launch.procs import RoleError
+from conveyor.rollout.api import EngineWorker, SamplingParams
+from conveyor.rollout.single_turn import prepare_prompts, to_groups
+from conveyor.transport.messages import Done, EngineClock, Failed, Generate, Scored, WeightSwap
+from conveyor.types import Group, Task
+
+
+@dataclass(frozen=True)
+class Prompting:
+    """How task prompts become token ids: the tokenizer, the longest prompt an engine serves,
+    and whether the tokenizer adds its special tokens."""
+    tokenizer: object
+    max_prompt_tokens: int
+    add_special_tokens: bool
+
+
+@dataclass(frozen=True)
+class RolloutSnapshot:
+    """The producer's state as of one moment. ``clocks``: each engine's totals, by engine id;
+    ``prompts_skipped``: prompts left out so far, by reason (``prompt_too_long``, ``prompt_empty``)."""
+    clocks: dict[int, EngineClock]
+    prompts_skipped: dict[str, int]
+
+
+@dataclass
+class _Chunk:
+    first_index: int
+    tasks: list
+    prompts: list
+    engine_id: int
+    sent_at: float
+    reported: int = 0  # prompts answered so far (a streaming engine answers each as it ends)
+
+
+@dataclass
+class _Pending:
+    index: int
+    futures: list
+    task: Task
+    engine_id: int
+
+
+@dataclass
+class _Shared:
+    """What the loop's thread reads: guarded by ``lock``."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    clocks: dict[int, EngineClock] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    swaps: list[WeightSwap] = field(default_factory=list)
+
+
+class Producer:
+    def __init__(self, workers: list[EngineWorker], outbox, *, loop: LoopConfig, timeout_s: float,
+                 prompting: Prompting, cursor, train_size: int, rewards, buffer, start_issued: int = 0,
+                 version: int = 0, sampling=None):
+        self.workers, self.outbox = tuple(workers), outbox
+        self.prompting, self.cursor, self.train_size = prompting, cursor, train_size
+        self.rewards, self.buffer = rewards, buffer
+        self.sampling = sampling  # seed -> SamplingParams of training rollouts
+        self.batch_size, self.max_staleness, self.seed = loop.batch_size, loop.max_staleness, loop.seed
+        self.concurrency = loop.concurrency or staleness.capacity(loop.batch_size, loop.max_staleness)
+        self.per_engine = max(1, math.ceil(loop.batch_size / len(workers)))
+        self.timeout = timeout_s
+        self.issued = start_issued
+        self._version = version
+        self._admitting = False  # the loop turns admission on when RL starts
+        self.inflight = 0
+        self._inflight = {w.engine_id: 0 for w in self.workers}
+        self._shared = _Shared(clocks={w.engine_id: EngineClock() for w in self.workers})
+        self.error: BaseException | None = None
+        self._direct: dict[int, Future] = {}  # evaluation requests, keyed by negative ids
+        self._next_direct = -1
+        self._chunks: dict[int, _Chunk] = {}
+        self._cursor_at_step: dict[int, dict] = {}
+        self._pending: list[_Pending] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="producer", daemon=True)
+
+    # ----- what the loop calls ------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def start_admitting(self) -> None:
+        self._admitting = True
+
+    def stop_admitting(self) -> None:
+        self._admitting = False
+
+    def published(self, version: int) -> None:
+        """The engines may now be asked for ``version``: admission moves on by the staleness rule."""
+        self._version = version
+
+    def version(self) -> int:
+        """The newest published policy version (what new chunks are admitted for)."""
+        return self._version
+
+    def cursor_at(self, step: int, now: dict) -> dict:
+        """The data position a checkpoint of ``step`` saves: as of that step's boundary if this
+        thread has drawn past it, else ``now`` (read by the caller before this call)."""
+        return self._cursor_at_step.get(step, now)
+
+    def snapshot(self) -> RolloutSnapshot:
+        with self._shared.lock:
+            return RolloutSnapshot(dict(self._shared.clocks), dict(self._shared.skipped))
+
+    def take_swaps(self) -> list[WeightSwap]:
+        """The engines' weight swaps reported since the last call."""
+        with self._shared.lock:
+            swaps, self._shared.swaps = self._shared.swaps, []
+        return swaps
+
+    def request(self, prompts: list[list[int]], params: SamplingParams, engine_id: int = 0) -> Future:
+        """Generate outside the schedule (evaluation); the future holds the completions."""
+        if self.error is not None:
+            raise RoleError(f"rollouts have stopped: {self.error}") from self.error
+        fut: Future = Future()
+        key, self._next_direct = self._next_direct, self._next_direct - 1
+        self._direct[key] = fut
+        self.workers[engine_id].send(Generate(key, prompts, params, self._version))
+        return fut
+
+    # ----- the producer's thread ----------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for w in self.workers:
+                    w.check()
+                if self._admitting:
+                    self._admit()
+                self._collect()
+                self._flush_scored()
+        except BaseException as e:  # noqa: BLE001 - handed to the loop through the buffer
+            self.error = e
+            self.buffer.close(e)
+            for fut in self._direct.values():
+                fut.set_exception(e)
+
+    def _take(self, k: int) -> tuple[list, list]:
+        """k servable tasks: prompts that are empty or too long are counted and replaced."""
+        p = self.prompting
+        kept, prompts, tries = [], [], 0
+        while len(kept) < k:
+            tasks = self.cursor.next_batch(k - len(kept))
+            skipped: dict[str, int] = {}
+            ok, ids = prepare_prompts(p.tokenizer, tasks, p.max_prompt_tokens, p.add_special_tokens, skipped)
+            with self._shared.lock:
+                for key, n in skipped.items():
+                    self._shared.skipped[key] = self._shared.skipped.get(key, 0) + n
+            kept += ok
+            prompts += ids
+            tries += len(tasks)
+            if tries > k + self.train_size:
+                raise RoleError(f"producer: no prompt of the training data fits the engine context "
+                                f"({p.max_prompt_tokens} tokens); shorten prompts or use a longer-context model")
+        return kept, prompts
+
+    def _admit(self) -> None:
+        n = min(staleness.admissible(self.issued, self.batch_size, self._version, self.max_staleness),
+                self.concurrency - self.inflight)
+        while n > 0:
+            step_end = (self.issued // self.batch_size + 1) * self.batch_size
+            k = min(n, step_end - self.issued, self.per_engine)
+            worker = min(self.workers, key=lambda w: self._inflight[w.engine_id])
+            if self.issued % self.batch_size == 0:
+                # The data position at a step boundary is what a checkpoint of that step
+                # must save; the loop may checkpoint after this thread drew further.
+                self._cursor_at_step[self.issued // self.batch_size] = self.cursor.state_dict()
+            tasks, prompts = self._take(k)
+            first = self.issued
+            self.issued += k
+            n -= k
+            # The seed is the chunk's place in the schedule: the engine gives its prompt i the
+            # random streams of a call seeded seed + i, so every task draws from streams of its
+            # own place, however the schedule is cut into chunks and spread over engines, in a
+            # resumed or re-launched run, and in a run at another staleness (same loop.seed).
+            seed = self.seed * 2**40 + first
+            self._chunks[first] = _Chunk(first, tasks, prompts, worker.engine_id, time.perf_counter())
+            self._inflight[worker.engine_id] += k
+            self.inflight += k
+            # The chunk carries the version it was admitted for: the engine starts it on no older weights.
+            worker.send(Generate(first, [list(p) for p in prompts], self.sampling(seed), self._version))
+
+    def _collect(self) -> None:
+        try:
+            msg = self.outbox.get(timeout=0.005)
+        except queue.Empty:
+            return
+        if isinstance(msg, Failed):
+            raise RoleError(f"engine {msg.engine_id} failed:\n{msg.traceback}")
+        if isinstance(msg, WeightSwap):
+            with self._shared.lock:
+                self._shared.swaps.append(msg)
+            return
+        if not isinstance(msg, Done):
+            return
+        if msg.chunk_id < 0:
+            self._direct.pop(msg.chunk_id).set_result(msg.completions)
+            return
+        chunk = self._chunks[msg.chunk_id]
+        with self._shared.lock:
+            self._shared.clocks[msg.engine_id] = msg.clock
+        part = slice(msg.offset, msg.offset + len(msg.completions))
+        groups = to_groups(self.prompting.tokenizer, chunk.tasks[part], chunk.prompts[part], msg.completions,
+                           time.perf_counter() - chunk.sent_at)
+        for i, g in enumerate(groups):
+            futures = [self.rewards.submit(t) for t in g.trajectories]
+            self._pending.append(_Pending(msg.chunk_id + msg.offset + i, futures, g.task, chunk.engine_id))
+        chunk.reported += len(msg.completions)
+        if chunk.reported >= len(chunk.tasks):
+            del self._chunks[msg.chunk_id]
+
+    def _flush_scored(self) -> None:
+        for p in [p for p in self._pending if all(f.done() for f in p.futures)]:
+            self._pending.remove(p)
+            group = Group(p.task, tuple(f.result() for f in p.futures))
+            self._inflight[p.engine_id] -= 1
+            self.inflight -= 1
+            self.buffer.put(Scored(p.index, group), timeout=self.timeout)

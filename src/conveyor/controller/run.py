@@ -1,0 +1,291 @@
+"""One training run from start to finish, over the role handles a launcher provides.
+
+Contract: ``run(cfg, run_dir, resume, launcher)`` saves the resolved config,
+builds the controller's parts (tokenizer, task sources, reward service,
+cursor, buffer, metrics), has the ``launcher(cfg, run_dir)`` it builds
+start the engines, evaluates the
+initial policy, runs the supervised warm start when ``sft.steps > 0`` (its
+result saved as ``run_dir/warmstart``, so a resumed run rebuilds the same RL
+starting point and reference model), has the launcher start the trainer,
+runs ``loop.rl_loop``, evaluates again and writes a final HF checkpoint and
+``summary.json``. With ``resume`` it restores the newest
+``run_dir/checkpoints/step_N`` (weights, optimizer, RNG, data cursor) and
+continues. ``Session`` holds one run's parts, each typed; ``SetupError`` is a
+run that cannot start, with the fix in its message. It knows which parts a
+config asks for, and nothing of where roles run or of the formulas.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from conveyor import loop
+from conveyor.config import RunConfig, save_config
+from conveyor.controller.evaluate import Evaluator
+from conveyor.controller.producer import Producer, Prompting
+from conveyor.data.api import TaskCursor, TaskSource
+from conveyor.launch.api import Launcher
+from conveyor.observe.metrics import MetricsLogger
+from conveyor.observe.progress import PhaseProgress
+from conveyor.observe.timers import PhaseTimer
+from conveyor.reward.service import RewardService
+from conveyor.rollout.api import SamplingParams
+from conveyor.trainer.api import TrainerHandle
+from conveyor.transport.buffer import TrajectoryBuffer
+
+
+class SetupError(ValueError):
+    """A run that cannot start; the message names the thing and the fix."""
+
+
+@dataclass
+class Session:
+    """One run's parts. The roles (``rollouts``, ``evaluator``, ``warm``, ``trainer``) are set
+    as the launcher starts them."""
+    cfg: RunConfig
+    run_dir: Path
+    launcher: Launcher
+    tokenizer: Any
+    rewards: RewardService
+    train_source: TaskSource
+    eval_tasks: list
+    cursor: TaskCursor
+    logger: MetricsLogger
+    timer: PhaseTimer
+    buffer: TrajectoryBuffer
+    add_special_tokens: bool
+    rollouts: Producer | None = None
+    evaluator: Evaluator | None = None
+    warm: Any = None  # where warm-start weights are published (Engines.warm)
+    trainer: TrainerHandle | None = None
+
+    def checkpoint(self, step: int, summary: dict) -> Path:
+        path = self.run_dir / "checkpoints" / f"step_{step:06d}"
+        # With max_staleness > 0, groups of later steps may already be in flight; they are
+        # regenerated after a resume (the cursor is saved as of this step's boundary). The
+        # producer records the state before it draws: if it has not recorded it after our
+        # read, our read was before its draw.
+        now = self.cursor.state_dict()
+        self.trainer.save_checkpoint(path, {"step": step, "cursor": self.rollouts.cursor_at(step, now),
+                                            "summary": summary})
+        self.tokenizer.save_pretrained(path / "policy")
+        return path
+
+    def start_rollouts(self, path: str, start_step: int) -> None:
+        engines = self.launcher.start_engines(path, self.tokenizer)
+        self.warm = engines.warm
+        cfg = self.cfg
+        prompting = Prompting(self.tokenizer, max(1, engines.context_limit - 1), self.add_special_tokens)
+        self.rollouts = Producer(engines.workers, engines.outbox, loop=cfg.loop, timeout_s=cfg.launch.timeout_s,
+                                 prompting=prompting, cursor=self.cursor, train_size=len(self.train_source),
+                                 rewards=self.rewards, buffer=self.buffer,
+                                 start_issued=start_step * cfg.loop.batch_size, version=start_step,
+                                 sampling=lambda seed: SamplingParams.from_config(cfg.rollout, seed=seed))
+        self.rollouts.start()
+        self.evaluator = Evaluator(cfg, self.eval_tasks, prompting, self.rollouts, self.rewards, self.logger)
+
+    def close(self) -> None:
+        if self.rollouts is not None:
+            self.rollouts.stop()
+            self.launcher.stop_engines(list(self.rollouts.workers))
+        if self.trainer is not None:
+            self.trainer.close()
+        self.rewards.close()
+        self.logger.close()
+
+
+def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
+    if cfg.model.path is None:
+        out = run_dir / "base_model"
+        if not (out / "config.json").exists():
+            from conveyor.data.tiny import build_tiny
+            t = cfg.model.tiny
+            build_tiny(out, t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads,
+                       t.intermediate_size, t.max_position_embeddings, seed=cfg.loop.seed)
+        return str(out)
+    p = cfg.model.path
+    looks_local = p.startswith((".", "/", "~")) or Path(p).exists() or p.count("/") != 1
+    if looks_local and not (Path(p).expanduser() / "config.json").exists():
+        raise SetupError(f"model.path {p!r} is not a Hugging Face checkpoint directory (no config.json); "
+                         "give a directory written by save_pretrained or a hub id like org/name")
+    return str(Path(p).expanduser()) if looks_local else p
+
+
+def load_sources(cfg: RunConfig, tokenizer):
+    d = cfg.data
+    if d.source.startswith("synthetic:"):
+        from conveyor.data.synthetic import synthetic_source
+        name = d.source.split(":", 1)[1]
+        return (synthetic_source(name, "train", d.options, d.eval_size, d.seed),
+                synthetic_source(name, "eval", d.options, d.eval_size, d.seed))
+    from conveyor.data.files import load_file_source
+    return load_file_source(d, tokenizer, "train"), load_file_source(d, tokenizer, "eval")
+
+
+def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher) -> Session:
+    """Everything but the roles, which the launcher starts."""
+    from transformers import AutoTokenizer
+
+    from conveyor import staleness
+    from conveyor.reward.api import load_reward
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+    except OSError as e:
+        raise SetupError(f"cannot load the tokenizer of model.path {path!r}: {str(e).splitlines()[0]}") from None
+    train_src, eval_src = load_sources(cfg, tokenizer)
+    spec = train_src.default_reward if cfg.reward.fn == "auto" else cfg.reward.fn
+    rewards = RewardService(load_reward(spec, cfg.reward.kwargs), timeout_s=cfg.reward.timeout_s,
+                            fallback=cfg.reward.fallback, workers=cfg.reward.workers)
+    lc = cfg.loop
+    return Session(
+        cfg=cfg, run_dir=run_dir, launcher=launcher, tokenizer=tokenizer, rewards=rewards,
+        train_source=train_src, eval_tasks=[eval_src[i] for i in range(len(eval_src))],
+        cursor=TaskCursor(train_src, lc.batch_size, seed=lc.seed),
+        logger=MetricsLogger(run_dir, tensorboard=cfg.observe.tensorboard, progress=cfg.observe.progress,
+                             console=PhaseProgress(lc.steps, cfg.sft.steps, cfg.observe.log_every)),
+        timer=PhaseTimer(),
+        buffer=TrajectoryBuffer(lc.buffer_size or staleness.capacity(lc.batch_size, lc.max_staleness)),
+        add_special_tokens=not cfg.data.chat_template and not cfg.data.source.startswith("synthetic:"),
+    )
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+    return ckpts[-1] if ckpts else None
+
+
+def run(cfg: RunConfig, run_dir: Path, resume: bool, launcher: Callable[[RunConfig, Path], Launcher]) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.trainer.profile_steps and not cfg.trainer.profile_dir:
+        trainer = cfg.trainer.model_copy(update={"profile_dir": str(run_dir / "profile")})
+        cfg = cfg.model_copy(update={"trainer": trainer})
+    save_config(cfg, run_dir / "config.yaml")
+    t0 = time.perf_counter()
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        raise SetupError(f"--resume {run_dir}: no checkpoints/step_* inside; nothing to resume")
+    base = resolve_model_path(cfg, run_dir)
+    warm = run_dir / "warmstart"
+    # A resumed run rebuilds its RL starting point (and so its reference model) from warmstart/.
+    start_path = str(warm) if ckpt is not None and (warm / "config.json").exists() else base
+    s = build(cfg, run_dir, start_path, launcher(cfg, run_dir))
+    try:
+        return _run(s, base, start_path, ckpt, t0)
+    except Exception as e:
+        _blame_dead_engine(s, e)
+        raise
+    finally:
+        s.close()
+
+
+def _blame_dead_engine(s: Session, error: Exception) -> None:
+    """A trainer call that fails because an engine died (a broken broadcast) reports the engine:
+    the root cause, with its exit code and log, rather than the peer's symptom."""
+    from conveyor.launch.procs import RoleError
+    if s.rollouts is None:
+        return
+    deadline = time.monotonic() + 3.0  # a death is reaped a moment after the peer notices it
+    while time.monotonic() < deadline:
+        for w in s.rollouts.workers:
+            try:
+                w.check()
+            except RoleError as dead:
+                first = str(error).splitlines()[0] if str(error) else type(error).__name__
+                raise RoleError(f"{dead}\n(the run noticed it as: {first})") from error
+        if not isinstance(error, RoleError):
+            return
+        time.sleep(0.1)
+
+
+def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -> dict:
+    cfg, run_dir = s.cfg, s.run_dir
+    summary: dict[str, Any] = {}
+    start_step = 0
+    if ckpt is not None:
+        extra = json.loads((ckpt / "extra.json").read_text())
+        start_step, summary = int(extra["step"]), dict(extra.get("summary", {}))
+    s.start_rollouts(start_path, start_step)
+    if ckpt is None:
+        _record(summary, s.evaluator.evaluate(0), "initial")
+        if cfg.sft.steps > 0:
+            start_path = warm_start_phase(s, base)
+        _record(summary, s.evaluator.evaluate(0), "warmstart")
+        s.logger.message(f"held-out reward: initial {summary['eval_reward_initial']:.3f}, "
+                         f"after warm-start {summary['eval_reward_warmstart']:.3f}")
+    s.trainer = s.launcher.start_trainer(start_path, s.tokenizer)
+    if ckpt is not None:
+        extra = s.trainer.load_checkpoint(ckpt)
+        s.cursor.load_state_dict(extra["cursor"])
+        s.trainer.publish(start_step)
+        s.logger.message(f"resumed from {ckpt} at step {start_step}")
+    s.timer.lap()  # step 1's times must not include the evaluations and start-up before it
+    t_rl = time.perf_counter()
+    last = loop.rl_loop(cfg, trainer=s.trainer, rollouts=s.rollouts, buffer=s.buffer, rewards=s.rewards,
+                        logger=s.logger, timer=s.timer, evaluate=s.evaluator.evaluate,
+                        checkpoint=lambda step: s.checkpoint(step, summary), start_step=start_step)
+    rl_seconds = time.perf_counter() - t_rl
+    steps_done = s.trainer.step()
+    _record(summary, s.evaluator.evaluate(steps_done), "final")
+    summary.update({
+        "steps": steps_done,
+        "wall_seconds": time.perf_counter() - t0, "rl_seconds": rl_seconds,
+        "trained_samples_per_second": (steps_done - start_step) * cfg.loop.batch_size * cfg.rollout.n
+        / max(rl_seconds, 1e-9),
+        "final_metrics": last, "run_dir": str(run_dir), "max_prompt_tokens": s.evaluator.prompting.max_prompt_tokens,
+    })
+    if cfg.loop.checkpoint_every:
+        s.checkpoint(steps_done, summary)
+    s.trainer.export_hf(run_dir / "final")
+    s.tokenizer.save_pretrained(run_dir / "final")
+    from conveyor.observe.report import write_summary
+    write_summary(run_dir, summary)
+    if cfg.observe.progress:  # the table of held-out numbers, the run's layout, how to try the model
+        from conveyor.observe.progress import summary_text
+        s.logger.message(summary_text(summary, run_dir, s.eval_tasks[:1]))
+    return summary
+
+
+def _record(summary: dict, evaluation: dict, point: str) -> None:
+    """eval_reward -> eval_reward_initial / _warmstart / _final (and every other eval metric)."""
+    summary.update({f"{k}_{point}": v for k, v in evaluation.items()})
+
+
+def warm_start_phase(s: Session, base: str) -> str:
+    """SFT in this process with its own optimizer; the result is published to the engines
+    and saved as ``warmstart/``, the RL trainer's starting point. Returns that path."""
+    import random
+
+    from conveyor.controller.sft import warm_start
+    cfg, sc = s.cfg, s.cfg.sft
+    sft_cfg = cfg.trainer.model_copy(update={"lr": sc.lr, "reference": False, "critic": False,
+                                             "warmup_steps": 0, "lr_schedule": "constant",
+                                             "ppo_epochs": 1, "mini_batches": 1, "profile_steps": []})
+    sft_trainer = s.launcher.warm_start_trainer(cfg.model_copy(update={"trainer": sft_cfg}), base, s.tokenizer)
+    held: set[int] = set()
+    check = None
+    if sc.target_reward is not None:
+        # The early-stop check uses training tasks kept out of the warm-start, never the eval split.
+        rng = random.Random(f"sft-check-{cfg.loop.seed}")
+        held = set(rng.sample(range(len(s.train_source)), min(sc.check_size, len(s.train_source) // 2)))
+        check_tasks = [s.train_source[i] for i in sorted(held)]
+
+        def check() -> bool:
+            s.warm.publish(sft_trainer.named_weights(), 0)
+            r = s.evaluator.on(check_tasks, cfg.loop.eval_temperature, "sft_check_")
+            s.logger.log(sft_trainer.step, r, kind="sft")
+            return r["sft_check_reward"] >= sc.target_reward
+    with s.timer.phase("warm_start"):
+        steps = warm_start(sft_trainer, s.tokenizer, s.train_source, sc.steps, sc.batch_size, cfg.loop.seed,
+                           s.add_special_tokens, check=check, check_every=sc.check_every, exclude=held,
+                           log=lambda step, m: s.logger.log(step, m, kind="sft") if (step + 1) % 10 == 0 else None)
+    s.logger.message(f"warm-start: {steps} supervised steps")
+    warm = s.run_dir / "warmstart"
+    sft_trainer.export_hf(warm)
+    s.tokenizer.save_pretrained(warm)
+    s.warm.publish(sft_trainer.named_weights(), 0)
+    s.timer.lap()
+    return str(warm)

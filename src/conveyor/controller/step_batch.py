@@ -1,0 +1,81 @@
+"""A step's batch: built from scored groups, or ahead of time while the trainer trains.
+
+Contract: ``prepare(trainer, algo, items, need)`` turns ``Scored`` items into
+``(groups, batch, stats, extra)`` (groups in admission order; ``extra`` holds
+the trainer passes ``need`` asks for). ``train_and_prepare_next(trainer,
+buffer, loop, batch, loss_fn, need, version, last, algo)`` trains on
+``batch`` through ``trainer.train_and_publish`` (the new weights leave as
+``version`` as the step ends) and returns ``(trained, ahead)``: ``trained``
+is what that call returned; ``ahead`` is a ``Prefetch`` building the next
+step's batch on a thread, or None where the loop builds it itself: on the
+last step, when preparing needs a trainer call, or with ``max_staleness`` 0
+and the groups not yet buffered (they cannot arrive before the new version
+is published). ``Prefetch.take(timeout)`` returns the ``prepare`` result
+once it is built, or raises what building it raised. It knows nothing of
+engines, rewards or where the trainer runs.
+"""
+from __future__ import annotations
+
+import threading
+
+from conveyor.config import AlgoConfig, LoopConfig
+from conveyor.controller import objective
+from conveyor.trainer.api import LossFn, TrainerHandle
+from conveyor.transport.buffer import TrajectoryBuffer
+from conveyor.transport.messages import Scored, Trained
+
+
+def prepare(trainer: TrainerHandle, algo: AlgoConfig, items: list[Scored], need: objective.Needs):
+    """Scored groups (in admission order) -> (groups, batch, stats, trainer extras)."""
+    groups = [s.group for s in sorted(items, key=lambda s: s.index)]
+    base = objective.base_batch([t for g in groups for t in g.trajectories])
+    extra = {}
+    if need.proximal:
+        extra["proximal_logprobs"] = trainer.logprobs(base)
+    if need.reference:
+        extra["ref_logprobs"] = trainer.ref_logprobs(base)
+    if need.values:
+        extra["values"] = trainer.values(base)
+    batch, stats = objective.make_batch(groups, algo, extra, base)
+    return groups, batch, stats, extra
+
+
+class Prefetch:
+    """The next step's batch, built on a thread: it waits for the groups (with the run's
+    deadline) and prepares them as soon as they are all scored, so what arrives while the
+    trainer trains costs the trainer nothing. The buffer is FIFO, so these are the groups the
+    next step would take anyway: only timing changes."""
+
+    def __init__(self, trainer: TrainerHandle, buffer: TrajectoryBuffer, algo: AlgoConfig, batch_size: int,
+                 need: objective.Needs, timeout_s: float):
+        self._out = {}
+        self._thread = threading.Thread(target=self._build, args=(trainer, buffer, algo, batch_size, need, timeout_s),
+                                        name="prepare-next", daemon=True)
+        self._thread.start()
+
+    def _build(self, trainer, buffer, algo, batch_size, need, timeout_s) -> None:
+        try:
+            self._out["ahead"] = prepare(trainer, algo, buffer.get(batch_size, timeout=timeout_s), need)
+        except BaseException as e:  # noqa: BLE001 - raised by take(), in the loop's thread
+            self._out["error"] = e
+
+    def take(self, timeout: float):
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the next batch was not ready within {timeout:.0f}s (launch.timeout_s); "
+                               "generation or scoring is stalled")
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["ahead"]
+
+
+def train_and_prepare_next(trainer: TrainerHandle, buffer: TrajectoryBuffer, loop: LoopConfig, algo: AlgoConfig,
+                           batch, loss_fn: LossFn, need: objective.Needs, version: int, timeout_s: float,
+                           last: bool = False) -> tuple[Trained, Prefetch | None]:
+    """Train on ``batch``; meanwhile build the next step's batch (``Prefetch``) when that asks
+    nothing of the trainer and its groups can arrive during training."""
+    ahead = None
+    can_arrive = loop.max_staleness > 0 or len(buffer) >= loop.batch_size
+    if not (last or need.proximal or need.reference or need.values) and can_arrive:
+        ahead = Prefetch(trainer, buffer, algo, loop.batch_size, need, timeout_s)
+    return trainer.train_and_publish(batch, loss_fn, version), ahead

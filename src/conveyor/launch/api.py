@@ -1,0 +1,44 @@
+"""What a launcher provides to the controller: the role handles, started where it decides.
+
+Contract: a ``Launcher`` is built for one run (``cfg``, ``run_dir``).
+``start_engines(path, tokenizer)`` starts the engine workers on the weights
+at ``path`` and returns ``Engines``: the ``EngineWorker`` handles
+(``rollout/api.py``), the outbox their answers arrive on
+(``transport.messages``), the context limit every prompt must fit, and
+``warm``: where the controller publishes warm-start weights (every engine
+reads it; None when nothing can be published from the controller).
+``start_trainer(path, tokenizer)`` starts the trainer ranks and returns a
+``TrainerHandle`` (``trainer/api.py``). ``warm_start_trainer(cfg, path,
+tokenizer)`` builds a plain ``Trainer`` in this process (the supervised
+warm start). ``stop_engines(workers)`` stops what ``start_engines`` started.
+Implementations: ``launch.local.LocalLauncher`` (in-process threads or local
+processes, by ``launch.placement``).
+
+This module holds only the protocol: it starts nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from conveyor.rollout.api import EngineWorker
+from conveyor.trainer.api import Trainer, TrainerHandle
+
+
+@dataclass(frozen=True)
+class Engines:
+    workers: list[EngineWorker]
+    outbox: Any
+    context_limit: int
+    warm: Any  # has publish(named_tensors, version); None without a warm-start route
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    def start_engines(self, path: str, tokenizer: Any) -> Engines: ...
+
+    def start_trainer(self, path: str, tokenizer: Any) -> TrainerHandle: ...
+
+    def warm_start_trainer(self, cfg: Any, path: str, tokenizer: Any) -> Trainer: ...
+
+    def stop_engines(self, workers: list[EngineWorker]) -> None: ...

@@ -1,0 +1,1 @@
+"""trainer/kernels: the trainer's Triton kernels (GPU only; each module says which torch code it replaces)."""

@@ -1,0 +1,113 @@
+"""The trainer's host: one trainer (one rank of it) behind the ``TrainerHandle`` calls.
+
+Contract
+- ``TrainerHost(trainer, writers, publish_dtype)`` is the ``TrainerHandle``
+  (``trainer/api.py``) of a trainer in this process, and what a trainer rank
+  process serves to the controller (``serve_rpc``). ``publish(version)`` is
+  one pass over the trainer's weights (collective for a sharded trainer:
+  every rank runs it) feeding the weight writers this rank owns (possibly
+  none), in the engines' dtype. ``train_and_publish(batch, loss_fn,
+  version)`` is a train call whose weights leave as its optimizer step ends,
+  from this process, not after a round trip through the controller; a
+  trainer that ``streams_publish`` runs its last optimizer step group by
+  group inside the publish. Neither waits for the engines' receives: each
+  engine waits for the version its chunks were admitted for.
+- ``trainer_process(spec, conn, writers)`` is the main of a trainer rank's
+  child process: bind the device, join the ranks' process group (world > 1,
+  FSDP2), build the trainer, serve until stopped, close its writers.
+
+It knows nothing of the loop's schedule, the admission rule or engines.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+from conveyor.trainer.api import LossFn, Trainer
+from conveyor.transport.api import WeightWriter
+from conveyor.transport.messages import Trained
+from conveyor.transport.weights import publish_all
+
+
+class TrainerHost:
+    """A ``TrainerHandle`` over a trainer object of this process."""
+
+    def __init__(self, trainer: Trainer, writers: list[WeightWriter], publish_dtype=None):
+        # publish_dtype: the same on every rank (the gathers are collective), None = float32.
+        self.trainer, self.writers, self.publish_dtype = trainer, list(writers), publish_dtype
+
+    def train_and_publish(self, batch, loss_fn: LossFn, version: int) -> Trained:
+        if not self.trainer.streams_publish:
+            metrics = self.trainer.train(batch, loss_fn)
+            return Trained(metrics, self.trainer.step_ended or time.time(), self.publish(version))
+        spent = []
+
+        def publish(named) -> None:
+            t0 = time.perf_counter()
+            try:
+                publish_all(self.writers, named, version, wait=False)
+            finally:
+                spent.append(time.perf_counter() - t0)
+        metrics = self.trainer.train(batch, loss_fn, publish=publish, publish_dtype=self.publish_dtype)
+        return Trained(metrics, self.trainer.step_ended, sum(spent))
+
+    def publish(self, version: int) -> float:
+        t0 = time.perf_counter()
+        # A sharded trainer gathers half the bytes for bf16 engines; a single-device one hands
+        # its bf16 compute copy (the masters rounded as a cast would).
+        named = self.trainer.named_weights(self.publish_dtype) if self.publish_dtype else self.trainer.named_weights()
+        publish_all(self.writers, named, version, wait=False)
+        return time.perf_counter() - t0
+
+    def logprobs(self, batch):
+        return self.trainer.logprobs(batch)
+
+    def ref_logprobs(self, batch):
+        return self.trainer.ref_logprobs(batch)
+
+    def values(self, batch):
+        return self.trainer.values(batch)
+
+    def step(self) -> int:
+        return self.trainer.step
+
+    def save_checkpoint(self, path, extra) -> None:
+        self.trainer.save(path, extra)
+
+    def load_checkpoint(self, path) -> dict:
+        return self.trainer.load(path)
+
+    def export_hf(self, path) -> None:
+        self.trainer.export_hf(path)
+
+    def close(self) -> None:
+        for w in self.writers:  # a broadcast whose transfer is still running ends first
+            with contextlib.suppress(Exception):  # the engines are stopping too
+                w.close()
+
+
+def trainer_process(spec: dict, conn, writers: list[WeightWriter]) -> None:
+    """Main of a trainer rank's process: bind the device, join the ranks, build, serve."""
+    from datetime import timedelta
+
+    from conveyor.config import TrainerConfig
+    from conveyor.launch.procs import bind_device, serve_rpc
+    from conveyor.transport.messages import Answer
+    bind_device(spec["device"])
+    cfg = TrainerConfig.model_validate(spec["trainer"])
+    kwargs = {k: spec[k] for k in ("total_steps", "temperature", "pad_token_id")}
+    if spec["world"] == 1:
+        from conveyor.trainer.single import LocalTrainer
+        trainer = LocalTrainer(spec["path"], cfg, **kwargs)
+    else:
+        import torch.distributed as dist
+
+        from conveyor.trainer.fsdp import FSDPTrainer
+        backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec['port']}", rank=spec["rank"],
+                                world_size=spec["world"], timeout=timedelta(seconds=spec["collective_timeout_s"]))
+        trainer = FSDPTrainer(spec["path"], cfg, **kwargs)
+    conn.send(Answer(True, "ready"))
+    host = TrainerHost(trainer, writers, spec["publish_dtype"])
+    serve_rpc(host, conn)
+    host.close()

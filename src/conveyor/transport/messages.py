@@ -1,0 +1,132 @@
+"""Every message that crosses a thread or process boundary between the controller and a role.
+
+Contract: each message is a frozen dataclass; its fields are documented here
+and nowhere else, and a receiver reads fields by name (a dispatch on the
+message's type, never on a tuple's first element). The same classes travel
+through ``queue.Queue`` (roles in threads), ``multiprocessing`` queues and
+the RPC pipe of ``launch.procs`` (roles in processes): they pickle.
+
+Controller -> engine worker (its inbox): ``Generate``, ``Stop``.
+Engine worker -> controller (the shared outbox): ``Ready``, ``Done``,
+``WeightSwap``, ``Failed``.
+Producer -> loop (the trajectory buffer): ``Scored``.
+Trainer -> loop (the answer of ``train_and_publish``): ``Trained``.
+Controller <-> a child served by ``serve_rpc``: ``Call``, ``Answer``.
+
+This module knows no torch, no engine and no schedule: only the shapes of
+what is sent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.rollout.api import Completion, SamplingParams
+from conveyor.types import Group
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Generate ``params.n`` samples for each of ``prompts`` (token ids).
+
+    chunk_id: the chunk's first place in the schedule (>= 0: training rollouts, which may be
+        merged with other chunks and answered prompt by prompt); negative: an evaluation
+        request, never merged and answered whole.
+    version: the policy version the chunk was admitted for; the engine takes those weights
+        (waiting up to its deadline) before the chunk's first token. 0: the weights it was built with.
+    """
+    chunk_id: int
+    prompts: list[list[int]]
+    params: SamplingParams
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Finish what runs, then end the engine worker."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """An engine process is built and holds its first weights; ``context_limit``: its context in tokens."""
+    engine_id: int
+    context_limit: int
+
+
+@dataclass(frozen=True)
+class EngineClock:
+    """An engine worker's totals since it started.
+
+    busy_s: seconds inside generation calls; idle_s: seconds waiting for work;
+    counters: the engine's decode-step totals (``decode_steps``, ``decode_rows``, ``decode_s``,
+        ``prefill_s``) where it keeps them, else empty.
+    """
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Done:
+    """Completions of prompts ``offset, offset + 1, ...`` of chunk ``chunk_id`` (one list of
+    ``params.n`` samples per prompt). Every prompt of a chunk is answered exactly once."""
+    engine_id: int
+    chunk_id: int
+    completions: list[list[Completion]]
+    clock: EngineClock
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class WeightSwap:
+    """An engine now serves ``version``.
+
+    applied_at: wall time (``time.time()``) once the copy had run on the engine's device;
+    pause_s: how long the swapping thread spent in the transport's ``poll``;
+    received_at / announced_at: when the transport held the whole version and when its writer
+        announced it (wall time), None where the transport does not say.
+    """
+    engine_id: int
+    version: int
+    applied_at: float
+    pause_s: float
+    received_at: float | None = None
+    announced_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    """An engine worker raised; ``traceback`` is its formatted traceback. The run stops."""
+    engine_id: int
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A complete, scored group; ``index`` is its admission index (the loop trains in that order)."""
+    index: int
+    group: Group
+
+
+@dataclass(frozen=True)
+class Trained:
+    """One train call whose weights were published: the step's ``metrics``, ``step_ended`` (when
+    its optimizer work was done, ``time.time()``) and ``publish_s`` (host seconds spent publishing)."""
+    metrics: dict[str, float]
+    step_ended: float
+    publish_s: float
+
+
+@dataclass(frozen=True)
+class Call:
+    """Call ``method(*args, **kwargs)`` on the object a child serves; method ``"__stop__"`` ends it."""
+    method: str
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a ``Call`` returned (``ok``) or the child's traceback (not ``ok``)."""
+    ok: bool
+    value: Any = None
