@@ -44,6 +44,8 @@ class Evaluator:
         cfg, p = self.cfg, self.prompting
         params = SamplingParams.from_config(cfg.rollout, n=1, temperature=temperature, seed=cfg.loop.seed + 7919)
         n = len(tasks)
+        if n == 0:  # no held-out set configured (data.eval_size=0): nothing to report
+            return {prefix + "reward": float("nan")}
         tasks, prompts = prepare_prompts(p.tokenizer, tasks, p.max_prompt_tokens, p.add_special_tokens)
         report_length_skips(self.logger, p.max_prompt_tokens, n - len(tasks), n, prefix, self.length_notes)
         t0 = time.perf_counter()
