@@ -37,7 +37,7 @@ examples:
   conveyor train                                   the built-in recipe (tiny model, CPU, a few minutes)
   conveyor train loop.steps=100 loop.seed=1        the same with overrides
   conveyor train my.yaml --output-dir runs/mine    your recipe
-  conveyor generate runs/mine "12+34="             try the trained model
+  conveyor generate runs/mine "rev:hello="         try the trained model
   conveyor eval runs/mine data.eval_size=500       held-out reward of the trained model
   conveyor config trainer                          the trainer's fields, defaults and descriptions
   conveyor config my.yaml --diff                   what my.yaml changes from its base

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from conveyor import api
 from conveyor.cli import main
 
-FAST = ["sft.steps=3", "sft.batch_size=8", "loop.batch_size=4", "rollout.n=4", "data.eval_size=16",
+# two-digit addition (prompts of 4 to 6 characters, which the length tests below rely on)
+FAST = ["data.source=synthetic:addition", "data.options={digits: 2}", "sft.steps=3", "sft.batch_size=8", "loop.batch_size=4", "rollout.n=4", "data.eval_size=16",
         "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
         "loop.time_limit_s=null", "loop.eval_every=0", "observe.tensorboard=false"]
 FSDP = ["launch.placement=disaggregated", "launch.trainer_ranks=2", "launch.weight_sync=broadcast"]

@@ -1,10 +1,12 @@
-"""The default recipe learns, and RL itself (not the warm-start) adds reward on held-out problems.
+"""The default recipe learns, and RL itself (not the warm-start) adds reward on held-out strings.
 
 This is the README's first command, run as a test: the tiny model is built,
-warm-started until it knows the answer format, then trained with GRPO. The
-assertions compare the held-out reward (200 problems never trained on)
+warm-started on an imperfect teacher's demonstrations (half of them copy
+the string instead of reversing it), then trained with GRPO against the verifier.
+The assertions compare the held-out reward (200 strings never trained on)
 before and after the RL phase, so a rising curve that the supervised phase
-alone explains cannot pass. Runs in about three minutes on two CPU cores.
+alone explains cannot pass. The margins are about half of the smallest gain
+seen on seeds 0-2 (README), so other CPUs' rounding does not decide the result.
 """
 import json
 
@@ -19,13 +21,13 @@ def test_default_recipe_rl_adds_reward(tmp_path):
     run = tmp_path / "run"
     assert main(["train", f"--output-dir={run}", "observe.progress=false", "observe.tensorboard=false"]) == 0
     s = json.loads((run / "summary.json").read_text())
-    assert s["steps"] == 300
+    assert s["steps"] == 150
     assert s["eval_reward_initial"] < 0.1                      # a random model gets almost nothing
-    assert s["eval_reward_warmstart"] > 0.45                   # the warm-start taught the format
+    assert s["eval_reward_warmstart"] > 0.15                   # the warm-start taught the format
     greedy_gain = s["eval_reward_final"] - s["eval_reward_warmstart"]
     sampled_gain = s["eval_sampled_reward_final"] - s["eval_sampled_reward_warmstart"]
     exact_gain = s["eval_exact_final"] - s["eval_exact_warmstart"]
-    assert greedy_gain >= 0.05, s
-    assert sampled_gain >= 0.05, s
-    assert exact_gain >= 0.08, s
+    assert greedy_gain >= 0.15, s
+    assert sampled_gain >= 0.15, s
+    assert exact_gain >= 0.2, s
     assert s["trained_samples_per_second"] > 0

@@ -53,3 +53,15 @@ def test_imperfect_teacher_drops_carries_only():
         assert t.answer == str(a + b)          # tasks and rewards keep the true answer
     clean = synthetic_source("addition", "train", {"digits": 2}, eval_size=10, seed=0)
     assert all(clean.demonstration(t, rng) == t.answer for t in clean.tasks[:50])
+
+
+def test_imperfect_reversing_teacher_copies_at_its_error_rate():
+    import random
+
+    src = synthetic_source("reverse", "train", {"length": 5, "teacher_error": 0.6}, eval_size=10, seed=0)
+    rng = random.Random(0)
+    shown = [(t, src.demonstration(t, rng)) for t in src.tasks[:2000]]
+    copied = [t.prompt[len("rev:"):-1] == d for t, d in shown]
+    assert all(d in (t.answer, t.answer[::-1]) for t, d in shown)  # the answer or the string as written
+    assert abs(sum(copied) / len(copied) - 0.6) < 0.05              # ~4.5 binomial sd of 2000 draws
+    assert all(t.answer == t.prompt[len("rev:"):-1][::-1] for t, _ in shown)  # rewards keep the reverse

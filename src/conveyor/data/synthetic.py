@@ -11,9 +11,10 @@ Tasks
 - ``addition``: ``"47+38="`` -> ``"85"``; operands have ``digits`` digits.
 - ``reverse``: ``"rev:kxqa="`` -> ``"aqxk"``; strings of ``length`` letters.
 
-``options.teacher_error`` makes the warm-start's demonstrations imperfect
-(``SyntheticSource.demonstration``); tasks, evaluation and rewards always use
-the true answer.
+``options.teacher_error`` p makes the warm-start's demonstrations imperfect
+(``SyntheticSource.demonstration``): with probability p the teacher drops the
+carries (addition) or copies the string instead of reversing it (reverse).
+Tasks, evaluation and rewards always use the true answer.
 
 Partial credit (both): the completion is compared with the answer position
 by position (right-aligned for numbers, since carries make the low digits
@@ -78,11 +79,14 @@ class SyntheticSource:
 
     def demonstration(self, task: Task, rng: random.Random) -> str:
         """The answer shown by the warm-start's teacher. With ``teacher_error`` p
-        the teacher is imperfect, like most real demonstration data: for
-        addition it drops the carries with probability p (the flawed answer only
-        differs where a carry happens). The verifier always checks the true sum,
-        so RL can learn what imitation of this teacher cannot."""
-        if self.teacher_error and self.name == "addition" and rng.random() < self.teacher_error:
+        the teacher is imperfect, like most real demonstration data: with
+        probability p it drops the carries of a sum (the flawed answer only
+        differs where a carry happens) or copies a string it should reverse.
+        The verifier always checks the true answer, so RL can learn what
+        imitation of this teacher cannot."""
+        if self.teacher_error and rng.random() < self.teacher_error:
+            if self.name == "reverse":  # the teacher copies the string instead of reversing it
+                return task.prompt[len("rev:"):-1]
             a, b = (int(x) for x in task.prompt[:-1].split("+"))
             return sum_without_carry(a, b)
         return task.answer or ""
