@@ -146,8 +146,8 @@ def test_skipped_warm_start_and_prompts_skipped_for_length_are_said(tmp_path, ca
     notes = [l for l in err if "held-out prompts skipped" in l]
     assert len(notes) == 1 and notes[0].startswith("note: 12 of 16 held-out prompts skipped: longer than the "
                                                    "model's context (5 prompt tokens)")
-    last = json.loads((tmp_path / "run" / "summary.json").read_text())["final_metrics"]
-    assert last["eval_prompt_too_long"] == 12 and last["prompt_too_long"] > 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["eval_prompt_too_long_final"] == 12 and summary["final_metrics"]["prompt_too_long"] > 0
     assert any(l.startswith("note: ") and "training prompts were skipped: longer than the model's context "
                "(5 prompt tokens)" in l for l in err)
 
@@ -174,7 +174,7 @@ def test_config_section_and_diff(tmp_path, capsys):
     assert main(["config", str(recipe), "--diff", "trainer.lr=0.1"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "# base: default (the built-in recipe); 2 fields differ",
-        "trainer.lr: 0.1   # base: 0.0003", "loop.steps: 5   # base: 300"]
+        "trainer.lr: 0.1   # base: 0.0003", "loop.steps: 5   # base: 150"]
     assert main(["config", "trainr"]) == 2
     assert "(did you mean 'trainer'?)" in capsys.readouterr().err
 

@@ -37,6 +37,7 @@ class Evaluator:
             bar.update()
             if cfg.loop.eval_sampled:
                 m.update(self.on(self.tasks, cfg.rollout.temperature, "eval_sampled_"))
+        m.update({k: v for k, v in self.length_notes.items() if k.startswith("eval_")})  # prompts skipped
         self.logger.log(step, m, kind="eval")
         return m
 
