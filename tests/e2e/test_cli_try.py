@@ -17,6 +17,8 @@ FAST = ["data.source=synthetic:addition", "data.options={digits: 2}", "sft.steps
         "loop.time_limit_s=null", "loop.eval_every=0", "observe.tensorboard=false"]
 FSDP = ["launch.placement=disaggregated", "launch.trainer_ranks=2", "launch.weight_sync=broadcast"]
 
+pytestmark = pytest.mark.slow  # short runs, but many: `pytest -m "not slow"` leaves them out
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):

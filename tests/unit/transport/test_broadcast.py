@@ -118,6 +118,7 @@ def test_a_reader_sleeping_in_wait_news_is_woken_for_each_version_of_mixed_dtype
         _assert_whole(w, v)
 
 
+@pytest.mark.slow  # about a minute: the engine gives up on the aborted versions at its deadline
 def test_a_missing_tensor_is_named_and_the_engines_keep_the_last_whole_version(monkeypatch):
     bw, out, (proc,) = _serve(monkeypatch, engines=1, versions=2)
     bw.publish(_weights(1), 1)
