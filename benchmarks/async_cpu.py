@@ -16,7 +16,7 @@ Each configuration runs as a `conveyor train` subprocess with a deadline; a
 failure becomes a row. Trained samples/s is taken at steady state (steps
 after the first 2: the sum of samples over the sum of step wall times).
 
-Learning mode: the default recipe (warm-start then GRPO) with sync and with
+Learning mode: W2's recipe, benchmarks/w2.yaml (warm-start then GRPO) with sync and with
 ``max_staleness 2``, same seeds; the held-out rewards are compared.
 
 Writes one JSON per run and a markdown table (``table.md``) in ``--out``, and
@@ -79,7 +79,8 @@ COMMON = ["observe.progress=false", "observe.tensorboard=false", "loop.eval_ever
 
 def run(args_list: list[str], out: Path, deadline: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={out / 'run'}", *args_list]
+    from benchmarks.workloads import RECIPE  # W2's task (two-digit addition), not the built-in default
+    cmd = [sys.executable, "-m", "conveyor.cli", "train", str(RECIPE), f"--output-dir={out / 'run'}", *args_list]
     t0 = time.perf_counter()
     with open(out / "stdout.log", "w") as so, open(out / "stderr.log", "w") as se:
         try:

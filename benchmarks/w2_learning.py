@@ -89,7 +89,9 @@ def warm_start(args, out: Path) -> Path:
     if args.warmstart:
         return Path(args.warmstart).resolve()
     run_dir = out / "warmstart_run"
-    argv = [sys.executable, "-m", "conveyor.cli", "sft", f"--output-dir={run_dir}", f"sft.steps={args.sft_steps}",
+    from benchmarks.workloads import RECIPE
+    argv = [sys.executable, "-m", "conveyor.cli", "sft", str(RECIPE), f"--output-dir={run_dir}",
+            f"sft.steps={args.sft_steps}",
             "observe.progress=false", "observe.tensorboard=false", *args.override]
     outcome = H.run_subprocess(argv, run_dir, deadline_s=max(600.0, 4.0 * args.sft_steps),
                                threads=args.cpu_threads)

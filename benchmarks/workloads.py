@@ -13,7 +13,7 @@ lr, budget_s (wall seconds of RL, None = no limit), max_steps, overrides
 before the harness's fixed keys), eos_bias, reward_seed, trl_micro_batch,
 threshold.
 
-- W2 starts from conveyor's built-in recipe (two-digit addition, partial
+- W2 starts from benchmarks/w2.yaml (two-digit addition, partial
   credit, group 8, 32 tasks per step, token-mean PPO-clip 0.2) with the
   warm-started checkpoint as the model and no supervised phase.
 - W1 is BENCHMARKS.md's shape: 32 prompts x 8, random-id prompts, EOS bias,
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from conveyor.config import RunConfig, load_config
 
-RECIPE = Path(__import__("conveyor").__file__).parent / "recipes" / "default.yaml"
+RECIPE = Path(__file__).resolve().parent / "w2.yaml"  # W2's task, fixed apart from the built-in default
 TRAJECTORIES = "trajectories.jsonl"
 
 

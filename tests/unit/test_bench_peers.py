@@ -26,6 +26,8 @@ def test_w2_config_pins_what_the_comparison_needs(tmp_path):
     assert cfg.reward.fn == "benchmarks.rewards:conveyor_partial_credit"
     assert cfg.reward.kwargs == {"log_path": str(tmp_path / "run" / W.TRAJECTORIES)}
     assert W.samples_per_step(cfg) == 32
+    # W2 keeps its task (two-digit addition) whatever the built-in default recipe trains
+    assert (cfg.data.source, cfg.data.options) == ("synthetic:addition", {"digits": 2})
 
 
 def test_w1_config_is_the_protocol_shape(tmp_path):
