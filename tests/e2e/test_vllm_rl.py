@@ -1,6 +1,6 @@
 """A short RL run with vLLM as the rollout engine learns on the default task.
 
-The default recipe (tiny model, two-digit addition) with ``rollout.engine=vllm``:
+The default recipe (tiny model, string reversal) with ``rollout.engine=vllm``:
 the warm-start runs in the trainer as usual, its weights reach vLLM through
 ``reload_weights``, and GRPO then trains on vLLM's samples. Runs in the vLLM
 venv only (docs/vllm.md); skipped elsewhere.
