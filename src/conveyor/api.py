@@ -192,17 +192,15 @@ def format_prompt(cfg: RunConfig, tokenizer, text: str) -> str:
     except (KeyError, IndexError) as e:
         raise ConfigError(f"data.prompt_template names {e} besides {{prompt}}; pass --raw and the whole "
                           "prompt text") from None
-    if d.chat_template:
-        messages = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
-        messages.append({"role": "user", "content": text})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return text
+    from conveyor.data.files import chat_prompt
+    return chat_prompt(d, tokenizer, text)
 
 
 def generate(run_dir: str | Path, prompts: Sequence[str], *, checkpoint: str | Path | None = None,
              temperature: float = 0.0, max_new_tokens: int | None = None, raw: bool = False,
              seed: int = 0) -> list[str]:
     """Completions of the run's model for ``prompts`` (greedy unless ``temperature`` > 0)."""
+    from conveyor.data.api import prompt_special_tokens
     from conveyor.launch.preflight import check_devices
     from conveyor.observe.progress import quiet_libraries
     from conveyor.rollout.api import SamplingParams
@@ -211,7 +209,7 @@ def generate(run_dir: str | Path, prompts: Sequence[str], *, checkpoint: str | P
     quiet_libraries()
     with _plain_model(run_dir, checkpoint) as path:
         engine, tok = _engine(cfg, path)
-    special = not cfg.data.chat_template and not cfg.data.source.startswith("synthetic:")
+    special = prompt_special_tokens(cfg.data)
     ids = [tok(p if raw else format_prompt(cfg, tok, p), add_special_tokens=special)["input_ids"]
            for p in prompts]
     limit = engine.context_limit - 1

@@ -26,7 +26,7 @@ from conveyor import loop
 from conveyor.config import RunConfig, save_config
 from conveyor.controller.evaluate import Evaluator
 from conveyor.controller.producer import Producer, Prompting
-from conveyor.data.api import TaskCursor, TaskSource
+from conveyor.data.api import TaskCursor, TaskSource, prompt_special_tokens
 from conveyor.launch.api import Launcher
 from conveyor.observe.metrics import MetricsLogger
 from conveyor.observe.progress import PhaseProgress
@@ -149,7 +149,7 @@ def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher) -> Sessi
                              console=PhaseProgress(lc.steps, cfg.sft.steps, cfg.observe.log_every)),
         timer=PhaseTimer(),
         buffer=TrajectoryBuffer(lc.buffer_size or staleness.capacity(lc.batch_size, lc.max_staleness)),
-        add_special_tokens=not cfg.data.chat_template and not cfg.data.source.startswith("synthetic:"),
+        add_special_tokens=prompt_special_tokens(cfg.data),
     )
 
 

@@ -28,6 +28,13 @@ class DataError(ValueError):
     """Data that cannot be used; the message names the file, the row and the fix."""
 
 
+def prompt_special_tokens(data_cfg: Any) -> bool:
+    """Whether prompts are tokenized with the tokenizer's special tokens (``data_cfg`` is the
+    run's ``DataConfig``): not synthetic prompts (the character tokenizer maps them 1:1), not
+    prompts rendered by a chat template (the template already holds them)."""
+    return not data_cfg.chat_template and not data_cfg.source.startswith("synthetic:")
+
+
 @runtime_checkable
 class TaskSource(Protocol):
     default_reward: str

@@ -245,12 +245,19 @@ def _row_to_task(n: int, row: dict[str, Any] | str, cfg: DataConfig, tokenizer: 
         text = cfg.prompt_template.format_map({**row, "prompt": prompt})
     except KeyError as e:
         raise _RowError(f"data.prompt_template names field {e} that the row does not have") from None
-    if cfg.chat_template:
-        messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-        messages.append({"role": "user", "content": text})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     info.update(row=n, raw_prompt=prompt)
-    return Task(id=f"{id_prefix}-{n}", prompt=text, answer=answer, info=info)
+    return Task(id=f"{id_prefix}-{n}", prompt=chat_prompt(cfg, tokenizer, text), answer=answer, info=info)
+
+
+def chat_prompt(cfg: DataConfig, tokenizer: Any, text: str) -> str:
+    """``text`` (already through ``data.prompt_template``) as the model sees it: with
+    ``data.chat_template`` a user message (after ``data.system_prompt``) rendered by the
+    tokenizer's chat template, ready for the assistant's turn; else unchanged."""
+    if not cfg.chat_template:
+        return text
+    messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    messages.append({"role": "user", "content": text})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def _answer(row: dict[str, Any], field: str, gsm8k: bool) -> str:

@@ -40,6 +40,8 @@ from conveyor.observe.metrics import format_value
 RL_KEYS = (("reward", "reward"), ("loss", "loss"), ("samples_per_s", "samples/s"))
 SFT_KEYS = (("sft_loss", "loss"), ("sft_check_reward", "check"))
 LINES_PER_PHASE = 20
+LENGTH_FIX = ("shorten the prompts (data.prompt_template, data.system_prompt, or the data itself) or use a model "
+              "with a longer context (model.path, model.tiny.max_position_embeddings)")
 
 
 def say(text: str, stream: TextIO | None = None) -> None:
@@ -213,13 +215,13 @@ def summary_text(summary: Mapping[str, Any], run_dir: Path, examples: Sequence[A
             continue
         lines.append(f"{label:<16}" + "".join(f"{fmt_number(v):>12}" for v in vals))
     lines.append(f"{summary.get('steps', 0)} RL steps, {summary.get('wall_seconds', 0):.0f}s in all")
-    last = summary.get("final_metrics") or {}
-    for key, what in (("prompt_too_long", "training prompts"), ("eval_prompt_too_long", "held-out prompts")):
-        if last.get(key):
+    train_skipped = (summary.get("final_metrics") or {}).get("prompt_too_long")
+    for count, what in ((train_skipped, "training prompts"),
+                        (summary.get("eval_prompt_too_long_final"), "held-out prompts")):
+        if count:
             limit = f" ({summary['max_prompt_tokens']} prompt tokens)" if "max_prompt_tokens" in summary else ""
-            lines.append(f"note: {int(last[key])} {what} were skipped: longer than the model's context{limit}; "
-                         "shorten the prompts, or use a model with a longer context (model.path, "
-                         "model.tiny.max_position_embeddings)")
+            lines.append(f"note: {int(count)} {what} were skipped: longer than the model's context{limit}; "
+                         f"{LENGTH_FIX}")
     lines += ["", f"run directory {run_dir}/"]
     for name, what in LAYOUT:
         if (run_dir / name.split("step_N")[0].rstrip("/")).exists():
@@ -239,14 +241,12 @@ def report_length_skips(logger, limit: int, skipped: int, total: int, prefix: st
     if not skipped:
         return
     what = "training tasks held out for the warm-start check" if prefix.startswith("sft") else "held-out prompts"
-    fix = ("shorten the prompts (data.prompt_template, data.system_prompt, or the data itself) or use a model "
-           "with a longer context (model.path, model.tiny.max_position_embeddings)")
     if skipped == total:
         from conveyor.data.api import DataError
         raise DataError(f"all {total} {what} are longer than the model's context ({limit} "
-                        f"prompt tokens), so nothing is left to evaluate; {fix}")
+                        f"prompt tokens), so nothing is left to evaluate; {LENGTH_FIX}")
     key = ("sft_check_" if prefix.startswith("sft") else "eval_") + "prompt_too_long"  # greedy and sampled: once
     if reported.get(key) != skipped:
         logger.message(f"note: {skipped} of {total} {what} skipped: longer than the model's context "
-                       f"({limit} prompt tokens); {fix}")
+                       f"({limit} prompt tokens); {LENGTH_FIX}")
     reported[key] = skipped
