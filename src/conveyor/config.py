@@ -198,6 +198,10 @@ class AlgoConfig(_Section):
     value_coef: float = Field(0.5, ge=0, description="weight of the value loss (critic)")
     value_clip: float | None = Field(None, description="clip range of the value loss; None disables")
     gamma: float = Field(1.0, ge=0, le=1, description="discount (GAE)")
+    turn_credit: Literal["broadcast", "discounted"] = Field("broadcast", description=(
+        "multi-turn credit: broadcast = the episode's return for every turn; discounted = each turn's "
+        "discounted return over the remaining turns (docs/algorithms.md)"))
+    turn_gamma: float = Field(1.0, ge=0, le=1, description="discount per turn (turn_credit=discounted)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
 
     @model_validator(mode="after")
@@ -255,6 +259,40 @@ class LoopConfig(_Section):
         return self
 
 
+class EnvConfig(_Section):
+    """The environment pool: multi-turn episodes (see docs/environments.md)."""
+    name: str | None = Field(None, description=(
+        "environment: a builtin (tools, guess_number, textarena) or a dotted path pkg.module:Factory; "
+        "empty = single-turn rollouts"))
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the factory")
+    max_turns: int = Field(4, ge=1, le=64, description="model turns per episode (rollout.max_new_tokens is per turn)")
+    max_tokens: int | None = Field(None, ge=1, description=(
+        "completion tokens per episode, the policy's and the environment's together; default: the context"))
+    max_observation_tokens: int = Field(256, ge=1, description=(
+        "an observation longer than this is cut, with a marker, and counted (truncated_observation)"))
+    observation_template: str = Field("{observation}", description=(
+        "how an observation is written into the sequence when the tokenizer has no chat template "
+        "(or data.chat_template is false)"))
+    observation_role: str = Field("tool", description="chat role of observations (chat templates)")
+    concurrency: int = Field(64, ge=1, description="environment instances in use at once (per environment type)")
+    reset_timeout_s: float = Field(30.0, gt=0, description="deadline of one reset")
+    step_timeout_s: float = Field(30.0, gt=0, description="deadline of one step (a tool call inside it included)")
+    tool_timeout_s: float = Field(10.0, gt=0, description="deadline of one tool call")
+    retries: int = Field(2, ge=0, description="retries of a reset that failed (transient failures), with backoff")
+    backoff_s: float = Field(0.05, ge=0, description="first retry's wait; doubles per retry")
+    breaker_failures: int = Field(5, ge=1, description=(
+        "consecutive failures after which a tool or environment is quarantined"))
+    breaker_cooldown_s: float = Field(30.0, gt=0, description="how long a quarantine lasts before one trial call")
+    on_failure: Literal["retry", "drop"] = Field("retry", description=(
+        "a failed episode: retry it (a fresh instance and seed, up to episode_attempts), or drop its "
+        "group and draw a new task for the slot; a group is trained whole or not at all"))
+    episode_attempts: int = Field(2, ge=1, le=8, description="tries of one episode under on_failure=retry")
+    max_failed_groups: int = Field(64, ge=1, description=(
+        "groups in a row that fail before the run stops, naming the environment's last error"))
+    tool_format: Literal["auto", "hermes", "llama3", "plain"] = Field("auto", description=(
+        "how tool calls are written by the model (tools environment)"))
+
+
 class LaunchConfig(_Section):
     """Where the roles run (see docs/architecture.md, Launch)."""
     placement: Literal["colocated", "disaggregated"] = Field("colocated", description=(
@@ -300,6 +338,7 @@ class RunConfig(_Section):
     sft: SFTConfig = Field(SFTConfig(), description="the supervised warm-start before RL")
     loop: LoopConfig = Field(LoopConfig(),
         description="the RL loop: steps, batch, staleness, evaluation, checkpoints")
+    env: EnvConfig = Field(EnvConfig(), description="the environment pool (multi-turn episodes, tools)")
     observe: ObserveConfig = Field(ObserveConfig(), description="console, metrics files and trackers")
     launch: LaunchConfig = Field(LaunchConfig(), description="where the roles run (devices, processes, weight sync)")
 

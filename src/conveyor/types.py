@@ -12,6 +12,10 @@ Contract
   behaviour policy's log-probabilities of the sampled tokens, taken from the
   same logits the tokens were sampled from. ``versions[i]`` is the policy
   version whose weights produced token i.
+- ``TurnRecord``: one model turn of a multi-turn episode: the policy's tokens
+  of the turn are ``completion_ids[start:end]``; the environment's answer
+  follows them (loss-masked) up to the next turn's ``start``. ``reward`` is
+  the turn's reward from the environment (a process reward; 0 for none).
 - ``Group``: the n samples of one task, explicit (never a positional reshape).
 - ``Batch``: what the trainer consumes: token ids plus per-token float fields,
   aligned with the ids (position t of a field belongs to token t; fields are
@@ -40,6 +44,19 @@ class Task:
 
 
 @dataclass(frozen=True)
+class TurnRecord:
+    """One model turn of an episode (see the module docstring); ``tool_calls``: names of the
+    tools it called; ``env_s``: seconds the environment took to answer; ``error``: the failure
+    class of its answer (``"timeout"``, ``"malformed_call"``, ...) or ``""``."""
+    start: int
+    end: int
+    reward: float = 0.0
+    tool_calls: tuple[str, ...] = ()
+    env_s: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class Trajectory:
     task: Task
     prompt_ids: tuple[int, ...]
@@ -53,6 +70,7 @@ class Trajectory:
     reward_info: Mapping[str, Any] = field(default_factory=dict)
     turns: int = 1
     timings: Mapping[str, float] = field(default_factory=dict)
+    turn_records: tuple[TurnRecord, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -68,6 +86,11 @@ class Trajectory:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def env_return(self) -> float:
+        """The sum of the environment's turn rewards (0 for a single-turn trajectory)."""
+        return float(sum(t.reward for t in self.turn_records))
 
     @property
     def min_version(self) -> int:

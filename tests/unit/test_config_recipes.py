@@ -96,6 +96,6 @@ def test_describe_section_shows_value_default_and_description():
     assert "  trainer.device = auto\n" in text
     assert "model.tiny.hidden_size = 128" in describe_section(cfg, "model.tiny")
     assert set(sections()) == {"model", "data", "rollout", "reward", "trainer", "algo", "sft", "loop",
-                               "observe", "launch"}
+                               "env", "observe", "launch"}
     with pytest.raises(ConfigError, match=r"trainr is not a section of the config \(did you mean 'trainer'\?\)"):
         describe_section(cfg, "trainr")

@@ -25,8 +25,9 @@ from conveyor.types import Task
 
 class Evaluator:
     def __init__(self, cfg: RunConfig, tasks: list[Task], prompting: Prompting, rollouts: Producer, rewards,
-                 logger):
+                 logger, episodes=None):
         self.cfg, self.tasks, self.prompting = cfg, tasks, prompting
+        self.episodes = episodes  # multi-turn runs evaluate whole episodes (controller.episodes)
         self.rollouts, self.rewards, self.logger = rollouts, rewards, logger
         self.length_notes: dict[str, int] = {}  # prompts skipped for length, as last reported
 
@@ -47,14 +48,30 @@ class Evaluator:
         n = len(tasks)
         if n == 0:  # no held-out set configured (data.eval_size=0): nothing to report
             return {prefix + "reward": float("nan")}
+        if self.episodes is not None:
+            return self._episodes(tasks, params, prefix)
         tasks, prompts = prepare_prompts(p.tokenizer, tasks, p.max_prompt_tokens, p.add_special_tokens)
         report_length_skips(self.logger, p.max_prompt_tokens, n - len(tasks), n, prefix, self.length_notes)
         t0 = time.perf_counter()
         outs = self.rollouts.request([list(x) for x in prompts], params).result(timeout=cfg.launch.timeout_s)
         groups = to_groups(p.tokenizer, tasks, prompts, outs, time.perf_counter() - t0)
-        trajs = self.rewards.score([t for g in groups for t in g.trajectories])
-        m = {prefix + "reward": sum(t.reward for t in trajs) / len(trajs),
-             prefix + "len": sum(len(t.completion_ids) for t in trajs) / len(trajs)}
+        return self._means([t for g in groups for t in g.trajectories], prefix)
+
+    def _episodes(self, tasks: list[Task], params: SamplingParams, prefix: str) -> dict[str, float]:
+        """One episode per task; a failed episode scores the reward's fallback and is counted."""
+        out = self.episodes.run_tasks(tasks, params, timeout_s=self.cfg.launch.timeout_s)
+        done = [t for t in out if t is not None]
+        m = self._means(done, prefix, total=len(tasks)) if done else {prefix + "reward": self.cfg.reward.fallback}
+        m[prefix + "episodes_failed"] = float(len(tasks) - len(done))
+        return m
+
+    def _means(self, trajs, prefix: str, total: int | None = None) -> dict[str, float]:
+        trajs = self.rewards.score(trajs)
+        total = total or len(trajs)
+        # Failed episodes (total - len(trajs)) count at the reward's fallback.
+        fallback = self.cfg.reward.fallback * (total - len(trajs))
+        m = {prefix + "reward": (sum(t.reward for t in trajs) + fallback) / total,
+             prefix + "len": sum(len(t.completion_ids) for t in trajs) / max(len(trajs), 1)}
         for key in sorted({k for t in trajs for k in t.reward_info if k != "reward_error"}):
             vals = [float(t.reward_info[key]) for t in trajs if key in t.reward_info]
             m[prefix + key] = sum(vals) / len(vals)

@@ -84,11 +84,16 @@ class _Shared:
 class Producer:
     def __init__(self, workers: list[EngineWorker], outbox, *, loop: LoopConfig, timeout_s: float,
                  prompting: Prompting, cursor, train_size: int, rewards, buffer, start_issued: int = 0,
-                 version: int = 0, sampling=None):
+                 version: int = 0, sampling=None, episodes=None, max_failed_groups: int = 64):
         self.workers, self.outbox = tuple(workers), outbox
         self.prompting, self.cursor, self.train_size = prompting, cursor, train_size
         self.rewards, self.buffer = rewards, buffer
         self.sampling = sampling  # seed -> SamplingParams of training rollouts
+        # Multi-turn episodes (controller.episodes.EpisodeRunner), or None for single-turn chunks.
+        self.episodes = episodes
+        self.max_failed_groups = max_failed_groups
+        self._failed_in_a_row = 0
+        self._redraws = 0
         self.batch_size, self.max_staleness, self.seed = loop.batch_size, loop.max_staleness, loop.seed
         self.concurrency = loop.concurrency or staleness.capacity(loop.batch_size, loop.max_staleness)
         self.per_engine = max(1, math.ceil(loop.batch_size / len(workers)))
@@ -164,12 +169,17 @@ class Producer:
                 if self._admitting:
                     self._admit()
                 self._collect()
+                if self.episodes is not None:
+                    self._collect_episodes()
                 self._flush_scored()
         except BaseException as e:  # noqa: BLE001 - handed to the loop through the buffer
             self.error = e
             self.buffer.close(e)
             for fut in self._direct.values():
                 fut.set_exception(e)
+        finally:
+            if self.episodes is not None:
+                self.episodes.close()
 
     def _take(self, k: int) -> tuple[list, list]:
         """k servable tasks: prompts that are empty or too long are counted and replaced."""
@@ -201,6 +211,13 @@ class Producer:
                 # The data position at a step boundary is what a checkpoint of that step
                 # must save; the loop may checkpoint after this thread drew further.
                 self._cursor_at_step[self.issued // self.batch_size] = self.cursor.state_dict()
+            if self.episodes is not None:  # multi-turn: the episode runner drives the engines
+                for i, task in enumerate(self.cursor.next_batch(k)):
+                    self.episodes.start_group(self.issued + i, task, self._group_seed(self.issued + i))
+                self.issued += k
+                self.inflight += k
+                n -= k
+                continue
             tasks, prompts = self._take(k)
             first = self.issued
             self.issued += k
@@ -232,6 +249,11 @@ class Producer:
         if msg.chunk_id < 0:
             self._direct.pop(msg.chunk_id).set_result(msg.completions)
             return
+        if self.episodes is not None:  # a turn of an episode
+            with self._shared.lock:
+                self._shared.clocks[msg.engine_id] = msg.clock
+            self.episodes.answer(msg)
+            return
         chunk = self._chunks[msg.chunk_id]
         with self._shared.lock:
             self._shared.clocks[msg.engine_id] = msg.clock
@@ -245,10 +267,35 @@ class Producer:
         if chunk.reported >= len(chunk.tasks):
             del self._chunks[msg.chunk_id]
 
+    def _group_seed(self, index: int) -> int:
+        # A group's place in the schedule keys its episodes' streams (sample j: + 64 j, attempt
+        # a: + 2**16 a, turn t: + t); a slot refilled after a dropped group draws anew.
+        return self.seed * 2**44 + index * 2**22 + (self._redraws % 8) * 2**19
+
+    def _collect_episodes(self) -> None:
+        for out in self.episodes.finished():
+            if out.fatal:
+                raise RoleError(f"episode runner: group {out.index} failed: {out.error}")
+            if out.group is None:
+                self._failed_in_a_row += 1
+                with self._shared.lock:
+                    self._shared.skipped["groups_dropped"] = self._shared.skipped.get("groups_dropped", 0) + 1
+                if self._failed_in_a_row >= self.max_failed_groups:
+                    raise RoleError(f"environment pool: {self._failed_in_a_row} groups in a row failed; "
+                                    f"last error: {out.error}")
+                # The slot is refilled with a new task: a group is trained whole or not at all.
+                self._redraws += 1
+                self.episodes.start_group(out.index, self.cursor.next_batch(1)[0], self._group_seed(out.index))
+                continue
+            self._failed_in_a_row = 0
+            futures = [self.rewards.submit(t) for t in out.group.trajectories]
+            self._pending.append(_Pending(out.index, futures, out.task, -1))
+
     def _flush_scored(self) -> None:
         for p in [p for p in self._pending if all(f.done() for f in p.futures)]:
             self._pending.remove(p)
             group = Group(p.task, tuple(f.result() for f in p.futures))
-            self._inflight[p.engine_id] -= 1
+            if p.engine_id in self._inflight:  # -1: an episode group, routed turn by turn
+                self._inflight[p.engine_id] -= 1
             self.inflight -= 1
             self.buffer.put(Scored(p.index, group), timeout=self.timeout)

@@ -79,13 +79,20 @@ class Session:
         self.warm = engines.warm
         cfg = self.cfg
         prompting = Prompting(self.tokenizer, max(1, engines.context_limit - 1), self.add_special_tokens)
+        runner = None
+        if cfg.env.name:
+            from conveyor.controller.episodes import episode_runner
+            runner = episode_runner(cfg, engines.workers, self.tokenizer, engines.context_limit,
+                                    lambda: self.rollouts.version(), self.add_special_tokens)
         self.rollouts = Producer(engines.workers, engines.outbox, loop=cfg.loop, timeout_s=cfg.launch.timeout_s,
                                  prompting=prompting, cursor=self.cursor, train_size=len(self.train_source),
                                  rewards=self.rewards, buffer=self.buffer,
                                  start_issued=start_step * cfg.loop.batch_size, version=start_step,
-                                 sampling=lambda seed: SamplingParams.from_config(cfg.rollout, seed=seed))
+                                 sampling=lambda seed: SamplingParams.from_config(cfg.rollout, seed=seed),
+                                 episodes=runner, max_failed_groups=cfg.env.max_failed_groups)
         self.rollouts.start()
-        self.evaluator = Evaluator(cfg, self.eval_tasks, prompting, self.rollouts, self.rewards, self.logger)
+        self.evaluator = Evaluator(cfg, self.eval_tasks, prompting, self.rollouts, self.rewards, self.logger,
+                                   episodes=runner)
 
     def close(self) -> None:
         if self.rollouts is not None:
@@ -121,6 +128,18 @@ def load_sources(cfg: RunConfig, tokenizer):
         name = d.source.split(":", 1)[1]
         return (synthetic_source(name, "train", d.options, d.eval_size, d.seed),
                 synthetic_source(name, "eval", d.options, d.eval_size, d.seed))
+    if d.source.startswith("reasoning_gym:"):
+        from conveyor.data.files import chat_prompt
+        from conveyor.data.reasoning_gym import reasoning_gym_source
+        name = d.source.split(":", 1)[1]
+        render = lambda q: chat_prompt(d, tokenizer, d.prompt_template.format(prompt=q))  # noqa: E731
+        return tuple(reasoning_gym_source(name, s, d.options, d.eval_size, d.seed, render) for s in ("train", "eval"))
+    if d.source.startswith("textarena:"):
+        from conveyor.env.ecosystem import textarena_source
+        if not cfg.env.name:  # the game's first observation is the prompt: only an environment gives it
+            raise SetupError(f"data.source={d.source!r} needs env.name=textarena (its tasks are games to play)")
+        name = d.source.split(":", 1)[1]
+        return tuple(textarena_source(name, s, d.options, d.eval_size, d.seed) for s in ("train", "eval"))
     from conveyor.data.files import load_file_source
     return load_file_source(d, tokenizer, "train"), load_file_source(d, tokenizer, "eval")
 
@@ -137,7 +156,8 @@ def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher) -> Sessi
     except OSError as e:
         raise SetupError(f"cannot load the tokenizer of model.path {path!r}: {str(e).splitlines()[0]}") from None
     train_src, eval_src = load_sources(cfg, tokenizer)
-    spec = train_src.default_reward if cfg.reward.fn == "auto" else cfg.reward.fn
+    # With an environment its own reward is the default; otherwise the task source's verifier.
+    spec = ("env" if cfg.env.name else train_src.default_reward) if cfg.reward.fn == "auto" else cfg.reward.fn
     rewards = RewardService(load_reward(spec, cfg.reward.kwargs), timeout_s=cfg.reward.timeout_s,
                             fallback=cfg.reward.fallback, workers=cfg.reward.workers)
     lc = cfg.loop
@@ -279,8 +299,8 @@ def warm_start_phase(s: Session, base: str) -> str:
             s.logger.log(sft_trainer.step, r, kind="sft")
             return r["sft_check_reward"] >= sc.target_reward
     with s.timer.phase("warm_start"):
-        steps = warm_start(sft_trainer, s.tokenizer, s.train_source, sc.steps, sc.batch_size, cfg.loop.seed,
-                           s.add_special_tokens, check=check, check_every=sc.check_every, exclude=held,
+        steps = warm_start(sft_trainer, _demonstrations(s), s.train_source, sc.steps, sc.batch_size,
+                           cfg.loop.seed, check=check, check_every=sc.check_every, exclude=held,
                            log=lambda step, m: s.logger.log(step, m, kind="sft") if (step + 1) % 10 == 0 else None)
     s.logger.message(f"warm-start: {steps} supervised steps")
     warm = s.run_dir / "warmstart"
@@ -289,3 +309,24 @@ def warm_start_phase(s: Session, base: str) -> str:
     s.warm.publish(sft_trainer.named_weights(), 0)
     s.timer.lap()
     return str(warm)
+
+
+def _demonstrations(s: Session):
+    """How the warm start builds a batch: the source's demonstrations, or (``env.name``)
+    episodes its scripted teacher plays in the environment, loss on the teacher's turns."""
+    from conveyor.controller.sft import demonstration_batches
+    runner = s.rollouts.episodes
+    if runner is None:
+        return demonstration_batches(s.tokenizer, s.train_source, s.add_special_tokens)
+    teacher = getattr(s.train_source, "teacher", None)  # declared by multi-turn task sources only
+    if teacher is None:
+        raise SetupError(f"sft.steps={s.cfg.sft.steps} with env.name={s.cfg.env.name!r}: the task source "
+                         f"{s.cfg.data.source!r} has no scripted teacher to demonstrate episodes; set sft.steps=0")
+    from conveyor.controller.objective import base_batch
+
+    def batch_of(tasks, rng):
+        trajs = runner.demonstrate(tasks, teacher, rng, timeout_s=s.cfg.launch.timeout_s)
+        if not trajs:
+            raise SetupError("warm start: every demonstration episode failed; see the log for the environment's error")
+        return base_batch(trajs)
+    return batch_of

@@ -59,7 +59,7 @@ def _make(name: str, rng: random.Random, options: dict) -> tuple[str, str]:
         return _addition(rng, int(options.get("digits", 2)))
     if name == "reverse":
         return _reverse(rng, int(options.get("length", 5)))
-    raise ValueError(f"unknown synthetic task {name!r}; choose one of {', '.join(TASKS)}")
+    raise ValueError(f"unknown synthetic task {name!r}; choose one of {', '.join(TASKS)}, multiply, guess")
 
 
 @dataclass
@@ -97,6 +97,9 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
     """Draw distinct problems with one seeded RNG; the first ``eval_size``
     belong to the eval split, the rest (up to ``train_size``, default 20000)
     to train, so the splits never share a prompt."""
+    from conveyor.data.agentic import AGENTIC_TASKS, agentic_source
+    if name in AGENTIC_TASKS:  # multi-turn families, played by an environment
+        return agentic_source(name, split, options, eval_size, seed)
     options = dict(options or {})
     train_size = int(options.pop("train_size", train_size or 20000))
     teacher_error = float(options.pop("teacher_error", 0.0))

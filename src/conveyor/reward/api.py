@@ -30,6 +30,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "math": "conveyor.reward.verifiers:math_reward",
     "exact": "conveyor.reward.verifiers:exact_match",
     "format": "conveyor.reward.verifiers:format_reward",
+    "env": "conveyor.reward.verifiers:env_return",
 }
 
 

@@ -91,3 +91,11 @@ def format_reward(traj: Trajectory, pattern: str = DEFAULT_FORMAT_PATTERN) -> fl
     """1.0 if ``pattern`` is found anywhere in the completion (``re.search``, DOTALL)."""
     # re caches compiled patterns, so compiling per call costs a dict lookup.
     return 1.0 if re.search(pattern, traj.text, flags=re.DOTALL) else 0.0
+
+
+def env_return(traj: Trajectory) -> dict:
+    """The environment's own reward: the sum of its turn rewards (the default of runs with
+    ``env.name``), with the episode's turns and tool calls as components."""
+    calls = sum(len(t.tool_calls) for t in traj.turn_records)
+    return {"reward": traj.env_return, "turns": float(traj.turns), "tool_calls": float(calls),
+            "env_errors": float(sum(1 for t in traj.turn_records if t.error))}

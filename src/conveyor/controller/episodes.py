@@ -1,0 +1,212 @@
+"""The episode runner: multi-turn groups driven on one event loop, turns routed to engine workers.
+
+Contract: ``EpisodeRunner(workers, pool, fmt, limits, ...)`` runs an asyncio
+loop in a thread of its own. ``start_group(index, task, seed)`` runs the
+group's n episodes concurrently (``rollout.multi_turn.run_episode``, each
+in a session of the ``EnvPool``); each turn is a ``messages.Generate`` of
+one prompt sent to the engine worker with the fewest turns in flight,
+tagged with a turn id (>= 0, so a streaming engine merges concurrent
+turns into its running batch) and the newest published version (so a
+weight swap may land between turns; inside a turn the engine's partial
+rollouts apply). The producer hands every ``Done`` of a turn id to
+``answer``. ``finished()`` returns the groups that ended since the last
+call as ``GroupOutcome``s, whole: every episode succeeded, or the group
+failed (``group is None``) under the failure policy: ``retry`` re-runs a
+failed episode on a fresh instance with a fresh seed up to ``attempts``
+times, ``drop`` fails the group at its first failed episode. A turn that
+no engine answers within ``timeout_s`` fails its episode (``timeout``).
+``run_tasks(tasks, params)`` runs one episode per task outside the
+schedule (evaluation) and returns the trajectories (None for failures).
+
+It knows nothing of rewards, admission or training.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from conveyor.env.pool import EnvFailure, EnvPool
+from conveyor.rollout.api import Completion, EngineWorker, SamplingParams
+from conveyor.rollout.multi_turn import EpisodeLimits, TurnFormat, run_episode
+from conveyor.transport.messages import Done, Generate
+from conveyor.types import Group, Task, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    """A group's end: ``group`` (whole) or None with ``error``, the last episode failure."""
+    index: int
+    task: Task
+    group: Group | None
+    error: str = ""
+    fatal: bool = False  # not an environment failure: a bug that must stop the run
+
+
+class EpisodeRunner:
+    def __init__(self, workers: list[EngineWorker], pool: EnvPool, fmt: TurnFormat, limits: EpisodeLimits, *,
+                 sampling: Callable[[int], SamplingParams], n: int, version: Callable[[], int],
+                 on_failure: str = "retry", attempts: int = 2, timeout_s: float = 600.0):
+        self.workers, self.pool, self.fmt, self.limits = tuple(workers), pool, fmt, limits
+        self.sampling, self.n, self.version = sampling, n, version
+        self.on_failure, self.attempts, self.timeout_s = on_failure, attempts, timeout_s
+        self._ids = itertools.count()
+        self._turns: dict[int, tuple[asyncio.Future, int]] = {}  # turn id -> (future, engine id)
+        self._load = {w.engine_id: 0 for w in self.workers}
+        self._finished: queue.Queue[GroupOutcome] = queue.Queue()
+        self.last_error = ""  # the last episode failure, for the message of a failed group
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="episodes", daemon=True)
+        self._thread.start()
+
+    # ----- what the producer calls (its thread) ------------------------------------------
+    def start_group(self, index: int, task: Task, seed: int) -> None:
+        asyncio.run_coroutine_threadsafe(self._group(index, task, seed), self._loop)
+
+    def finished(self) -> list[GroupOutcome]:
+        out = []
+        while True:
+            try:
+                out.append(self._finished.get_nowait())
+            except queue.Empty:
+                return out
+
+    def answer(self, done: Done) -> None:
+        """A turn's completion arrived (``done.chunk_id`` is a turn id)."""
+        self._loop.call_soon_threadsafe(self._resolve, done.chunk_id, done.completions[0][0])
+
+    def run_tasks(self, tasks: list[Task], params: SamplingParams, timeout_s: float) -> list[Trajectory | None]:
+        def seeded(i: int) -> SamplingParams:  # task i draws from streams of its own
+            return params if params.seed is None else dataclasses.replace(params, seed=params.seed + 64 * i)
+
+        async def all_of():
+            return await asyncio.gather(*(self._attempts(t, seeded(i)) for i, t in enumerate(tasks)))
+        fut = asyncio.run_coroutine_threadsafe(all_of(), self._loop)
+        return fut.result(timeout=timeout_s)
+
+    def demonstrate(self, tasks: list[Task], teacher: Callable, rng, timeout_s: float) -> list[Trajectory]:
+        """Episodes played by a scripted ``teacher(task, transcript, rng) -> action`` instead of
+        the engine (the multi-turn warm start's demonstrations); failed episodes are left out."""
+        async def one(task: Task) -> Trajectory | None:
+            try:
+                async with self.pool.session() as session:
+                    return await run_episode(_Teacher(task, teacher, self.fmt, rng), session, task, self.fmt,
+                                             SamplingParams(n=1), self.limits)
+            except EnvFailure as e:
+                log.info("demonstration of task %s failed: %s", task.id, e)
+                return None
+
+        async def all_of():
+            return await asyncio.gather(*(one(t) for t in tasks))
+        out = asyncio.run_coroutine_threadsafe(all_of(), self._loop).result(timeout=timeout_s)
+        return [t for t in out if t is not None]
+
+    def close(self) -> None:
+        self.pool.close()
+
+        def cancel_all():
+            for task in asyncio.all_tasks(self._loop):
+                task.cancel()
+            self._loop.stop()
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(cancel_all)
+            self._thread.join(timeout=10)
+
+    # ----- the event loop's side -----------------------------------------------------------
+    def _resolve(self, turn_id: int, completion: Completion) -> None:
+        entry = self._turns.pop(turn_id, None)
+        if entry is None:  # its episode gave up waiting
+            return
+        fut, engine_id = entry
+        self._load[engine_id] -= 1
+        if not fut.done():
+            fut.set_result(completion)
+
+    async def generate(self, ids: list[int], params: SamplingParams) -> Completion:
+        """``TurnEngine``: one continuation, from the least loaded engine worker."""
+        turn_id = next(self._ids)
+        worker = min(self.workers, key=lambda w: self._load[w.engine_id])
+        fut = self._loop.create_future()
+        self._turns[turn_id] = (fut, worker.engine_id)
+        self._load[worker.engine_id] += 1
+        worker.send(Generate(turn_id, [ids], params, self.version()))
+        try:
+            return await asyncio.wait_for(fut, self.timeout_s)
+        except asyncio.TimeoutError:
+            if self._turns.pop(turn_id, None) is not None:
+                self._load[worker.engine_id] -= 1
+            raise EnvFailure("timeout", f"engine {worker.engine_id} did not answer a turn within "
+                                        f"{self.timeout_s:.0f}s") from None
+
+    async def _episode(self, task: Task, params: SamplingParams) -> Trajectory:
+        async with self.pool.session() as session:
+            return await run_episode(self, session, task, self.fmt, params, self.limits)
+
+    async def _attempts(self, task: Task, params: SamplingParams, fail_fast: bool = False) -> Trajectory | None:
+        """The episode, retried under the failure policy; None (counted) when it keeps failing."""
+        tries = 1 if fail_fast else self.attempts
+        last = None
+        for attempt in range(tries):
+            try:
+                seed = None if params.seed is None else params.seed + attempt * 2**16
+                return await self._episode(task, dataclasses.replace(params, seed=seed))
+            except EnvFailure as e:
+                self.pool.count("episodes_failed")
+                log.info("episode of task %s failed (%s): %s", task.id, e.kind, e)
+                last = e
+        self.last_error = f"{last.kind}: {last}"
+        return None
+
+    async def _group(self, index: int, task: Task, seed: int) -> None:
+        try:
+            base = self.sampling(seed)
+            # Each episode's turns draw from streams of its own (sample j, turn t).
+            jobs = [self._attempts(task, dataclasses.replace(base, seed=base.seed + 64 * j),
+                                   fail_fast=self.on_failure == "drop") for j in range(self.n)]
+            trajs = await asyncio.gather(*jobs)
+            if any(t is None for t in trajs):
+                self._finished.put(GroupOutcome(index, task, None, self.last_error))
+                return
+            self._finished.put(GroupOutcome(index, task, Group(task, tuple(trajs))))
+        except Exception as e:  # noqa: BLE001 - a bug here must reach the producer, not vanish in the loop
+            log.exception("episode group %d failed", index)
+            self._finished.put(GroupOutcome(index, task, None, f"{type(e).__name__}: {e}", fatal=True))
+
+
+def episode_runner(cfg, workers: list[EngineWorker], tokenizer, context_limit: int, version: Callable[[], int],
+                   add_special_tokens: bool) -> EpisodeRunner:
+    """The runner a ``RunConfig`` with ``env.name`` asks for (``cfg.env``: the pool and the budgets)."""
+    from conveyor.env.api import load_env
+    from conveyor.env.pool import PoolLimits
+
+    e = cfg.env
+    factory = load_env(e.name)
+    pool = EnvPool(lambda: factory(**e.kwargs), PoolLimits.from_config(e), e.tool_format, name=e.name)
+    fmt = TurnFormat(tokenizer, chat=cfg.data.chat_template, role=e.observation_role,
+                     template=e.observation_template, system_prompt=cfg.data.system_prompt,
+                     add_special_tokens=add_special_tokens)
+    limits = EpisodeLimits(e.max_turns, e.max_tokens or context_limit, e.max_observation_tokens, context_limit)
+    return EpisodeRunner(workers, pool, fmt, limits, n=cfg.rollout.n, version=version,
+                         sampling=lambda seed: SamplingParams.from_config(cfg.rollout, seed=seed, n=1),
+                         on_failure=e.on_failure, attempts=e.episode_attempts, timeout_s=cfg.launch.timeout_s)
+
+
+class _Teacher:
+    """A ``TurnEngine`` whose turns are a scripted teacher's actions (logprob 0, version 0)."""
+
+    def __init__(self, task: Task, teacher: Callable, fmt: TurnFormat, rng):
+        self.task, self.teacher, self.fmt, self.rng = task, teacher, fmt, rng
+        self.prompt_len: int | None = None
+
+    async def generate(self, ids: list[int], params: SamplingParams) -> Completion:
+        action = self.teacher(self.task, self.fmt.decode(ids), self.rng)
+        toks = list(self.fmt.tok(action, add_special_tokens=False)["input_ids"]) + [self.fmt.tok.eos_token_id]
+        return Completion(toks, [0.0] * len(toks), [0] * len(toks), "stop", action)

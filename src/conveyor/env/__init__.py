@@ -1,0 +1,1 @@
+"""The environment pool: multi-turn environments, tools and their sandbox (docs/environments.md)."""

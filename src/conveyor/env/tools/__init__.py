@@ -1,0 +1,1 @@
+"""Tools environments hand to the model (``conveyor.env.api.Tool`` instances)."""
