@@ -15,6 +15,7 @@ from conveyor.algo.advantages import (
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
+    turn_advantages,
 )
 from conveyor.algo.kl import kl_estimate
 from conveyor.algo.losses import (
@@ -43,5 +44,6 @@ __all__ = [
     "ppo_clip_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "turn_advantages",
     "value_loss",
 ]

@@ -84,6 +84,41 @@ def compute_group_advantages(name: str, rewards: torch.Tensor, eps: float = 1e-6
 
 
 @torch.no_grad()
+def turn_advantages(turn_rewards: torch.Tensor, turn_mask: torch.Tensor, gamma: float = 1.0,
+                    std_normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Turn-level credit for the n multi-turn episodes of one group.
+
+    r_{i,k}: the reward of turn k of episode i (a process reward; the episode's final reward
+    sits on its last turn). The return of a turn is the discounted sum of the rewards from it
+    on, over the episode's own turns:
+        G_{i,k} = r_{i,k} + gamma * G_{i,k+1}          (G after the last turn = 0)
+    and the advantage compares it with every turn of every episode of the group:
+        A_{i,k} = (G_{i,k} - mean(G)) / (std(G) + eps)   (population std; over valid turns)
+    so, as in GRPO, only the group's own samples form the baseline. ``std_normalize=False``
+    keeps A = G - mean(G) (Dr.GRPO's form). With gamma = 1 and the reward only at the end,
+    every turn of an episode has the same return, and the result is GRPO on the episodes with
+    each episode weighted by its number of turns.
+
+    Shapes: turn_rewards, turn_mask [n, K] (K: the most turns; mask 1 on real turns) -> [n, K],
+    0 off the mask.
+    """
+    m = turn_mask.bool()                                              # [n, K]
+    r = torch.where(m, turn_rewards.float(), torch.zeros_like(turn_rewards, dtype=torch.float32))
+    G = torch.zeros_like(r)                                           # [n, K]
+    running = torch.zeros(r.shape[0], dtype=torch.float32)            # [n]
+    for k in range(r.shape[1] - 1, -1, -1):
+        running = torch.where(m[:, k], r[:, k] + gamma * running, running)
+        G[:, k] = running
+    count = m.sum().clamp(min=1)
+    mean = torch.where(m, G, torch.zeros_like(G)).sum() / count
+    centred = torch.where(m, G - mean, torch.zeros_like(G))
+    if not std_normalize:
+        return centred
+    std = (centred ** 2).sum().div(count).sqrt()
+    return centred / (std + eps)
+
+
+@torch.no_grad()
 def expand_to_tokens(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Give every target token its sequence's advantage: [B] -> [B, T], 0 off the mask."""
     if seq_adv.dim() != 1 or seq_adv.shape[0] != mask.shape[0]:

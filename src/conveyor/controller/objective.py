@@ -85,7 +85,9 @@ def make_batch(groups: list[Group], cfg: AlgoConfig, extra: dict[str, list[torch
     if cfg.kl_in_reward and "ref_logprobs" in extra:
         own = _pad(extra.get("proximal_logprobs") or base.fields["behaviour_logprobs"])
         kl_tok = algo.kl_estimate(own, _pad(extra["ref_logprobs"]), cfg.kl_estimator, mask=mask)
-    if cfg.advantage in ("grpo", "drgrpo", "rloo"):
+    if cfg.turn_credit == "discounted" and any(t.turn_records for t in trajs):
+        adv = _turn_credit(groups, cfg, mask)
+    elif cfg.advantage in ("grpo", "drgrpo", "rloo"):
         sizes = {len(g.trajectories) for g in groups}
         if len(sizes) != 1:
             raise ValueError(f"group advantages need equal group sizes, got sizes {sorted(sizes)}")
@@ -114,6 +116,35 @@ def make_batch(groups: list[Group], cfg: AlgoConfig, extra: dict[str, list[torch
     if kl_tok is not None:
         stats["kl_reward"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
     return Batch(base.input_ids, base.loss_mask, fields), stats
+
+
+def _turn_credit(groups: list[Group], cfg: AlgoConfig, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages from turn-level returns (``algo.turn_advantages``), group by group:
+    a turn's policy tokens get its turn's advantage. What the reward service gave beyond the
+    environment's turn rewards (its own verifier) counts on the episode's last turn."""
+    if cfg.advantage not in ("grpo", "drgrpo"):
+        raise ValueError(f"algo.turn_credit=discounted works with advantage grpo or drgrpo, not {cfg.advantage!r}")
+    adv = torch.zeros_like(mask)
+    row = 0
+    for g in groups:
+        K = max(max(len(t.turn_records), 1) for t in g.trajectories)
+        r = torch.zeros(len(g.trajectories), K)
+        on = torch.zeros(len(g.trajectories), K)
+        for i, t in enumerate(g.trajectories):
+            turns = t.turn_records or ()
+            for k, rec in enumerate(turns):
+                r[i, k], on[i, k] = rec.reward, 1.0
+            last = max(len(turns), 1) - 1
+            r[i, last] += t.reward - t.env_return
+            on[i, last] = 1.0
+        a = algo.turn_advantages(r, on, cfg.turn_gamma, std_normalize=cfg.advantage == "grpo")
+        for i, t in enumerate(g.trajectories):
+            head = len(t.prompt_ids)
+            spans = [(rec.start, rec.end) for rec in t.turn_records] or [(0, len(t.completion_ids))]
+            for k, (start, end) in enumerate(spans):
+                adv[row, head + start: head + end] = a[i, k]
+            row += 1
+    return adv * mask
 
 
 class PolicyLoss:

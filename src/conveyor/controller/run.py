@@ -132,7 +132,9 @@ def load_sources(cfg: RunConfig, tokenizer):
         from conveyor.data.files import chat_prompt
         from conveyor.data.reasoning_gym import reasoning_gym_source
         name = d.source.split(":", 1)[1]
-        render = lambda q: chat_prompt(d, tokenizer, d.prompt_template.format(prompt=q))  # noqa: E731
+
+        def render(question: str) -> str:
+            return chat_prompt(d, tokenizer, d.prompt_template.format(prompt=question))
         return tuple(reasoning_gym_source(name, s, d.options, d.eval_size, d.seed, render) for s in ("train", "eval"))
     if d.source.startswith("textarena:"):
         from conveyor.env.ecosystem import textarena_source

@@ -161,6 +161,8 @@ async def run_episode(engine: TurnEngine, session: EnvSession, task: Task, fmt: 
         if result.done:
             finish = "stop"
             break
+        if turn + 1 == limits.max_turns:
+            break  # no turn follows: the last observation would only be read by nobody
         ended_with_eos = c.finish_reason == "stop" and bool(toks) and toks[-1] == fmt.tok.eos_token_id
         obs, was_cut = fmt.cut(fmt.observation_ids(result.observation, ended_with_eos),
                                limits.max_observation_tokens)

@@ -1,0 +1,281 @@
+"""The environment pool: deadlines, retries, the circuit breaker, tool calls and counters."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conveyor.env.api import StepResult, Tool, ToolError, as_step_result, load_env
+from conveyor.env.pool import Breaker, EnvFailure, EnvPool, PoolLimits
+from conveyor.plugins import PluginError
+from conveyor.types import Task
+
+TASK = Task("t0", "question", answer="42")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Echo:
+    """A plain environment: answers 'you said X', done on 'bye' with reward 1."""
+    instances = 0
+
+    def __init__(self):
+        Echo.instances += 1
+
+    def reset(self, task):
+        return None  # the task's prompt
+
+    def step(self, action):
+        if action == "bye":
+            return StepResult("", 1.0, True)
+        return (f"you said {action}", 0.5, False, {})
+
+
+class AsyncSlow:
+    async def reset(self, task):
+        return "start"
+
+    async def step(self, action):
+        await asyncio.sleep(10)
+
+
+class Hangs:
+    def reset(self, task):
+        return "start"
+
+    def step(self, action):
+        time.sleep(5)
+
+
+class BadReturn:
+    def reset(self, task):
+        return "start"
+
+    def step(self, action):
+        return ["not", "a", "result"]
+
+
+def add(a: int, b: int) -> str:
+    return str(a + b)
+
+
+def broken(a: int, b: int) -> str:
+    raise RuntimeError("tool backend is down")
+
+
+ADD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"]}
+
+
+class WithTools(Echo):
+    def __init__(self, fn=add):
+        super().__init__()
+        self.tools = [Tool("add", "add two integers", ADD_SCHEMA, fn)]
+
+
+def limits(**kw):
+    base = dict(concurrency=4, reset_timeout_s=2.0, step_timeout_s=0.3, tool_timeout_s=0.3, retries=1,
+                backoff_s=0.01, breaker_failures=3, breaker_cooldown_s=60.0)
+    base.update(kw)
+    return PoolLimits(**base)
+
+
+def test_reset_step_and_reuse_of_instances():
+    Echo.instances = 0
+    pool = EnvPool(Echo, limits())
+
+    async def two_episodes():
+        out = []
+        for _ in range(2):
+            async with pool.session() as s:
+                out.append(await s.reset(TASK))
+                out.append(await s.step("hi"))
+                out.append(await s.step("bye"))
+        return out
+    first, hi, bye, *_ = run(two_episodes())
+    assert first == "question"
+    assert hi == (StepResult("you said hi", 0.5, False, {}), (), "")
+    assert bye[0].done and bye[0].reward == 1.0
+    assert Echo.instances == 1  # reset and reused, not rebuilt
+    assert pool.counts()["episodes"] == 2
+    pool.close()
+
+
+def test_async_step_past_its_deadline_is_a_counted_timeout_and_the_instance_is_dropped():
+    pool = EnvPool(AsyncSlow, limits())
+
+    async def episode():
+        async with pool.session() as s:
+            await s.reset(TASK)
+            await s.step("x")
+    t0 = time.monotonic()
+    with pytest.raises(EnvFailure, match=r"AsyncSlow.step did not return within 0.3s") as e:
+        run(episode())
+    assert e.value.kind == "timeout"
+    assert time.monotonic() - t0 < 5
+    assert pool.counts()["timeout"] == 1
+    assert pool._idle == []  # never reused
+    pool.close()
+
+
+def test_a_hung_plain_step_is_abandoned_at_its_deadline():
+    pool = EnvPool(Hangs, limits())
+
+    async def episode():
+        async with pool.session() as s:
+            await s.reset(TASK)
+            await s.step("x")
+    t0 = time.monotonic()
+    with pytest.raises(EnvFailure) as e:
+        run(episode())
+    assert e.value.kind == "timeout" and time.monotonic() - t0 < 4
+    pool.close()
+
+
+def test_wrong_return_types_are_named():
+    pool = EnvPool(BadReturn, limits())
+
+    async def episode():
+        async with pool.session() as s:
+            await s.reset(TASK)
+            await s.step("x")
+    with pytest.raises(EnvFailure, match=r"BadReturn.step returned list .*StepResult") as e:
+        run(episode())
+    assert e.value.kind == "bad_return" and pool.counts()["bad_return"] == 1
+    assert as_step_result(("o", 1, True, {}), "w") == StepResult("o", 1.0, True, {})
+    with pytest.raises(TypeError):
+        as_step_result(("o", "1", True, {}), "w")
+
+
+def test_reset_is_retried_with_backoff_then_fails_and_the_breaker_quarantines():
+    calls = []
+
+    class Flaky:
+        def reset(self, task):
+            calls.append(time.monotonic())
+            raise ConnectionError("backend unreachable")
+
+        def step(self, action):
+            return StepResult("", 0.0, True)
+    pool = EnvPool(Flaky, limits(breaker_failures=2))
+
+    async def episode():
+        async with pool.session() as s:
+            await s.reset(TASK)
+    for _ in range(2):
+        with pytest.raises(EnvFailure, match="ConnectionError: backend unreachable"):
+            run(episode())
+    assert len(calls) == 4  # one retry each
+    assert pool.counts()["crash"] == 4
+    assert pool.quarantined() == ["env"]
+    with pytest.raises(EnvFailure) as e:
+        run(episode())
+    assert e.value.kind == "quarantined" and len(calls) == 4  # not even tried
+    pool.close()
+
+
+def test_tool_calls_run_and_failures_become_error_observations():
+    pool = EnvPool(WithTools, limits(), tool_format="hermes")
+
+    async def episode(turns):
+        out = []
+        async with pool.session() as s:
+            await s.reset(TASK)
+            for t in turns:
+                out.append(await s.step(t))
+        return out
+    ok, unknown, bad_args, malformed, final = run(episode([
+        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+        '<tool_call>{"name": "mul", "arguments": {"a": 2, "b": 3}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": {"a": "two", "b": 3}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": ',
+        "bye"]))
+    assert ok == (StepResult("add: 5"), ("add",), "")
+    assert unknown[2] == "unknown_tool" and unknown[0].observation.startswith("error:")
+    assert bad_args[2] == "bad_arguments"
+    assert malformed[2] == "malformed_call" and not malformed[0].done
+    assert final[0].done and final[0].reward == 1.0  # no call: the environment's step answers
+    c = pool.counts()
+    assert (c["tool_calls"], c["unknown_tool"], c["bad_arguments"], c["malformed_call"]) == (3, 1, 1, 1)
+    pool.close()
+
+
+def test_a_failing_tool_is_quarantined_after_repeated_crashes():
+    pool = EnvPool(lambda: WithTools(broken), limits(breaker_failures=2), tool_format="hermes")
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
+
+    async def episode():
+        async with pool.session() as s:
+            await s.reset(TASK)
+            return [await s.step(call) for _ in range(3)]
+    a, b, c = run(episode())
+    assert a[2] == b[2] == "crash" and "tool backend is down" in a[0].observation
+    assert c[2] == "quarantined" and "quarantined" in c[0].observation
+    assert "tool:add" in pool.quarantined()
+    pool.close()
+
+
+def test_tool_errors_the_model_should_read_do_not_trip_the_breaker():
+    def strict(a: int, b: int) -> str:
+        raise ToolError("b must be positive", kind="bad_arguments")
+    pool = EnvPool(lambda: WithTools(strict), limits(breaker_failures=1), tool_format="hermes")
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": -1}}</tool_call>'
+
+    async def episode():
+        async with pool.session() as s:
+            await s.reset(TASK)
+            return [await s.step(call) for _ in range(2)]
+    a, b = run(episode())
+    assert a[2] == b[2] == "bad_arguments" and "b must be positive" in b[0].observation
+    assert pool.quarantined() == []
+    pool.close()
+
+
+def test_concurrency_limit_and_overlap_of_waiting():
+    active, peak = [0], [0]
+
+    class Sleepy:
+        async def reset(self, task):
+            return "go"
+
+        async def step(self, action):
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            await asyncio.sleep(0.05)
+            active[0] -= 1
+            return StepResult("", 1.0, True)
+    pool = EnvPool(Sleepy, limits(concurrency=3))
+
+    async def episode():
+        async with pool.session() as s:
+            await s.reset(TASK)
+            await s.step("x")
+
+    async def many():
+        await asyncio.gather(*(episode() for _ in range(9)))
+    run(many())
+    assert peak[0] == 3  # never more than the limit, and the limit is used
+    pool.close()
+
+
+def test_breaker_trial_after_cooldown():
+    b = Breaker(failures=2, cooldown_s=0.05)
+    b.record("x", False)
+    assert b.allow("x")
+    b.record("x", False)
+    assert not b.allow("x")
+    time.sleep(0.06)
+    assert b.allow("x")  # the trial call
+    assert not b.allow("x")  # only one
+    b.record("x", True)
+    assert b.allow("x") and b.open_keys() == []
+
+
+def test_load_env_by_name_and_dotted_path():
+    assert load_env("guess_number").__name__ == "GuessNumber"
+    assert load_env("tests.unit.env.test_pool:Echo") is Echo
+    with pytest.raises(PluginError, match="env.name 'nope' is not a builtin"):
+        load_env("nope")
