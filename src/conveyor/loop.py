@@ -73,7 +73,8 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
                    "weight_publish_ms": trained.publish_s * 1e3,
                    "buffer_depth": len(buffer), **sync_stats(rollouts.take_swaps(), published_at, swaps, upto=step),
                    **engine_stats(now.clocks, clocks),
-                   **{f"reward_{k}": v for k, v in rewards.stats().items()}, **now.prompts_skipped, **timer.lap()}
+                   **{f"reward_{k}": v for k, v in rewards.stats().items()}, **now.prompts_skipped,
+                   **{f"env_{k}": v for k, v in now.env.items()}, **timer.lap()}
         if "proximal_logprobs" in extra:
             metrics["logprob_diff_max"] = max(
                 float(((p - b).abs() * m).max()) for p, b, m in

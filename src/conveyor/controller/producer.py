@@ -49,9 +49,11 @@ class Prompting:
 @dataclass(frozen=True)
 class RolloutSnapshot:
     """The producer's state as of one moment. ``clocks``: each engine's totals, by engine id;
-    ``prompts_skipped``: prompts left out so far, by reason (``prompt_too_long``, ``prompt_empty``)."""
+    ``prompts_skipped``: prompts left out so far, by reason (``prompt_too_long``, ``prompt_empty``,
+    ``groups_dropped``); ``env``: the environment pool's counters (empty without one)."""
     clocks: dict[int, EngineClock]
     prompts_skipped: dict[str, int]
+    env: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -142,7 +144,9 @@ class Producer:
 
     def snapshot(self) -> RolloutSnapshot:
         with self._shared.lock:
-            return RolloutSnapshot(dict(self._shared.clocks), dict(self._shared.skipped))
+            clocks, skipped = dict(self._shared.clocks), dict(self._shared.skipped)
+        env = self.episodes.pool.counts() if self.episodes is not None else {}
+        return RolloutSnapshot(clocks, skipped, env)
 
     def take_swaps(self) -> list[WeightSwap]:
         """The engines' weight swaps reported since the last call."""
