@@ -110,15 +110,20 @@ class EpisodeRunner:
         return [t for t in out if t is not None]
 
     def close(self) -> None:
-        self.pool.close()
-
-        def cancel_all():
-            for task in asyncio.all_tasks(self._loop):
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
                 task.cancel()
-            self._loop.stop()
+            await asyncio.gather(*tasks, return_exceptions=True)  # let them unwind (sessions close)
+
         if self._loop.is_running():
-            self._loop.call_soon_threadsafe(cancel_all)
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout=10)
+            except Exception as e:  # noqa: BLE001 - closing is best effort; the loop stops below anyway
+                log.info("episode runner: tasks did not unwind: %s", e)
+            self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+        self.pool.close()
 
     # ----- the event loop's side -----------------------------------------------------------
     def _resolve(self, turn_id: int, completion: Completion) -> None:
