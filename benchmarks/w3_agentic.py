@@ -5,8 +5,8 @@
         --sync-override launch.trainer_ranks=2 --sync-override launch.engines=2 \
         --async-override launch.placement=disaggregated --out runs/bench-w3-2gpu        # 2 GPUs
     python benchmarks/w3_agentic.py --model tiny --steps 3 --prompts 4 --group 4 --prompt-len 16 \
-        --max-new-tokens 16 --target-mean 4 --latency-median-s 0.05 --staleness 0,1 \
-        --cpu-threads 1 --out /tmp/w3-cpu                                              # CPU smoke
+        --max-new-tokens 16 --target-mean 4 --latency-median-s 0.05 --cpu-threads 1 \
+        --out /tmp/w3-cpu                                                              # CPU smoke
 
 Contract: BENCHMARKS.md's W3. Builds W1's model and random-id prompts and
 calibrates the EOS bias for ``--max-new-tokens`` per turn (256, target mean
@@ -30,10 +30,11 @@ on the policy's tokens only (observation tokens are prefilled, not decoded);
 ``episode_lengths`` whole completions (observations included); environment
 step latency p50 / p99 / max as measured by the episodes (``TurnRecord.env_s``:
 the pool's overhead included) and as drawn (the env's log); the engines'
-mean decode rows and that over the rows each engine is given per step. The
-fraction of engine time with fewer than half the batch's rows active is
-``None``: the engines keep totals (``decode_rows`` / ``decode_steps``), not
-a per-step distribution.
+mean decode rows and that over the rows each engine is given per step, the
+decode step's milliseconds and the share of engine time in prefill (every
+turn re-submits the episode's whole context). The fraction of engine time
+with fewer than half the batch's rows active is ``None``: the engines keep
+totals (``decode_rows`` / ``decode_steps``), not a per-step distribution.
 
 It knows W3's shape and its table; metrics live in ``metrics.py``, the
 environment in ``w3_env.py``, the system in ``peers/conveyor_peer.py``.
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import re
 import shutil
 import sys
@@ -195,6 +197,7 @@ COLUMNS = [
     ("rollout tok/s", _m("rollout_tokens_per_s")), ("MBU", _m("mbu", pct=True)),
     ("train tok/s", _m("training_tokens_per_s")), ("MFU", _m("mfu", pct=True)),
     ("engine batch", _m("engine_batch_mean")), ("batch frac", _m("engine_batch_frac", pct=True)),
+    ("decode step ms", _m("engine_step_ms")), ("prefill", _m("engine_prefill_frac", pct=True)),
     ("<half rows", lambda r: H.fmt(r["metrics"].get("engine_lt_half_rows_frac"), pct=True)),
     ("sync ms", _m("weight_sync_ms")), ("staleness", _hist),
     ("device", lambda r: r["device"]),
@@ -325,7 +328,7 @@ def main(argv=None) -> int:
     worst = seeded_max_latency(args, tasks)
     kw = env_kwargs(args)
     print(f"environment: {args.turns} turns, step latency log-normal median {kw['median_s']:.3g} s sigma "
-          f"{kw['sigma']:.3f} (p99 {kw['median_s'] * 2.718281828 ** (E.Z99 * kw['sigma']):.3g} s); longest seeded "
+          f"{kw['sigma']:.3f} (p99 {kw['median_s'] * math.exp(E.Z99 * kw['sigma']):.3g} s); longest seeded "
           f"step over the prompts file {worst:.2f} s; env.step_timeout_s {args.step_timeout_s:g}", flush=True)
     if worst >= args.step_timeout_s:
         raise SystemExit(f"--step-timeout-s {args.step_timeout_s:g} is not above the longest seeded step "
@@ -357,6 +360,7 @@ def main(argv=None) -> int:
             records.append(rec)
             print(H.append_row(table, COLUMNS, rec), flush=True)
     _append_ratios(table, records)
+    print(f"\n{table}:\n{table.read_text()}", flush=True)
     return 0
 
 

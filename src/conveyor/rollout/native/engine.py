@@ -94,7 +94,7 @@ class NativeEngine:
                  dtype: str | torch.dtype | None = "auto", max_batch: int = 256,
                  refill: int | None = None, prefill_token_budget: int = 16384, version: int = 0,
                  runner: str = "auto", kv_fraction: float = 0.4, kv_blocks: int | None = None,
-                 block_size: int = 16, cuda_graphs: bool = True):
+                 block_size: int = 16, cuda_graphs: bool = True, prefix_cache: bool = False):
         if max_batch < 1:
             raise ValueError(f"NativeEngine max_batch must be >= 1, got {max_batch}")
         if runner not in RUNNERS:
@@ -115,7 +115,7 @@ class NativeEngine:
         if self.paged:
             self.runner = PagedGraphRunner(model, max_batch=max_batch, block_size=block_size, kv_fraction=kv_fraction,
                                      kv_blocks=kv_blocks, cuda_graphs=cuda_graphs,
-                                     prefill_token_budget=prefill_token_budget)
+                                     prefill_token_budget=prefill_token_budget, prefix_cache=prefix_cache)
         else:
             self.runner = HFModelRunner(model, prefill_token_budget)
         self.eos_ids = _eos_ids(model, tokenizer)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from conveyor.rollout.native.kernels import torch_ops
 from conveyor.rollout.native.decoder import PagedDecoder
+from conveyor.rollout.native.prefix_cache import PrefixCache
 from conveyor.rollout.native.paged import BlockAllocator, blocks_for, kv_bytes_per_token, kv_pool_blocks
 from conveyor.rollout.native.runner import context_limit
 
@@ -41,6 +42,8 @@ class SeqKV:
     row: int
     blocks: list[int]
     cached: int
+    start: int = 0  # tokens whose KV came from the prefix cache (prefill computes the rest)
+    version: int = -1  # the weights version its prefill ran with
 
 
 def decode_buckets(max_batch: int) -> list[int]:
@@ -71,7 +74,8 @@ def _select_ops(device: torch.device):
 
 class PagedGraphRunner:
     def __init__(self, model, *, max_batch: int, block_size: int = 16, kv_fraction: float = 0.4,
-                 kv_blocks: int | None = None, cuda_graphs: bool = True, prefill_token_budget: int = 16384):
+                 kv_blocks: int | None = None, cuda_graphs: bool = True, prefill_token_budget: int = 16384,
+                 prefix_cache: bool = False):
         self.context_limit = context_limit(model.config)
         self.net = PagedDecoder(model, self.context_limit)
         self.device, self.dtype = self.net.device, self.net.dtype
@@ -107,6 +111,9 @@ class PagedGraphRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.kv = None
         self.allocator: BlockAllocator | None = None
+        self._use_prefix = bool(prefix_cache)
+        self.prefix: PrefixCache | None = None
+        self.prefix_version = -1  # the weights version the cached KV was computed with
         self.reacquire_memory()
 
     # ----- memory -----------------------------------------------------------------
@@ -129,6 +136,7 @@ class PagedGraphRunner:
         self.kv = torch.zeros(net.num_layers, 2, blocks * self.block_size, net.nkv, net.head_dim,
                               dtype=self.dtype, device=self.device)
         self.allocator = BlockAllocator(blocks)
+        self.prefix = PrefixCache(self.allocator, self.block_size) if self._use_prefix else None
         log.info("fast runner: KV pool of %d blocks x %d tokens (%.2f GiB)", blocks, self.block_size,
                  blocks * self.bytes_per_block / 2**30)
         if self.use_graphs:
@@ -141,6 +149,7 @@ class PagedGraphRunner:
         self._graphs.clear()
         self.kv = None
         self.allocator = None
+        self.prefix = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -174,10 +183,27 @@ class PagedGraphRunner:
         self._bt_updates[2].append(block)
         self._tail[seq.row] = block
 
+    def serve_version(self, version: int) -> None:
+        """The weights version prefills run with from now on: KV cached under another is dropped."""
+        if version != self.prefix_version and self.prefix is not None:
+            self.prefix.clear()
+        self.prefix_version = version
+
+    def _allocate(self, n: int) -> list[int] | None:
+        got = self.allocator.allocate(n)
+        if got is None and self.prefix is not None:
+            self.prefix.evict(n - self.allocator.num_free)
+            got = self.allocator.allocate(n)
+        return got
+
     def free(self, req) -> None:
         seq = req.kv
         if seq is None:
             return
+        if self.prefix is not None and seq.version == self.prefix_version:
+            # Its full blocks stay findable by the tokens they hold (only KV of the weights being
+            # served: a sequence that began under older weights keeps its KV to itself).
+            self.prefix.insert(self.tokens_of(req), seq.blocks, int(self._cached[seq.row]))
         self.allocator.free(seq.blocks)
         self._free_rows.append(seq.row)
         req.kv = None
@@ -211,7 +237,9 @@ class PagedGraphRunner:
         A reserve of about 1% of the pool is kept for the running batch's next blocks
         (only while something runs: an empty pool always takes the first request).
         """
-        free = self.allocator.num_free
+        # Blocks only the prefix cache holds are free for the taking (evicted on allocation); a
+        # request is charged its whole length, which covers any cached blocks it will pin.
+        free = self.allocator.num_free + (self.prefix.evictable() if self.prefix is not None else 0)
         reserve = max(1, self.allocator.capacity // 100)
         seen: set = set()
         state = {"taken": bool(running)}
@@ -238,12 +266,12 @@ class PagedGraphRunner:
         for i in need.tolist():
             if i >= end:
                 break
-            got = self.allocator.allocate(1)
+            got = self._allocate(1)
             while got is None and end - 1 > i:
                 end -= 1
                 preempted.append(running[end])
                 self.free(running[end])
-                got = self.allocator.allocate(1)
+                got = self._allocate(1)
             if got is None:
                 if i == 0:
                     raise RuntimeError(f"the KV pool ({self.allocator.capacity} blocks of {self.block_size} tokens) "
@@ -265,10 +293,13 @@ class PagedGraphRunner:
         for i in leaders:
             r = requests[i]
             n = len(r.prompt_ids) + len(r.token_ids)
-            blocks = self.allocator.allocate(blocks_for(n, self.block_size))
+            cached = [self.allocator.share(b) for b in self.prefix.lookup(self.tokens_of(r))] \
+                if self.prefix is not None else []
+            blocks = self._allocate(blocks_for(n, self.block_size) - len(cached))
             if blocks is None:
                 raise RuntimeError("fast runner: prefill admitted more tokens than the KV pool holds")
-            r.kv = self._new_seq(blocks, n)
+            r.kv = self._new_seq(cached + blocks, n)
+            r.kv.start, r.kv.version = len(cached) * self.block_size, self.prefix_version
         logits = self._prefill_leaders([requests[i] for i in leaders])
         row_of = {}
         for j, (key, members) in enumerate(groups.items()):
@@ -287,13 +318,14 @@ class PagedGraphRunner:
         for r in followers:
             blocks = [self.allocator.share(b) for b in seq.blocks[:full]]
             if partial:
-                got = self.allocator.allocate(1)
+                got = self._allocate(1)
                 if got is None:
                     raise RuntimeError("fast runner: prefill admitted more tokens than the KV pool holds")
                 src.append(seq.blocks[-1])
                 dst.append(got[0])
                 blocks += got
             r.kv = self._new_seq(blocks, seq.cached)
+            r.kv.version = seq.version
         if src:
             pool = self.kv.view(self.net.num_layers, 2, -1, self.block_size, self.net.nkv, self.net.head_dim)
             s = torch.tensor(src, device=self.device)
@@ -301,10 +333,10 @@ class PagedGraphRunner:
 
     def _prefill_leaders(self, leaders: list) -> torch.Tensor:
         """Logits of each leader's last token; sequences run in chunks of about ``prefill_token_budget`` tokens."""
-        order = sorted(range(len(leaders)), key=lambda i: leaders[i].kv.cached)
+        order = sorted(range(len(leaders)), key=lambda i: leaders[i].kv.cached - leaders[i].kv.start)
         chunks, cur, tokens = [], [], 0
         for i in order:
-            n = leaders[i].kv.cached
+            n = leaders[i].kv.cached - leaders[i].kv.start
             if cur and tokens + n > self.prefill_token_budget:
                 chunks.append(cur)
                 cur, tokens = [], 0
@@ -319,37 +351,50 @@ class PagedGraphRunner:
         return out
 
     def _prefill_chunk(self, seqs: list) -> torch.Tensor:
-        ps = self.block_size
-        lens = [r.kv.cached for r in seqs]
-        ids = np.concatenate([np.asarray(self.tokens_of(r), dtype=np.int64) for r in seqs])
-        pos = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
-        slots = np.concatenate([np.asarray(r.kv.blocks, dtype=np.int64)[np.arange(n) // ps] * ps + np.arange(n) % ps
-                                for r, n in zip(seqs, lens)])
-        dev = self.device
+        """One forward over the tokens of ``seqs`` that have no KV yet (positions ``start..cached``)."""
+        ps, dev, net = self.block_size, self.device, self.net
+        spans = [(r.kv.start, r.kv.cached) for r in seqs]
+
+        def slots_of(r, positions: np.ndarray) -> np.ndarray:
+            return np.asarray(r.kv.blocks, dtype=np.int64)[positions // ps] * ps + positions % ps
+
+        ids = np.concatenate([np.asarray(self.tokens_of(r)[s:n], dtype=np.int64) for r, (s, n) in zip(seqs, spans)])
+        pos = np.concatenate([np.arange(s, n, dtype=np.int64) for s, n in spans])
+        slots = np.concatenate([slots_of(r, np.arange(s, n)) for r, (s, n) in zip(seqs, spans)])
         ids_t, pos_t, slots_t = (torch.from_numpy(a).to(dev) for a in (ids, pos, slots))
-        runs, start = [], 0  # (first token, sequences, length) of each run of equal lengths
-        for n in lens:
-            if runs and runs[-1][2] == n and runs[-1][0] + runs[-1][1] * n == start:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
+        # Fresh sequences of equal length attend together (causal); a sequence that continues a
+        # cached prefix attends alone, its queries over the whole context (causal from the end).
+        runs, start = [], 0  # (first token, sequences, length, context slots or None)
+        for r, (s, n) in zip(seqs, spans):
+            if s == 0 and runs and runs[-1][3] is None and runs[-1][2] == n:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, n, None)
             else:
-                runs.append((start, 1, n))
-            start += n
-        net = self.net
+                ctx = torch.from_numpy(slots_of(r, np.arange(n))).to(dev) if s else None
+                runs.append((start, 1, n - s, ctx))
+            start += n - s
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             k, v = self.kv[i, 0][slots_t], self.kv[i, 1][slots_t]
             out = torch.empty(q.shape[0], net.nq * net.head_dim, dtype=q.dtype, device=dev)
-            for first, count, n in runs:
+            for first, count, n, ctx in runs:
                 part = slice(first, first + count * n)
                 qs = q[part].view(count, n, net.nq, -1).transpose(1, 2)
-                ks = k[part].view(count, n, net.nkv, -1).transpose(1, 2)
-                vs = v[part].view(count, n, net.nkv, -1).transpose(1, 2)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=net.scale, enable_gqa=True)
+                if ctx is None:
+                    ks = k[part].view(count, n, net.nkv, -1).transpose(1, 2)
+                    vs = v[part].view(count, n, net.nkv, -1).transpose(1, 2)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=net.scale, enable_gqa=True)
+                else:
+                    total = ctx.numel()
+                    ks = self.kv[i, 0][ctx].view(1, total, net.nkv, -1).transpose(1, 2)
+                    vs = self.kv[i, 1][ctx].view(1, total, net.nkv, -1).transpose(1, 2)
+                    mask = (torch.arange(total, device=dev)[None, :]
+                            <= torch.arange(total - n, total, device=dev)[:, None])
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=net.scale, enable_gqa=True)
                 out[part] = o.transpose(1, 2).reshape(count * n, -1)
             return out
 
         hidden = net.forward(ids_t, pos_t, slots_t, self._layer_kv, attend, self.ops)
-        last = torch.from_numpy(np.cumsum(lens) - 1).to(dev)
+        last = torch.from_numpy(np.cumsum([n - s for s, n in spans]) - 1).to(dev)
         return net.logits(hidden.index_select(0, last))
 
     def _layer_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

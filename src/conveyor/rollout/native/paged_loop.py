@@ -91,6 +91,7 @@ class PagedLoop:
                     t0 = time.perf_counter()
                     with self.engine._lock:
                         version = self.engine.version
+                        self.runner.serve_version(version)
                         logits = self.runner.prefill(admitted)
                     self._read(self._launch(admitted, logits, version, [len(r.token_ids) for r in admitted]))
                     self.counters["prefill_s"] += time.perf_counter() - t0
