@@ -1,5 +1,6 @@
 """The RPC wire format: tensors travel as raw bytes and come back equal, whatever their dtype or layout."""
 import multiprocessing as mp
+from pathlib import Path
 
 import torch
 
@@ -44,7 +45,10 @@ def _echo(conn):
     conn.send_bytes(dumps(loads(conn.recv_bytes())))
 
 
-def test_across_a_process_pipe():
+def test_across_a_process_pipe(monkeypatch):
+    # The spawned child imports this module by name: put the repository root on the path it
+    # inherits, whichever way pytest was started (the `pytest` script does not add it).
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     p = ctx.Process(target=_echo, args=(b,))

@@ -362,40 +362,72 @@ class PagedGraphRunner:
         pos = np.concatenate([np.arange(s, n, dtype=np.int64) for s, n in spans])
         slots = np.concatenate([slots_of(r, np.arange(s, n)) for r, (s, n) in zip(seqs, spans)])
         ids_t, pos_t, slots_t = (torch.from_numpy(a).to(dev) for a in (ids, pos, slots))
-        # Fresh sequences of equal length attend together (causal); a sequence that continues a
-        # cached prefix attends alone, its queries over the whole context (causal from the end).
-        runs, start = [], 0  # (first token, sequences, length, context slots or None)
-        for r, (s, n) in zip(seqs, spans):
-            if s == 0 and runs and runs[-1][3] is None and runs[-1][2] == n:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1, n, None)
+        if all(st == 0 for st, _ in spans) and len({n for _, n in spans}) <= 4:
+            attend = self._attend_runs([n for _, n in spans], slots_t)
+        else:
+            attend = self._attend_padded(seqs, spans, slots_of)
+        hidden = net.forward(ids_t, pos_t, slots_t, self._layer_kv, attend, self.ops)
+        last = torch.from_numpy(np.cumsum([n - s for s, n in spans]) - 1).to(dev)
+        return net.logits(hidden.index_select(0, last))
+
+    def _attend_runs(self, lens: list[int], slots_t: torch.Tensor):
+        """Attention of fresh sequences, one causal call per run of equal lengths (prompts of one
+        length, as in a batch of same-size prompts, attend in a single call)."""
+        net, dev = self.net, self.device
+        runs, start = [], 0  # (first token, sequences, length) of each run of equal lengths
+        for n in lens:
+            if runs and runs[-1][2] == n and runs[-1][0] + runs[-1][1] * n == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
             else:
-                ctx = torch.from_numpy(slots_of(r, np.arange(n))).to(dev) if s else None
-                runs.append((start, 1, n - s, ctx))
-            start += n - s
+                runs.append((start, 1, n))
+            start += n
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             k, v = self.kv[i, 0][slots_t], self.kv[i, 1][slots_t]
             out = torch.empty(q.shape[0], net.nq * net.head_dim, dtype=q.dtype, device=dev)
-            for first, count, n, ctx in runs:
+            for first, count, n in runs:
                 part = slice(first, first + count * n)
                 qs = q[part].view(count, n, net.nq, -1).transpose(1, 2)
-                if ctx is None:
-                    ks = k[part].view(count, n, net.nkv, -1).transpose(1, 2)
-                    vs = v[part].view(count, n, net.nkv, -1).transpose(1, 2)
-                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=net.scale, enable_gqa=True)
-                else:
-                    total = ctx.numel()
-                    ks = self.kv[i, 0][ctx].view(1, total, net.nkv, -1).transpose(1, 2)
-                    vs = self.kv[i, 1][ctx].view(1, total, net.nkv, -1).transpose(1, 2)
-                    mask = (torch.arange(total, device=dev)[None, :]
-                            <= torch.arange(total - n, total, device=dev)[:, None])
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=net.scale, enable_gqa=True)
+                ks = k[part].view(count, n, net.nkv, -1).transpose(1, 2)
+                vs = v[part].view(count, n, net.nkv, -1).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=net.scale, enable_gqa=True)
                 out[part] = o.transpose(1, 2).reshape(count * n, -1)
             return out
+        return attend
 
-        hidden = net.forward(ids_t, pos_t, slots_t, self._layer_kv, attend, self.ops)
-        last = torch.from_numpy(np.cumsum([n - s for s, n in spans]) - 1).to(dev)
-        return net.logits(hidden.index_select(0, last))
+    def _attend_padded(self, seqs: list, spans: list[tuple[int, int]], slots_of):
+        """Attention of sequences of any lengths, with or without a cached prefix, in ONE call per
+        layer: queries (the new tokens) and keys (the whole context, read from the pool) padded
+        to the longest, a mask for causality from the end of each context and for the padding.
+        (One call per sequence costs a launch per sequence and layer: the host becomes the limit
+        when every sequence has its own length, as a multi-turn episode's turns do.)"""
+        net, dev = self.net, self.device
+        B = len(seqs)
+        qlen = np.array([n - st for st, n in spans])
+        klen = np.array([n for _, n in spans])
+        maxq, maxk = int(qlen.max()), int(klen.max())
+        q_rows = torch.from_numpy(np.concatenate([b * maxq + np.arange(m) for b, m in enumerate(qlen)])).to(dev)
+        ctx = np.zeros((B, maxk), dtype=np.int64)  # padding reads slot 0 (the null block), masked out
+        for b, (r, (_, n)) in enumerate(zip(seqs, spans)):
+            ctx[b, :n] = slots_of(r, np.arange(n))
+        ctx_t = torch.from_numpy(ctx).to(dev)
+        qpos = torch.from_numpy(klen - qlen).to(dev)[:, None] + torch.arange(maxq, device=dev)[None, :]  # [B, maxq]
+        keys = torch.arange(maxk, device=dev)
+        mask = (keys[None, None, :] <= qpos[:, :, None]) & (keys[None, None, :] < torch.from_numpy(klen).to(dev)[:, None, None])
+        mask[:, :, 0] = True  # padded query rows attend to something (their output is dropped)
+        mask = mask[:, None]  # [B, 1, maxq, maxk]
+        rep = net.nq // net.nkv
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            qp = torch.zeros(B * maxq, net.nq, net.head_dim, dtype=q.dtype, device=dev)
+            qp[q_rows] = q.view(-1, net.nq, net.head_dim)
+            # Key / value heads repeated for the query heads: the kernels that take a mask need it.
+            k = self.kv[i, 0][ctx_t].repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, nq, maxk, d]
+            v = self.kv[i, 1][ctx_t].repeat_interleave(rep, dim=2).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qp.view(B, maxq, net.nq, -1).transpose(1, 2), k, v,
+                                               attn_mask=mask, scale=net.scale)
+            return o.transpose(1, 2).reshape(B * maxq, -1)[q_rows]
+        return attend
 
     def _layer_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[i, 0], self.kv[i, 1]
