@@ -87,9 +87,11 @@ class RolloutConfig(_Section):
     kv_blocks: int | None = Field(None, ge=1, description="fast runner: KV pool size in blocks (overrides kv_fraction)")
     block_size: int = Field(16, ge=1, description="fast runner: tokens per KV block")
     cuda_graphs: bool = Field(True, description="fast runner: capture decode steps in CUDA graphs")
-    prefix_cache: Literal["auto", "on", "off"] = Field("auto", description=(
-        "fast runner: keep ended sequences' KV blocks and reuse them for requests that start with the same "
-        "tokens (a multi-turn episode's next turn); auto = on with env.name"))
+    prefix_cache: Literal["auto", "off", "version", "stale"] = Field("auto", description=(
+        "fast runner: keep ended sequences' KV blocks for requests that start with the same tokens (a "
+        "multi-turn episode's next turn). version: only KV of the weights being served; stale: also across "
+        "weight swaps, as partial rollouts keep a running generation's KV; auto: stale with env.name, partial "
+        "rollouts and max_staleness > 0, version with env.name otherwise, else off"))
     vllm_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
         "extra vllm.LLM arguments (gpu_memory_utilization, tensor_parallel_size, enable_sleep_mode, ...)"))
     vllm_weight_sync: Literal["reload", "nccl", "ipc"] = Field("reload", description=(
@@ -353,7 +355,8 @@ class RunConfig(_Section):
             # no extra pass (docs/architecture.md, "Choices measured").
             self.algo.loss = "decoupled_ppo" if self.loop.max_staleness > 0 else "ppo"
         if self.rollout.prefix_cache == "auto":
-            self.rollout.prefix_cache = "on" if self.env.name else "off"
+            streaming = self.loop.partial_rollouts and self.loop.max_staleness > 0
+            self.rollout.prefix_cache = ("stale" if streaming else "version") if self.env.name else "off"
         if self.algo.kl_coef > 0 and not self.trainer.reference:
             raise ValueError("algo.kl_coef > 0 needs a reference model: set trainer.reference=true")
         if self.algo.advantage == "gae" and not self.trainer.critic:

@@ -48,7 +48,7 @@ def model(tok):
 
 def engine(model, tok, prefix: bool):
     return NativeEngine(copy.deepcopy(model), tok, device="cpu", dtype="float32", runner="fast", kv_blocks=128,
-                        block_size=4, max_batch=8, cuda_graphs=False, prefix_cache=prefix)
+                        block_size=4, max_batch=8, cuda_graphs=False, prefix_cache="version" if prefix else "off")
 
 
 def test_continuing_a_sequence_reuses_its_blocks_with_the_same_result(model, tok):
@@ -84,9 +84,20 @@ def test_a_new_weights_version_drops_the_cache(model, tok):
 
 def test_a_full_pool_evicts_cached_blocks_instead_of_failing(model, tok):
     eng = NativeEngine(copy.deepcopy(model), tok, device="cpu", dtype="float32", runner="fast", kv_blocks=24,
-                       block_size=4, max_batch=4, cuda_graphs=False, prefix_cache=True)
+                       block_size=4, max_batch=4, cuda_graphs=False, prefix_cache="version")
     params = SamplingParams(temperature=1.0, max_new_tokens=20, seed=0)
     for i in range(6):  # each call leaves blocks in the cache; the pool holds about one call
         out = eng.generate([tok.encode(f"prompt number {i} " * 2)] * 2, params)
         assert all(len(c[0].token_ids) >= 1 for c in out)
     assert eng.runner.allocator.num_free + eng.runner.prefix.evictable() == eng.runner.allocator.capacity
+
+
+def test_stale_mode_keeps_the_cache_across_weight_swaps(model, tok):
+    eng = NativeEngine(copy.deepcopy(model), tok, device="cpu", dtype="float32", runner="fast", kv_blocks=128,
+                       block_size=4, max_batch=8, cuda_graphs=False, prefix_cache="stale")
+    p = [tok.encode("weights matter here")]
+    out = eng.generate(p, SamplingParams(temperature=0.0, max_new_tokens=8))
+    eng.update_weights({k: v.clone() for k, v in model.state_dict().items()}, version=1)
+    hits0 = eng.runner.prefix.hits
+    eng.generate([p[0] + out[0][0].token_ids], SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert eng.runner.prefix.hits > hits0

@@ -94,7 +94,7 @@ class NativeEngine:
                  dtype: str | torch.dtype | None = "auto", max_batch: int = 256,
                  refill: int | None = None, prefill_token_budget: int = 16384, version: int = 0,
                  runner: str = "auto", kv_fraction: float = 0.4, kv_blocks: int | None = None,
-                 block_size: int = 16, cuda_graphs: bool = True, prefix_cache: bool = False):
+                 block_size: int = 16, cuda_graphs: bool = True, prefix_cache: str = "off"):
         if max_batch < 1:
             raise ValueError(f"NativeEngine max_batch must be >= 1, got {max_batch}")
         if runner not in RUNNERS:

@@ -75,7 +75,7 @@ def _select_ops(device: torch.device):
 class PagedGraphRunner:
     def __init__(self, model, *, max_batch: int, block_size: int = 16, kv_fraction: float = 0.4,
                  kv_blocks: int | None = None, cuda_graphs: bool = True, prefill_token_budget: int = 16384,
-                 prefix_cache: bool = False):
+                 prefix_cache: str = "off"):
         self.context_limit = context_limit(model.config)
         self.net = PagedDecoder(model, self.context_limit)
         self.device, self.dtype = self.net.device, self.net.dtype
@@ -111,7 +111,11 @@ class PagedGraphRunner:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.kv = None
         self.allocator: BlockAllocator | None = None
-        self._use_prefix = bool(prefix_cache)
+        if prefix_cache not in ("off", "version", "stale", "auto"):
+            raise ValueError(f"prefix_cache {prefix_cache!r}: choose off, version or stale")
+        self._use_prefix = prefix_cache in ("version", "stale")
+        # stale: cached KV outlives a weight swap, as a running generation's does with partial rollouts
+        self._prefix_stale = prefix_cache == "stale"
         self.prefix: PrefixCache | None = None
         self.prefix_version = -1  # the weights version the cached KV was computed with
         self.reacquire_memory()
@@ -185,7 +189,7 @@ class PagedGraphRunner:
 
     def serve_version(self, version: int) -> None:
         """The weights version prefills run with from now on: KV cached under another is dropped."""
-        if version != self.prefix_version and self.prefix is not None:
+        if version != self.prefix_version and self.prefix is not None and not self._prefix_stale:
             self.prefix.clear()
         self.prefix_version = version
 
@@ -200,7 +204,7 @@ class PagedGraphRunner:
         seq = req.kv
         if seq is None:
             return
-        if self.prefix is not None and seq.version == self.prefix_version:
+        if self.prefix is not None and (self._prefix_stale or seq.version == self.prefix_version):
             # Its full blocks stay findable by the tokens they hold (only KV of the weights being
             # served: a sequence that began under older weights keeps its KV to itself).
             self.prefix.insert(self.tokens_of(req), seq.blocks, int(self._cached[seq.row]))
