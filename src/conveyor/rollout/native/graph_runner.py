@@ -243,16 +243,21 @@ class PagedGraphRunner:
         """
         # Blocks only the prefix cache holds are free for the taking (evicted on allocation); a
         # request is charged its whole length, which covers any cached blocks it will pin.
-        free = self.allocator.num_free + (self.prefix.evictable() if self.prefix is not None else 0)
+        # (Counted only when the free list falls short: a walk over the cache on every step would
+        # cost the host more than the decode step.)
+        free = self.allocator.num_free
         reserve = max(1, self.allocator.capacity // 100)
         seen: set = set()
-        state = {"taken": bool(running)}
+        state = {"taken": bool(running), "counted": self.prefix is None}
 
         def fits(req) -> bool:
             nonlocal free
             n = len(req.prompt_ids) + len(req.token_ids)
             key = self.share_key(req)
             need = (1 if n % self.block_size else 0) if key in seen else blocks_for(n, self.block_size)
+            if free - need < (reserve if state["taken"] else 0) and not state["counted"]:
+                state["counted"] = True
+                free += self.prefix.evictable()
             if free - need < (reserve if state["taken"] else 0):
                 return False
             free -= need
