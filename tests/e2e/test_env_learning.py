@@ -31,13 +31,13 @@ def test_tool_use_recipe_learns_to_call_the_calculator(tmp_path):
     assert s["eval_reward_initial"] < 0.05
     assert s["eval_sampled_tool_calls_warmstart"] < 0.75          # imitation: both habits
     assert s["eval_sampled_tool_calls_final"] > 0.9               # RL: the tool pays
-    assert s["eval_sampled_reward_final"] - s["eval_sampled_reward_warmstart"] >= 0.15, s
+    assert s["eval_sampled_reward_final"] - s["eval_sampled_reward_warmstart"] >= 0.25, s
     assert s["eval_reward_final"] >= s["eval_reward_warmstart"] - 0.05, s
 
 
 def test_guess_number_recipe_wins_more_games_in_fewer_turns(tmp_path):
     s = _train("guess_number.yaml", tmp_path / "run")
     assert s["eval_reward_warmstart"] > 0.2                        # the warm start taught the game
-    assert s["eval_reward_final"] - s["eval_reward_warmstart"] >= 0.1, s
-    assert s["eval_sampled_reward_final"] - s["eval_sampled_reward_warmstart"] >= 0.05, s
+    assert s["eval_reward_final"] - s["eval_reward_warmstart"] >= 0.15, s
+    assert s["eval_sampled_reward_final"] - s["eval_sampled_reward_warmstart"] >= 0.06, s
     assert s["eval_turns_final"] < s["eval_turns_warmstart"], s
