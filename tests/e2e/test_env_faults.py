@@ -112,3 +112,14 @@ def test_escape_attempts_through_the_python_tool_become_observations():
         assert failure in ("sandbox_violation", "timeout") or "Error" in result.observation, (name, result)
     assert out["answer"][0].done and out["answer"][0].reward == 1.0  # the episode went on
     pool.close()
+
+
+def test_bad_env_kwargs_are_refused_before_the_run_in_one_line(tmp_path, capsys):
+    from conveyor.cli import main
+    rc = main(["train", f"--output-dir={tmp_path / 'run'}", "env.name=tools", "env.kwargs.tools=[abacus]",
+               "data.source=synthetic:multiply", "sft.steps=0", "loop.steps=1", "observe.progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0
+    assert any("env.name='tools' with env.kwargs={'tools': ['abacus']}: building it raised ValueError: "
+               "env.kwargs.tools: unknown tool(s) ['abacus']" in line for line in err), err
+    assert not any("Traceback" in line for line in err)

@@ -194,6 +194,7 @@ def episode_runner(cfg, workers: list[EngineWorker], tokenizer, context_limit: i
 
     e = cfg.env
     factory = load_env(e.name)
+    _check_builds(factory, e)
     pool = EnvPool(lambda: factory(**e.kwargs), PoolLimits.from_config(e), e.tool_format, name=e.name)
     fmt = TurnFormat(tokenizer, chat=cfg.data.chat_template, role=e.observation_role,
                      template=e.observation_template, system_prompt=cfg.data.system_prompt,
@@ -215,3 +216,17 @@ class _Teacher:
         action = self.teacher(self.task, self.fmt.decode(ids), self.rng)
         toks = list(self.fmt.tok(action, add_special_tokens=False)["input_ids"]) + [self.fmt.tok.eos_token_id]
         return Completion(toks, [0.0] * len(toks), [0] * len(toks), "stop", action)
+
+
+def _check_builds(factory: Callable, e) -> None:
+    """Build one instance before the run starts, so a bad ``env.kwargs`` is one line now rather
+    than a stream of failed episodes later."""
+    from conveyor.controller.run import SetupError
+    from conveyor.env.pool import _close_quietly
+    try:
+        instance = factory(**e.kwargs)
+    except Exception as err:  # noqa: BLE001 - any error of user code is reported the same way
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise SetupError(f"env.name={e.name!r} with env.kwargs={dict(e.kwargs)}: building it raised "
+                         f"{type(err).__name__}: {first}; fix env.kwargs or the environment") from None
+    _close_quietly(instance)

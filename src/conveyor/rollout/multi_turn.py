@@ -87,7 +87,11 @@ class TurnFormat:
                    [{"role": "user", "content": observation}]
         return list(self.tok(render_prompt(self.tok, messages, tools), add_special_tokens=False)["input_ids"])
 
-    def observation_ids(self, observation: str, ended_with_eos: bool) -> list[int]:
+    def observation_ids(self, observation: str, ended_with_eos: bool, limit: int | None = None) -> list[int]:
+        if limit is not None and len(observation) > 32 * limit:
+            # A token is rarely over 32 characters: what lies past that is cut anyway, and a
+            # megabyte observation is not worth tokenizing whole. (The marker is added by ``cut``.)
+            observation = observation[: 32 * limit]
         if not self.chat:
             text = self.template.format(observation=observation)
         else:
@@ -103,12 +107,13 @@ class TurnFormat:
             text = end + full[len(head):] if full.startswith(head) else end + observation
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
-    def cut(self, ids: list[int], limit: int) -> tuple[list[int], bool]:
-        """``ids`` cut to ``limit`` tokens (the marker's included) and whether they were."""
-        if len(ids) <= limit:
+    def cut(self, ids: list[int], limit: int, force: bool = False) -> tuple[list[int], bool]:
+        """``ids`` cut to ``limit`` tokens (the marker's included) and whether they were
+        (``force``: the text was already cut before tokenizing; mark it however short)."""
+        if len(ids) <= limit and not force:
             return ids, False
         marker = list(self.tok(CUT_MARKER, add_special_tokens=False)["input_ids"])
-        keep = max(0, limit - len(marker))
+        keep = max(0, min(len(ids), limit - len(marker)))
         return ids[:keep] + marker[: limit - keep], True
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -164,8 +169,9 @@ async def run_episode(engine: TurnEngine, session: EnvSession, task: Task, fmt: 
         if turn + 1 == limits.max_turns:
             break  # no turn follows: the last observation would only be read by nobody
         ended_with_eos = c.finish_reason == "stop" and bool(toks) and toks[-1] == fmt.tok.eos_token_id
-        obs, was_cut = fmt.cut(fmt.observation_ids(result.observation, ended_with_eos),
-                               limits.max_observation_tokens)
+        raw = fmt.observation_ids(result.observation, ended_with_eos, limits.max_observation_tokens)
+        obs, was_cut = fmt.cut(raw, limits.max_observation_tokens,
+                               force=len(result.observation) > 32 * limits.max_observation_tokens)
         if was_cut:
             session.pool.count("truncated_observation")
         if len(obs) >= min(limits.max_tokens - len(run.ids), limits.context_limit - len(prompt) - len(run.ids)):

@@ -153,6 +153,14 @@ def test_turns_and_token_budgets_and_truncated_observations(served, tok):
     assert len(gap) == 12 and tok.decode(list(gap)).endswith(CUT_MARKER)
     assert runner.pool.counts()["truncated_observation"] == 3
 
+    big, _, _ = served(lambda: Counter(turns=2, obs="y" * 5_000_000), max_obs=20, n=1)  # a 5 MB observation
+    big.start_group(0, Task("t", "go:"), seed=3)
+    (out_big,) = wait_groups(big, 1)
+    tb = out_big.group.trajectories[0]
+    gap = tb.completion_ids[tb.turn_records[0].end:tb.turn_records[1].start]
+    assert len(gap) == 20 and tok.decode(list(gap)).endswith(CUT_MARKER)
+    assert big.pool.counts()["truncated_observation"] == 1
+
     runner2, _, _ = served(lambda: Counter(turns=99), max_turns=10, max_tokens=15, n=1)
     runner2.start_group(0, Task("t", "go:"), seed=3)
     (out2,) = wait_groups(runner2, 1)
@@ -182,3 +190,14 @@ def test_turn_advantages_by_hand():
     assert torch.allclose(a, want, atol=1e-5)
     centred = algo.turn_advantages(r, m, gamma=0.5, std_normalize=False)
     assert torch.allclose(centred[0], torch.tensor([G[0] - mean, G[1] - mean, G[2] - mean]))
+
+
+def test_chat_format_closes_the_turn_and_opens_the_next(tok):
+    fmt = TurnFormat(tok, chat=True, role="tool")
+    # The tiny template ends an assistant message with a newline; the model's turn ended at EOS,
+    # so the observation starts by closing it, then the tool message, then the next assistant turn.
+    assert tok.decode(fmt.observation_ids("42", ended_with_eos=True)) == "\n<|tool|>42\n<|assistant|>"
+    first = fmt.first_prompt("what is 6*7?", ())
+    assert tok.decode(first) == "<|user|>what is 6*7?\n<|assistant|>"
+    plain = TurnFormat(tok, chat=False, template=" [{observation}]")
+    assert tok.decode(plain.observation_ids("x", ended_with_eos=True)) == " [x]"
