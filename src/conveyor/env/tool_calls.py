@@ -12,6 +12,8 @@ It knows nothing of tokens or engines.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import TYPE_CHECKING
 
 from conveyor.env.api import StepResult, ToolError
@@ -56,15 +58,19 @@ async def _one_call(session: "EnvSession", call, by_name) -> tuple[str, str]:
     key = f"tool:{tool.name}"
     if not pool.breaker.allow(key):
         return format_error(f"tool {tool.name} is unavailable (quarantined after repeated failures)"), "quarantined"
-    timeout = tool.timeout_s or pool.limits.tool_timeout_s
+    timeout, what = tool.timeout_s or pool.limits.tool_timeout_s, f"tool {tool.name}"
+    if inspect.iscoroutinefunction(tool.fn):
+        async def run():
+            return await tool.fn(**call.arguments)
+    else:  # a plain function runs in the pool's threads, so a slow one does not stop the loop
+        run = functools.partial(tool.fn, **call.arguments)
     try:
-        out = await pool.call(lambda: tool.fn(**call.arguments), timeout=timeout, what=f"tool {tool.name}") \
-            if not _is_async(tool.fn) else await pool.call(_awaiting(tool.fn, call.arguments), timeout=timeout,
-                                                           what=f"tool {tool.name}")
+        out = await pool.call(run, timeout=timeout, what=what)
     except ToolError as e:
-        # The tool answered with a failure the model should read (bad input, a sandbox violation):
-        # the tool itself works, so it does not count against its breaker.
-        pool.breaker.record(key, e.kind in ("bad_arguments", "sandbox_violation"))
+        # The tool answered with a failure the model should read (bad input, a sandbox violation,
+        # the model's code running out of time): the tool itself works; its breaker counts only
+        # the tool's own failures (a crash, no answer within the deadline).
+        pool.breaker.record(key, True)
         return format_error(f"{tool.name}: {e}"), e.kind
     except EnvFailure as e:
         pool.breaker.record(key, False)
@@ -74,14 +80,3 @@ async def _one_call(session: "EnvSession", call, by_name) -> tuple[str, str]:
         return format_error(f"tool {tool.name} returned {type(out).__name__}, not text"), "bad_return"
     pool.breaker.record(key, True)
     return format_tool_result(tool.name, out), ""
-
-
-def _is_async(fn) -> bool:
-    import inspect
-    return inspect.iscoroutinefunction(fn)
-
-
-def _awaiting(fn, arguments):
-    async def run():
-        return await fn(**arguments)
-    return run
