@@ -358,3 +358,19 @@ def record_run(rec: dict) -> Path:
     kind = rec.get("device_kind")
     return append_record(rec["workload"], metrics, config=config, name=rec["name"], card=rec.get("device"),
                          gpu=kind == "cuda" if kind in ("cuda", "cpu") else None)
+
+def add_run_args(p) -> None:
+    """The command-line options every workload script shares: deadlines, seeds, overrides, output."""
+    p.add_argument("--budget-s", type=float, default=None, help="optional wall cap on each run's RL")
+    p.add_argument("--deadline-s", type=float, default=3600.0, help="kill a configuration after this long")
+    p.add_argument("--model-seed", type=int, default=0)
+    p.add_argument("--override", action="append", default=[], help="conveyor key=value for every run")
+    p.add_argument("--sync-override", action="append", default=[],
+                   help="conveyor key=value for the synchronous run only (e.g. its placement)")
+    p.add_argument("--async-override", action="append", default=[],
+                   help="conveyor key=value for the streaming runs only (e.g. launch.placement=disaggregated)")
+    p.add_argument("--table", default=None)
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="intra-op threads of every child (OMP/MKL); on a shared CPU, 1 keeps timings sane")
+    p.add_argument("--recollect", action="store_true",
+                   help="run nothing: rebuild OUT's JSON records and table.md from its run directories")

@@ -85,19 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--target-mean", type=float, default=256.0, help="mean completion length (stop p = 1/mean)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--trl-micro-batch", type=int, default=16, help="TRL sequences per forward/backward")
-    p.add_argument("--budget-s", type=float, default=None, help="optional wall cap on each run's RL")
-    p.add_argument("--deadline-s", type=float, default=3600.0, help="kill a configuration after this long")
-    p.add_argument("--model-seed", type=int, default=0)
-    p.add_argument("--override", action="append", default=[], help="conveyor key=value for every run")
-    p.add_argument("--sync-override", action="append", default=[],
-                   help="conveyor key=value for the synchronous run only (e.g. its placement)")
-    p.add_argument("--async-override", action="append", default=[],
-                   help="conveyor key=value for the asynchronous runs only (e.g. launch.placement=disaggregated)")
-    p.add_argument("--table", default=None)
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="intra-op threads of every child (OMP/MKL); on a shared CPU, 1 keeps timings sane")
-    p.add_argument("--recollect", action="store_true",
-                   help="run nothing: rebuild OUT's JSON records and table.md from its run directories")
+    H.add_run_args(p)
     return p.parse_args(argv)
 
 

@@ -254,19 +254,7 @@ def parse_args(argv=None):
                    help="env.concurrency; 0 = every episode in flight (prompts x group x (staleness + 1), >= 256)")
     p.add_argument("--step-timeout-s", type=float, default=120.0, help="env.step_timeout_s (far above the draws)")
     p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--budget-s", type=float, default=None, help="optional wall cap on each run's RL")
-    p.add_argument("--deadline-s", type=float, default=3600.0, help="kill a configuration after this long")
-    p.add_argument("--model-seed", type=int, default=0)
-    p.add_argument("--override", action="append", default=[], help="conveyor key=value for every run")
-    p.add_argument("--sync-override", action="append", default=[],
-                   help="conveyor key=value for the synchronous run only (e.g. its placement)")
-    p.add_argument("--async-override", action="append", default=[],
-                   help="conveyor key=value for the streaming runs only (e.g. launch.placement=disaggregated)")
-    p.add_argument("--table", default=None)
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="intra-op threads of every child (OMP/MKL); on a shared CPU, 1 keeps timings sane")
-    p.add_argument("--recollect", action="store_true",
-                   help="run nothing: rebuild OUT's JSON records and table.md from its run directories")
+    H.add_run_args(p)
     args = p.parse_args(argv)
     args.systems = "conveyor"  # W3 has no TRL peer (w1_throughput.configurations reads this)
     return args
