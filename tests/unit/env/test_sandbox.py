@@ -228,3 +228,13 @@ def test_unsafe_mode_warns_every_time(caplog):
     r = sb.run("print(6 * 7)")
     assert r.stdout == "42\n" and r.exit_code == 0
     assert sb.run("x = bytearray(10 * 2**30)").violation == "memory"
+
+
+def test_an_interpreter_under_the_hosts_tmp_is_bound_over_the_private_tmp(tmp_path):
+    import venv
+    venv.create(tmp_path / "venv", with_pip=False)  # e.g. a checkout under /tmp with its .venv
+    sb = PythonSandbox(SandboxLimits(wall_s=10), python=str(tmp_path / "venv" / "bin" / "python"))
+    r = sb.run("import sys; open('/tmp/x', 'w').write('ok'); print(sys.prefix, open('/tmp/x').read())")
+    assert r.exit_code == 0 and r.stdout.strip() == f"{tmp_path / 'venv'} ok", r
+    r = sb.run(f"open({str(tmp_path / 'venv' / 'pwned')!r}, 'w')")
+    assert r.exit_code != 0 and "Error" in r.stderr and not (tmp_path / "venv" / "pwned").exists()

@@ -186,8 +186,11 @@ class PythonSandbox:
             drop = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
         else:
             ns, drop = ["--unshare-all", "--unshare-user", "--disable-userns"], []
-        return [self.bwrap, *ns, "--die-with-parent", "--new-session", *self.binds, "--proc", "/proc", "--dev", "/dev",
+        # The private /tmp first: an interpreter that lives under the host's /tmp (a virtual
+        # environment made there) is then bound on top of it, not hidden by it.
+        return [self.bwrap, *ns, "--die-with-parent", "--new-session",
                 "--perms", "1777", "--size", str(lim.tmp_mb << 20), "--tmpfs", "/tmp",
+                *self.binds, "--proc", "/proc", "--dev", "/dev",
                 "--perms", "0444", "--file", str(code_fd), "/tmp/main.py", "--chdir", "/tmp", "--clearenv",
                 *[a for k, v in _env("/tmp", self.python).items() for a in ("--setenv", k, v)],
                 "--info-fd", str(info_fd), "--",
@@ -325,7 +328,7 @@ def _bind_args(python: str) -> list[str]:
         # bwrap makes a mount point's missing parents 0700 root: the sandbox uid could not reach
         # /root/.pyenv/... (and the interpreter silently loaded the system's libpython instead)
         for d in ("/" + "/".join(root.strip("/").split("/")[:i]) for i in range(1, root.count("/"))):
-            if d not in made:
+            if d not in made and d != "/tmp":  # /tmp is the sandbox's own tmpfs (mode 1777)
                 made.add(d)
                 args += ["--perms", "0755", "--dir", d]
         args += ["--ro-bind", root, root]
