@@ -62,7 +62,9 @@ def _split_of(task_id: str) -> str:
 def _conveyor_row(traj, reward: float) -> dict:
     return {"split": _split_of(traj.task.id), "prompt_len": len(traj.prompt_ids),
             "completion_len": len(traj.completion_ids), "version": traj.min_version,
-            "versions": len(set(traj.versions)), "finish": traj.finish_reason, "reward": reward}
+            # the policy's own tokens (environment tokens of multi-turn episodes carry version -1)
+            "versions": len({v for v, m in zip(traj.versions, traj.loss_mask) if m}),
+            "finish": traj.finish_reason, "reward": reward}
 
 
 def conveyor_hash(traj, log_path: str | None = None, seed: int = 0) -> float:

@@ -196,8 +196,6 @@ def conveyor_env_return(traj, log_path: str | None = None) -> dict:
     out = env_return(traj)
     recs = traj.turn_records
     row = _conveyor_row(traj, out["reward"])
-    # The policy's versions only: observation tokens carry version -1, which is no version at all.
-    row["versions"] = len({v for v, m in zip(traj.versions, traj.loss_mask) if m})
     row.update({"policy_len": int(sum(traj.loss_mask)), "turns": traj.turns,
                 "turn_lens": [r.end - r.start for r in recs],  # policy tokens of each turn
                 "env_s": [r.env_s for r in recs if r.env_s > 0],  # measured; a turn cut by a budget has none
