@@ -145,6 +145,38 @@ def _export(ns) -> int:
     return 0
 
 
+def _samples(ns) -> int:
+    from conveyor.observe.traces import read_traces
+    try:
+        recs = read_traces(ns.run_dir)
+    except FileNotFoundError as e:
+        print(f"conveyor: error: {e}", file=sys.stderr)
+        return 2
+    steps = sorted({r["step"] for r in recs})
+    step = ns.step if ns.step is not None else (steps[-1] if steps else None)
+    chosen = [r for r in recs if r["step"] == step][: ns.n]
+    if not chosen:
+        print(f"conveyor: error: no traces of step {step} in {ns.run_dir}; steps with traces: "
+              f"{', '.join(map(str, steps[:5]))}{' ...' if len(steps) > 5 else ''} to {steps[-1] if steps else '-'}",
+              file=sys.stderr)
+        return 2
+    for r in chosen:
+        v = r["versions"]
+        ver = f"v{v['min']}" + (f"-{v['max']}" if v and v["max"] != v["min"] else "") if v else "v-"
+        head = (f"step {r['step']} | {r['task_id']} | reward {r['reward']:.3f} | {r['finish_reason']} | "
+                f"{r['completion_tokens']} tokens ({r['policy_tokens']} the policy's) | {ver}")
+        if r["turns"]:
+            calls = sum(len(t["tool_calls"]) for t in r["turns"])
+            head += f" | {len(r['turns'])} turns, {calls} tool calls"
+        print(head)
+        print(f"  prompt:     {r['prompt']!r}")
+        print(f"  completion: {r['completion']!r}")
+        extra = {k: v for k, v in r["reward_info"].items() if k != "reward"}
+        if extra:
+            print(f"  reward info: {extra}")
+    return 0
+
+
 def _show_config(ns) -> int:
     names = sections()
     section = None
@@ -237,6 +269,13 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("out", metavar="OUT")
     _add_checkpoint(sp)
     sp.set_defaults(fn=_export)
+    desc = "print what the model wrote at a step of a run (its traces.jsonl: best, worst and random samples)"
+    sp = sub.add_parser("samples", help=desc, description=desc, formatter_class=fmt, epilog=(
+        "example:\n  conveyor samples runs/default-20260101-120000 --step 100"))
+    sp.add_argument("run_dir", metavar="RUN_DIR")
+    sp.add_argument("--step", type=int, default=None, help="the training step (default: the last one traced)")
+    sp.add_argument("--n", type=int, default=8, help="at most this many samples")
+    sp.set_defaults(fn=_samples)
     desc = "write the tiny model and tokenizer the built-in recipe trains"
     sp = sub.add_parser("build-tiny", help=desc, description=desc)
     sp.add_argument("out", metavar="OUT")

@@ -328,6 +328,10 @@ class ObserveConfig(_Section):
     tensorboard: bool = Field(True, description="write TensorBoard event files to <run dir>/tensorboard")
     log_every: int = Field(0, ge=0, description=(
         "console lines when not a terminal: one per this many steps; 0 = about 20 per phase"))
+    traces_per_step: int = Field(8, ge=0, description=(
+        "trajectories written to <run dir>/traces.jsonl per step (the best, the worst, random others); "
+        "0 = none; read them with `conveyor samples RUN_DIR`"))
+    traces_max_mb: float = Field(64.0, gt=0, description="traces.jsonl stops growing at this size")
 
 
 class RunConfig(_Section):

@@ -84,6 +84,7 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
         metrics["trainer_idle_frac"] = metrics["time/wait"] / max(metrics["time/step"], 1e-9)
         metrics["samples_per_s"] = len(batch) / max(metrics["time/step"], 1e-9)
         logger.log(step + 1, metrics)
+        logger.trace(step + 1, groups)  # what the model wrote (observe.traces_per_step of them)
         if lc.eval_every and (step + 1) % lc.eval_every == 0 and step + 1 < lc.steps:
             evaluate(step + 1)
         if lc.checkpoint_every and (step + 1) % lc.checkpoint_every == 0:

@@ -86,6 +86,22 @@ def _same(a: Path, b: Path) -> None:
         assert torch.equal(x[k], y[k]), k
 
 
+def test_samples_prints_what_the_model_wrote_at_a_step(run, capsys):
+    out, _ = run
+    from conveyor.observe.traces import read_traces
+    recs = read_traces(out, step=2)
+    assert 1 <= len(recs) <= 8 and {r["step"] for r in read_traces(out)} == {1, 2}
+    capsys.readouterr()
+    assert main(["samples", str(out), "--step", "2", "--n", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [line for line in lines if line.startswith("step 2 | ")]
+    assert len(heads) == min(3, len(recs))
+    assert f"reward {recs[0]['reward']:.3f}" in heads[0]  # the best first
+    assert any(line.strip().startswith("completion: ") for line in lines)
+    assert main(["samples", str(out), "--step", "99"]) == 2
+    assert "no traces of step 99" in capsys.readouterr().err
+
+
 def test_export_final_and_checkpoint(run, tmp_path):
     out, _ = run
     assert main(["export", str(out), str(tmp_path / "final")]) == 0

@@ -64,7 +64,9 @@ def _cfg(tmp_path, env: str, **extra):
 
 @pytest.mark.parametrize("policy", ["retry", "drop"])
 def test_faulty_environment_is_counted_and_survived(tmp_path, policy):
-    cfg = _cfg(tmp_path, "tests.e2e.test_env_faults:Flaky", **{"env.on_failure": policy})
+    # (a breaker that never opens: this is about counting and surviving; the breaker has its own tests)
+    cfg = _cfg(tmp_path, "tests.e2e.test_env_faults:Flaky", **{"env.on_failure": policy,
+                                                                "env.breaker_failures": 1000})
     summary = train(cfg, tmp_path / "run")
     last = summary.raw["final_metrics"]
     assert summary.steps == 3

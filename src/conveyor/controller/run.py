@@ -168,7 +168,9 @@ def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher) -> Sessi
         train_source=train_src, eval_tasks=[eval_src[i] for i in range(len(eval_src))],
         cursor=TaskCursor(train_src, lc.batch_size, seed=lc.seed),
         logger=MetricsLogger(run_dir, tensorboard=cfg.observe.tensorboard, progress=cfg.observe.progress,
-                             console=PhaseProgress(lc.steps, cfg.sft.steps, cfg.observe.log_every)),
+                             console=PhaseProgress(lc.steps, cfg.sft.steps, cfg.observe.log_every),
+                             traces_per_step=cfg.observe.traces_per_step, traces_max_mb=cfg.observe.traces_max_mb,
+                             tokenizer=tokenizer, seed=lc.seed),
         timer=PhaseTimer(),
         buffer=TrajectoryBuffer(lc.buffer_size or staleness.capacity(lc.batch_size, lc.max_staleness)),
         add_special_tokens=prompt_special_tokens(cfg.data),
@@ -258,6 +260,7 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
         "trained_samples_per_second": (steps_done - start_step) * cfg.loop.batch_size * cfg.rollout.n
         / max(rl_seconds, 1e-9),
         "final_metrics": last, "run_dir": str(run_dir), "max_prompt_tokens": s.evaluator.prompting.max_prompt_tokens,
+        "traces_skipped": s.logger.tracer.skipped if s.logger.tracer else 0,
     })
     if cfg.loop.checkpoint_every:
         s.checkpoint(steps_done, summary)

@@ -25,7 +25,8 @@ Contract
   failures a tool (or the environment type) is quarantined for
   ``breaker_cooldown_s``; then one trial call decides. Calls to a
   quarantined tool answer an error observation; a quarantined environment
-  fails its episodes at once (``EnvFailure("quarantined")``).
+  holds new episodes back (up to ``reset_timeout_s``, then
+  ``EnvFailure("quarantined")``) until its trial call.
 - ``counts()``: failures by class (``env.api.FAILURE_CLASSES``) plus
   ``episodes``, ``tool_calls``, ``instances_created``; ``quarantined()``
   names what is quarantined now.
@@ -172,15 +173,24 @@ class EnvPool:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.limits.concurrency)
         async with self._slots:
-            if not self.breaker.allow("env"):
-                self.count("quarantined")
-                raise EnvFailure("quarantined", f"environment {self.name} is quarantined after repeated failures")
+            await self._until_allowed()
             instance = await self._instance()
             session = EnvSession(self, instance)
             try:
                 yield session
             finally:
                 self._give_back(instance, healthy=session.healthy)
+
+    async def _until_allowed(self) -> None:
+        """Wait while the environment is quarantined, up to the reset deadline: failing at once
+        would only burn the tasks of the slots the producer refills until the run stops."""
+        deadline = time.monotonic() + self.limits.reset_timeout_s
+        while not self.breaker.allow("env"):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.count("quarantined")
+                raise EnvFailure("quarantined", f"environment {self.name} is quarantined after repeated failures")
+            await asyncio.sleep(min(0.25, left))
 
     async def _instance(self) -> Any:
         with self._lock:

@@ -393,7 +393,8 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, progress: bool = True,
                  total_steps: int | None = None, keys: Sequence[str] = DEFAULT_KEYS,
                  log_every: int = 1, sinks: Sequence[Sink] = (), stream: TextIO | None = None,
-                 console: Any = None) -> None:
+                 console: Any = None, traces_per_step: int = 0, traces_max_mb: float = 64.0,
+                 tokenizer: Any = None, seed: int = 0) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._stream = stream
@@ -407,6 +408,11 @@ class MetricsLogger:
             self.progress = console or ProgressSink(total_steps, keys, max(log_every, 1), stream=stream)
             self.sinks.append(self.progress)
         self.sinks.extend(sinks)
+        # Sampled trajectories per step (observe.traces): needs the tokenizer for their text.
+        self.tracer = None
+        if traces_per_step and tokenizer is not None:
+            from conveyor.observe.traces import TraceWriter
+            self.tracer = TraceWriter(self.run_dir, tokenizer, traces_per_step, traces_max_mb, seed)
         self._closed = False
 
     def log(self, step: int, metrics: Mapping[str, Any], kind: str = "train") -> None:
@@ -419,6 +425,11 @@ class MetricsLogger:
         clean = _clean_metrics(metrics)
         for sink in self.sinks:
             sink.log(step, clean, kind)
+
+    def trace(self, step: int, groups: Sequence[Any]) -> None:
+        """Write ``step``'s sampled trajectories (a no-op without traces or a tokenizer)."""
+        if self.tracer is not None:
+            self.tracer.write(step, list(groups))
 
     def message(self, text: str) -> None:
         """Print a line for people, above the progress bar when there is one."""

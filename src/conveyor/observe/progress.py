@@ -196,6 +196,7 @@ LAYOUT = (
     ("config.yaml", "the resolved config of the run"),
     ("summary.json", "the numbers above and more"),
     ("metrics.jsonl", "every logged step (train, sft, eval)"),
+    ("traces.jsonl", "sampled trajectories per step: `conveyor samples RUN_DIR --step N`"),
     ("tensorboard/", "the same as TensorBoard event files"),
     ("logs/", "logs of role processes"),
 )

@@ -1,0 +1,94 @@
+"""Trajectory traces: what the model actually wrote, step by step, in the run directory.
+
+Contract: ``TraceWriter(run_dir, tokenizer, per_step, max_mb, seed)``;
+``write(step, groups)`` appends up to ``per_step`` of the step's trajectories
+to ``run_dir/traces.jsonl`` as one JSON line each: the best and the worst by
+reward, then a seeded random choice of the rest. A line holds the step, the
+task id, the prompt and the completion as text, token counts (prompt,
+completion, the policy's own), the policy versions of its tokens (min, max,
+distinct), the reward and its components, the finish reason, the turns of
+a multi-turn episode (span, reward, tool calls, environment seconds,
+failure class) and the timings. Past ``max_mb`` nothing more is written and
+``skipped`` counts what was left out; ``per_step = 0`` writes nothing.
+``read_traces(run_dir, step=None)`` reads them back (one step, or all).
+
+It knows nothing of the loop, engines or rewards beyond the wire types.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from conveyor.types import Group, Trajectory
+
+TRACES_FILE = "traces.jsonl"
+
+
+class TraceWriter:
+    def __init__(self, run_dir: str | Path, tokenizer: Any, per_step: int = 8, max_mb: float = 64.0,
+                 seed: int = 0):
+        self.path = Path(run_dir) / TRACES_FILE
+        self.tokenizer, self.per_step, self.seed = tokenizer, per_step, seed
+        self.max_bytes = int(max_mb * 2**20)
+        self.written = self.path.stat().st_size if self.path.exists() else 0  # a resumed run appends
+        self.skipped = 0
+
+    def write(self, step: int, groups: list[Group]) -> None:
+        if self.per_step <= 0:
+            return
+        trajs = [t for g in groups for t in g.trajectories]
+        lines = [json.dumps(self.record(step, t), default=str) + "\n" for t in self.choose(step, trajs)]
+        keep = []
+        for line in lines:
+            size = len(line.encode("utf-8"))
+            if self.written + size > self.max_bytes:
+                self.skipped += len(lines) - len(keep)
+                break
+            keep.append(line)
+            self.written += size
+        if keep:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.writelines(keep)
+
+    def choose(self, step: int, trajs: list[Trajectory]) -> list[Trajectory]:
+        """The best and the worst by reward, then a random choice of the rest (seeded by step)."""
+        if len(trajs) <= self.per_step:
+            return trajs
+        order = sorted(range(len(trajs)), key=lambda i: trajs[i].reward)
+        picked = [order[-1], order[0]][: self.per_step]
+        rest = [i for i in order[1:-1]]
+        random.Random(f"traces-{self.seed}-{step}").shuffle(rest)
+        picked += rest[: self.per_step - len(picked)]
+        return [trajs[i] for i in picked]
+
+    def record(self, step: int, t: Trajectory) -> dict[str, Any]:
+        own = [v for v, m in zip(t.versions, t.loss_mask) if m]
+        return {
+            "step": step, "task_id": t.task.id,
+            "prompt": self.tokenizer.decode(list(t.prompt_ids), skip_special_tokens=False),
+            "completion": self.tokenizer.decode(list(t.completion_ids), skip_special_tokens=False),
+            "prompt_tokens": len(t.prompt_ids), "completion_tokens": len(t.completion_ids),
+            "policy_tokens": len(own),
+            "versions": {"min": min(own), "max": max(own), "distinct": len(set(own))} if own else {},
+            "reward": t.reward, "reward_info": dict(t.reward_info), "finish_reason": t.finish_reason,
+            "turns": [{"start": r.start, "end": r.end, "reward": r.reward, "tool_calls": list(r.tool_calls),
+                       "env_s": r.env_s, "error": r.error} for r in t.turn_records],
+            "timings": dict(t.timings),
+        }
+
+
+def read_traces(run_dir: str | Path, step: int | None = None) -> list[dict[str, Any]]:
+    """The traces of ``run_dir`` (those of ``step`` only, when given), in the order written."""
+    path = Path(run_dir) / TRACES_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: the run wrote no traces (observe.traces_per_step=0, "
+                                "or not a run directory)")
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            if step is None or rec["step"] == step:
+                out.append(rec)
+    return out
