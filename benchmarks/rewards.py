@@ -62,8 +62,7 @@ def _split_of(task_id: str) -> str:
 def _conveyor_row(traj, reward: float) -> dict:
     return {"split": _split_of(traj.task.id), "prompt_len": len(traj.prompt_ids),
             "completion_len": len(traj.completion_ids), "version": traj.min_version,
-            # the policy's own tokens (environment tokens of multi-turn episodes carry version -1)
-            "versions": len({v for v, m in zip(traj.versions, traj.loss_mask) if m}),
+            "versions": len(set(traj.policy_versions)),
             "finish": traj.finish_reason, "reward": reward}
 
 

@@ -93,9 +93,14 @@ class Trajectory:
         return float(sum(t.reward for t in self.turn_records))
 
     @property
+    def policy_versions(self) -> list[int]:
+        """The versions of the policy's own tokens (environment tokens carry -1 and are left out)."""
+        return [v for v, m in zip(self.versions, self.loss_mask) if m]
+
+    @property
     def min_version(self) -> int:
         """Oldest policy version among the policy's own tokens (-1 if none)."""
-        own = [v for v, m in zip(self.versions, self.loss_mask) if m]
+        own = self.policy_versions
         return min(own) if own else -1
 
     def with_reward(self, reward: float, info: Mapping[str, Any] | None = None) -> "Trajectory":

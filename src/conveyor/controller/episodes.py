@@ -62,7 +62,6 @@ class EpisodeRunner:
         self._turns: dict[int, tuple[asyncio.Future, int]] = {}  # turn id -> (future, engine id)
         self._load = {w.engine_id: 0 for w in self.workers}
         self._finished: queue.Queue[GroupOutcome] = queue.Queue()
-        self.last_error = ""  # the last episode failure, for the message of a failed group
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="episodes", daemon=True)
         self._thread.start()
@@ -87,8 +86,14 @@ class EpisodeRunner:
         def seeded(i: int) -> SamplingParams:  # task i draws from streams of its own
             return params if params.seed is None else dataclasses.replace(params, seed=params.seed + 64 * i)
 
+        async def one(task: Task, params: SamplingParams) -> Trajectory | None:
+            try:
+                return await self._attempts(task, params)
+            except EnvFailure:
+                return None  # counted; the caller scores it at the reward's fallback
+
         async def all_of():
-            return await asyncio.gather(*(self._attempts(t, seeded(i)) for i, t in enumerate(tasks)))
+            return await asyncio.gather(*(one(t, seeded(i)) for i, t in enumerate(tasks)))
         fut = asyncio.run_coroutine_threadsafe(all_of(), self._loop)
         return fut.result(timeout=timeout_s)
 
@@ -155,10 +160,9 @@ class EpisodeRunner:
         async with self.pool.session() as session:
             return await run_episode(self, session, task, self.fmt, params, self.limits)
 
-    async def _attempts(self, task: Task, params: SamplingParams, fail_fast: bool = False) -> Trajectory | None:
-        """The episode, retried under the failure policy; None (counted) when it keeps failing."""
+    async def _attempts(self, task: Task, params: SamplingParams, fail_fast: bool = False) -> Trajectory:
+        """The episode, retried under the failure policy; the last ``EnvFailure`` when it keeps failing."""
         tries = 1 if fail_fast else self.attempts
-        last = None
         for attempt in range(tries):
             try:
                 seed = None if params.seed is None else params.seed + attempt * 2**16
@@ -166,24 +170,24 @@ class EpisodeRunner:
             except EnvFailure as e:
                 self.pool.count("episodes_failed")
                 log.info("episode of task %s failed (%s): %s", task.id, e.kind, e)
-                last = e
-        self.last_error = f"{last.kind}: {last}"
-        return None
+                if attempt + 1 == tries:
+                    raise
 
     async def _group(self, index: int, task: Task, seed: int) -> None:
-        try:
-            base = self.sampling(seed)
-            # Each episode's turns draw from streams of its own (sample j, turn t).
-            jobs = [self._attempts(task, dataclasses.replace(base, seed=base.seed + 64 * j),
-                                   fail_fast=self.on_failure == "drop") for j in range(self.n)]
-            trajs = await asyncio.gather(*jobs)
-            if any(t is None for t in trajs):
-                self._finished.put(GroupOutcome(index, task, None, self.last_error))
-                return
-            self._finished.put(GroupOutcome(index, task, Group(task, tuple(trajs))))
-        except Exception as e:  # noqa: BLE001 - a bug here must reach the producer, not vanish in the loop
-            log.exception("episode group %d failed", index)
-            self._finished.put(GroupOutcome(index, task, None, f"{type(e).__name__}: {e}", fatal=True))
+        base = self.sampling(seed)
+        # Each episode's turns draw from streams of its own (sample j, turn t).
+        jobs = [self._attempts(task, dataclasses.replace(base, seed=base.seed + 64 * j),
+                               fail_fast=self.on_failure == "drop") for j in range(self.n)]
+        outs = await asyncio.gather(*jobs, return_exceptions=True)
+        bug = next((o for o in outs if isinstance(o, Exception) and not isinstance(o, EnvFailure)), None)
+        failed = next((o for o in outs if isinstance(o, EnvFailure)), None)
+        if bug is not None:  # not an environment failure: it must reach the producer, not vanish here
+            log.error("episode group %d failed", index, exc_info=bug)
+            self._finished.put(GroupOutcome(index, task, None, f"{type(bug).__name__}: {bug}", fatal=True))
+        elif failed is not None:
+            self._finished.put(GroupOutcome(index, task, None, f"{failed.kind}: {failed}"))
+        else:
+            self._finished.put(GroupOutcome(index, task, Group(task, tuple(outs))))
 
 
 def episode_runner(cfg, workers: list[EngineWorker], tokenizer, context_limit: int, version: Callable[[], int],

@@ -24,9 +24,7 @@ def rollout_stats(groups: list[Group], step: int) -> dict[str, float]:
            "response_len_p50": float(lens[len(lens) // 2]), "response_len_p99": float(lens[int(0.99 * (len(lens) - 1))]),
            "truncated_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
            "staleness_max": float(max(stale)), "staleness_mean": sum(k * v for k, v in stale.items()) / len(trajs),
-           # over the policy's own tokens (environment tokens carry version -1)
-           "multi_version_frac": sum(len({v for v, m in zip(t.versions, t.loss_mask) if m}) > 1
-                                     for t in trajs) / len(trajs)}
+           "multi_version_frac": sum(len(set(t.policy_versions)) > 1 for t in trajs) / len(trajs)}
     out.update({f"staleness_hist/{k}": v / len(trajs) for k, v in sorted(stale.items())})
     return out
 

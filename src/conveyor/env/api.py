@@ -28,7 +28,6 @@ environment and its tools speak.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -121,10 +120,6 @@ def as_step_result(value: Any, where: str) -> StepResult:
             return StepResult(obs, float(reward), bool(done), dict(info))
     raise TypeError(f"{where} returned {type(value).__name__} {str(value)[:80]!r}; return a "
                     "conveyor.env.api.StepResult or a tuple (observation: str, reward: float, done: bool, info: dict)")
-
-
-def is_async(fn: Callable) -> bool:
-    return inspect.iscoroutinefunction(fn)
 
 
 # Builtin environments by name (module:attr); anything else is a dotted path.

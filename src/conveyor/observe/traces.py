@@ -64,7 +64,7 @@ class TraceWriter:
         return [trajs[i] for i in picked]
 
     def record(self, step: int, t: Trajectory) -> dict[str, Any]:
-        own = [v for v, m in zip(t.versions, t.loss_mask) if m]
+        own = t.policy_versions
         return {
             "step": step, "task_id": t.task.id,
             "prompt": self.tokenizer.decode(list(t.prompt_ids), skip_special_tokens=False),

@@ -144,18 +144,21 @@ async def run_episode(engine: TurnEngine, session: EnvSession, task: Task, fmt: 
     run, records, finish = _Running(), [], "length"
     gen_s = env_s = 0.0
     seed = params.seed
+    def room() -> int:  # completion tokens the budgets still allow
+        return min(limits.max_tokens, limits.context_limit - len(prompt)) - len(run.ids)
+
     for turn in range(limits.max_turns):
-        room = min(limits.max_tokens - len(run.ids), limits.context_limit - len(prompt) - len(run.ids))
-        if room <= 0:
+        left = room()
+        if left <= 0:
             break
         g0 = time.perf_counter()
         c = await engine.generate(prompt + run.ids, dataclasses.replace(
             params, n=1, seed=None if seed is None else seed + turn))
         gen_s += time.perf_counter() - g0
-        toks = c.token_ids[:room]
+        toks = c.token_ids[:left]
         start = len(run.ids)
-        run.add(toks, c.logprobs[:room], c.versions[:room])
-        if len(c.token_ids) > room or (c.finish_reason == "length" and len(run.ids) >= limits.max_tokens):
+        run.add(toks, c.logprobs[:left], c.versions[:left])
+        if len(c.token_ids) > left or (c.finish_reason == "length" and len(run.ids) >= limits.max_tokens):
             records.append(TurnRecord(start, len(run.ids)))
             break
         e0 = time.perf_counter()
@@ -174,7 +177,7 @@ async def run_episode(engine: TurnEngine, session: EnvSession, task: Task, fmt: 
                                force=len(result.observation) > 32 * limits.max_observation_tokens)
         if was_cut:
             session.pool.count("truncated_observation")
-        if len(obs) >= min(limits.max_tokens - len(run.ids), limits.context_limit - len(prompt) - len(run.ids)):
+        if len(obs) >= room():
             break  # no room for the observation and a reply: the episode ends here
         run.add(obs, policy=False)
     return Trajectory(
