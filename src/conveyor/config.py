@@ -264,10 +264,23 @@ class LoopConfig(_Section):
         return self
 
 
+class EndpointConfig(_Section):
+    """The OpenAI-compatible endpoint that external agents call (env.name=agent; see docs/agents.md)."""
+    host: str = Field("127.0.0.1", description="address the endpoint listens on (started and stopped with the run)")
+    port: int = Field(0, ge=0, le=65535, description="its port; 0 = a free one (agents are told the base_url)")
+    model: str = Field("policy", description="the model name it serves (what agents pass as model=)")
+    episode_timeout_s: float = Field(600.0, gt=0, description=(
+        "deadline of one agent episode, start to return; an agent past it is a counted failure and its key "
+        "is refused from then on"))
+    tools_in_prompt: bool = Field(True, description=(
+        "describe a request's tools in the prompt (the chat template's rendering, or a Hermes system "
+        "message); false for small models that learned their tools (calls are parsed either way)"))
+
+
 class EnvConfig(_Section):
     """The environment pool: multi-turn episodes (see docs/environments.md)."""
     name: str | None = Field(None, description=(
-        "environment: a builtin (tools, guess_number, textarena) or a dotted path pkg.module:Factory; "
+        "environment: a builtin (tools, guess_number, textarena, agent) or a dotted path pkg.module:Factory; "
         "empty = single-turn rollouts"))
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the factory")
     max_turns: int = Field(4, ge=1, le=64, description="model turns per episode (rollout.max_new_tokens is per turn)")
@@ -296,6 +309,8 @@ class EnvConfig(_Section):
         "groups in a row that fail before the run stops, naming the environment's last error"))
     tool_format: Literal["auto", "hermes", "llama3", "plain"] = Field("auto", description=(
         "how tool calls are written by the model (tools environment)"))
+    endpoint: EndpointConfig = Field(EndpointConfig(), description=(
+        "the OpenAI-compatible endpoint of agent episodes (env.name=agent)"))
 
 
 class LaunchConfig(_Section):
@@ -323,15 +338,47 @@ class LaunchConfig(_Section):
         return self.placement == "colocated" and self.trainer_ranks == 1 and self.engines == 1
 
 
+SINKS = ("tensorboard", "wandb", "mlflow")
+
+
 class ObserveConfig(_Section):
     progress: bool = Field(True, description="progress bars and summary on the console")
-    tensorboard: bool = Field(True, description="write TensorBoard event files to <run dir>/tensorboard")
+    tensorboard: bool = Field(True, description=(
+        "write TensorBoard event files to <run dir>/tensorboard (listing tensorboard in observe.sinks "
+        "says the same)"))
+    sinks: list[str] = Field(default_factory=list, description=(
+        "metric trackers, any of: " + ", ".join(SINKS) + "; wandb and mlflow also get the resolved "
+        "config and the final summary, and need pip install 'conveyor[tracking]'"))
+    project: str = Field("conveyor", description="the W&B project and the MLflow experiment of observe.sinks")
+    timeline: bool = Field(True, description=(
+        "record what every role did when to <run dir>/timeline.json, a trace for ui.perfetto.dev "
+        "(one process per role); `conveyor report RUN_DIR` draws it too"))
     log_every: int = Field(0, ge=0, description=(
         "console lines when not a terminal: one per this many steps; 0 = about 20 per phase"))
     traces_per_step: int = Field(8, ge=0, description=(
         "trajectories written to <run dir>/traces.jsonl per step (the best, the worst, random others); "
         "0 = none; read them with `conveyor samples RUN_DIR`"))
     traces_max_mb: float = Field(64.0, gt=0, description="traces.jsonl stops growing at this size")
+    eval_samples: int = Field(4, ge=0, description=(
+        "completions of the first held-out tasks written per evaluation to <run dir>/eval_samples.jsonl "
+        "(the same tasks every time, to compare across steps); `conveyor samples RUN_DIR --eval`"))
+
+    @field_validator("sinks")
+    @classmethod
+    def _known_sinks(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if name not in SINKS:
+                raise ValueError(f"unknown sink {name!r}{did_you_mean(name, list(SINKS))}; "
+                                 f"choose from {', '.join(SINKS)}")
+        if len(set(v)) < len(v):
+            raise ValueError("a sink is listed twice; list each once")
+        return v
+
+    @model_validator(mode="after")
+    def _tensorboard_agrees(self) -> "ObserveConfig":
+        if "tensorboard" in self.sinks and not self.tensorboard:
+            raise ValueError("observe.sinks lists tensorboard but observe.tensorboard is false; drop one of them")
+        return self
 
 
 class RunConfig(_Section):
@@ -374,8 +421,9 @@ class RunConfig(_Section):
 
 
 DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "default.yaml"
-# Names `base:` accepts besides a path: the built-in default recipe, or nothing (pydantic defaults).
-BUILTIN_BASES = {"default": DEFAULT_RECIPE}
+PRETRAINED_RECIPE = Path(__file__).parent / "recipes" / "pretrained.yaml"
+# Names `base:` accepts besides a path: the built-in recipes, or nothing (pydantic defaults).
+BUILTIN_BASES = {"default": DEFAULT_RECIPE, "pretrained": PRETRAINED_RECIPE}
 NO_BASE = ("none", "null", None)
 
 
@@ -488,6 +536,17 @@ def _format_errors(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def recipe_without_file(overrides: list[str]) -> Path:
+    """The built-in recipe a command line without a recipe file starts from: the tiny model's
+    recipe, or, when it names a model of its own (``model.path=...``), the recipe for pretrained
+    models, so the tiny model's hyperparameters never reach a real model."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "model.path" and value.strip() not in ("", "null", "None", "~"):
+            return PRETRAINED_RECIPE
+    return DEFAULT_RECIPE
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict[str, Any] | None = None) -> RunConfig:
     """Validate ``base`` (a mapping), then the recipe at ``path`` (with its own ``base:`` chain)
@@ -515,7 +574,8 @@ def base_config(path: str | Path | None) -> tuple[str, RunConfig]:
     _, base = read_recipe(path)
     if base is None:
         return "none (pydantic defaults)", RunConfig()
-    label = "default (the built-in recipe)" if base == DEFAULT_RECIPE else str(base)
+    label = {DEFAULT_RECIPE: "default (the built-in recipe)",
+             PRETRAINED_RECIPE: "pretrained (the built-in recipe for pretrained models)"}.get(base, str(base))
     return label, validate(read_recipe(base)[0])
 
 

@@ -86,7 +86,9 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
         logger.log(step + 1, metrics)
         logger.trace(step + 1, groups)  # what the model wrote (observe.traces_per_step of them)
         if lc.eval_every and (step + 1) % lc.eval_every == 0 and step + 1 < lc.steps:
-            evaluate(step + 1)
+            with timer.outside():  # not a training step's time: samples/s and idle fractions stay true
+                evaluate(step + 1)
+            engine_stats(rollouts.snapshot().clocks, clocks)  # the engines' eval work is not the next step's
         if lc.checkpoint_every and (step + 1) % lc.checkpoint_every == 0:
             checkpoint(step + 1)
     rollouts.stop_admitting()

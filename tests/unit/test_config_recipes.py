@@ -99,3 +99,23 @@ def test_describe_section_shows_value_default_and_description():
                                "env", "observe", "launch"}
     with pytest.raises(ConfigError, match=r"trainr is not a section of the config \(did you mean 'trainer'\?\)"):
         describe_section(cfg, "trainr")
+
+
+def test_a_model_path_without_a_recipe_starts_from_the_pretrained_recipe():
+    from conveyor.config import DEFAULT_RECIPE, PRETRAINED_RECIPE, load_config, recipe_without_file
+    assert recipe_without_file([]) == DEFAULT_RECIPE
+    assert recipe_without_file(["model.path=null", "loop.steps=3"]) == DEFAULT_RECIPE
+    over = ["model.path=/models/mine", "data.source=jsonl"]
+    assert recipe_without_file(over) == PRETRAINED_RECIPE
+    cfg, tiny = load_config(PRETRAINED_RECIPE, over), load_config(DEFAULT_RECIPE)
+    # None of the tiny model's tuned values reaches a real model.
+    assert cfg.trainer.lr == 1e-6 < tiny.trainer.lr and cfg.trainer.mini_batches == 1
+    assert cfg.sft.steps == 0 and cfg.data.chat_template and cfg.rollout.max_new_tokens == 256
+    assert cfg.model.path == "/models/mine"
+
+
+def test_cli_says_which_recipe_a_model_path_started_from(capsys):
+    from conveyor.cli import main
+    assert main(["config", "model.path=/models/mine", "--diff"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# base: none (pydantic defaults)") and "trainer.lr: 1.0e-06" in out

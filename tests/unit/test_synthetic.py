@@ -65,3 +65,39 @@ def test_imperfect_reversing_teacher_copies_at_its_error_rate():
     assert all(d in (t.answer, t.answer[::-1]) for t, d in shown)  # the answer or the string as written
     assert abs(sum(copied) / len(copied) - 0.6) < 0.05              # ~4.5 binomial sd of 2000 draws
     assert all(t.answer == t.prompt[len("rev:"):-1][::-1] for t, _ in shown)  # rewards keep the reverse
+
+
+def test_prompt_template_names_the_parts_of_a_task():
+    """A pretrained model reads the task as a question; the plain prompt and its parts stay in info,
+    and the imperfect teacher still works from the parts."""
+    import random
+
+    from conveyor.data.synthetic import fields
+    assert fields("addition", "47+38=") == {"a": "47", "b": "38"} and fields("reverse", "rev:abc=") == {"text": "abc"}
+    src = synthetic_source("addition", "train", {"digits": 2, "teacher_error": 1.0}, eval_size=4, seed=0,
+                           render=lambda p, f: f"What is {f['a']} + {f['b']}?")
+    t = src[0]
+    a, b = t.info["fields"]["a"], t.info["fields"]["b"]
+    assert t.prompt == f"What is {a} + {b}?" and t.info["raw_prompt"] == f"{a}+{b}=" and t.answer == str(int(a) + int(b))
+    from conveyor.data.synthetic import sum_without_carry
+    assert src.demonstration(t, random.Random(0)) == sum_without_carry(int(a), int(b))
+    plain = synthetic_source("addition", "train", {"digits": 2}, eval_size=4, seed=0)
+    assert plain[0].info["fields"] == t.info["fields"] and "raw_prompt" not in plain[0].info
+
+
+def test_run_renders_synthetic_prompts_through_the_templates():
+    import pytest
+
+    from conveyor.config import load_config
+    from conveyor.controller.run import SetupError, load_sources
+    from conveyor.data.tiny import build_tokenizer
+    tok = build_tokenizer()
+    cfg = load_config(None, ["data.source=synthetic:reverse", "data.prompt_template=Reverse {text}.",
+                             "data.chat_template=true", "data.eval_size=4"])
+    train, _ = load_sources(cfg, tok)
+    word = train[0].info["fields"]["text"]
+    assert train[0].prompt == f"<|user|>Reverse {word}.\n<|assistant|>"
+    bad = load_config(None, ["data.source=synthetic:reverse", "data.prompt_template=Add {a}", "data.eval_size=4"])
+    with pytest.raises(SetupError, match=r"data.prompt_template names 'a' which task 'reverse' does not have; "
+                                         r"its fields: prompt, text"):
+        load_sources(bad, tok)

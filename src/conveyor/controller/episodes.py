@@ -17,6 +17,9 @@ times, ``drop`` fails the group at its first failed episode. A turn that
 no engine answers within ``timeout_s`` fails its episode (``timeout``).
 ``run_tasks(tasks, params)`` runs one episode per task outside the
 schedule (evaluation) and returns the trajectories (None for failures).
+With ``agents`` (``env.name: agent``, ``controller.agent_episodes``) an
+episode is the user's agent calling the OpenAI-compatible endpoint, served
+on this loop with this runner as its engine, instead of ``run_episode``.
 
 It knows nothing of rewards, admission or training.
 """
@@ -27,16 +30,20 @@ import dataclasses
 import itertools
 import logging
 import queue
+import random
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from conveyor.env.pool import EnvFailure, EnvPool
 from conveyor.rollout.api import Completion, EngineWorker, SamplingParams
 from conveyor.rollout.multi_turn import EpisodeLimits, TurnFormat, run_episode
 from conveyor.transport.messages import Done, Generate
 from conveyor.types import Group, Task, Trajectory
+
+if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.controller.agent_episodes import AgentEpisodes
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +61,8 @@ class GroupOutcome:
 class EpisodeRunner:
     def __init__(self, workers: list[EngineWorker], pool: EnvPool, fmt: TurnFormat, limits: EpisodeLimits, *,
                  sampling: Callable[[int], SamplingParams], n: int, version: Callable[[], int],
-                 on_failure: str = "retry", attempts: int = 2, timeout_s: float = 600.0):
+                 on_failure: str = "retry", attempts: int = 2, timeout_s: float = 600.0,
+                 agents: "AgentEpisodes | None" = None):
         self.workers, self.pool, self.fmt, self.limits = tuple(workers), pool, fmt, limits
         self.sampling, self.n, self.version = sampling, n, version
         self.on_failure, self.attempts, self.timeout_s = on_failure, attempts, timeout_s
@@ -65,6 +73,13 @@ class EpisodeRunner:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="episodes", daemon=True)
         self._thread.start()
+        self.agents = agents
+        if agents is not None:  # the endpoint's calls are turns of this loop, like run_episode's
+            try:
+                asyncio.run_coroutine_threadsafe(agents.start(self), self._loop).result(timeout=60)
+            except BaseException:
+                self.close()
+                raise
 
     # ----- what the producer calls (its thread) ------------------------------------------
     def start_group(self, index: int, task: Task, seed: int) -> None:
@@ -101,10 +116,15 @@ class EpisodeRunner:
         """Episodes played by a scripted ``teacher(task, transcript, rng) -> action`` instead of
         the engine (the multi-turn warm start's demonstrations); failed episodes are left out."""
         async def one(task: Task) -> Trajectory | None:
+            # An agent's calls arrive in an order HTTP decides: its teacher gets a stream of its own,
+            # drawn before anything is awaited (tasks start in order), so demonstrations do not depend on it.
+            own = random.Random(rng.random()) if self.agents is not None else rng
             try:
                 async with self.pool.session() as session:
-                    return await run_episode(_Teacher(task, teacher, self.fmt, rng), session, task, self.fmt,
-                                             SamplingParams(n=1), self.limits)
+                    engine = _Teacher(task, teacher, self.fmt, own)
+                    if self.agents is not None:
+                        return await self.agents.play(session, task, SamplingParams(n=1), engine=engine)
+                    return await run_episode(engine, session, task, self.fmt, SamplingParams(n=1), self.limits)
             except EnvFailure as e:
                 log.info("demonstration of task %s failed: %s", task.id, e)
                 return None
@@ -123,6 +143,8 @@ class EpisodeRunner:
 
         if self._loop.is_running():
             try:
+                if self.agents is not None:  # refuse later calls, then stop serving, before episodes unwind
+                    asyncio.run_coroutine_threadsafe(self.agents.stop(), self._loop).result(timeout=15)
                 asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(timeout=10)
             except Exception as e:  # noqa: BLE001 - closing is best effort; the loop stops below anyway
                 log.info("episode runner: tasks did not unwind: %s", e)
@@ -158,6 +180,8 @@ class EpisodeRunner:
 
     async def _episode(self, task: Task, params: SamplingParams) -> Trajectory:
         async with self.pool.session() as session:
+            if self.agents is not None:
+                return await self.agents.play(session, task, params)
             return await run_episode(self, session, task, self.fmt, params, self.limits)
 
     async def _attempts(self, task: Task, params: SamplingParams, fail_fast: bool = False) -> Trajectory:
@@ -198,15 +222,22 @@ def episode_runner(cfg, workers: list[EngineWorker], tokenizer, context_limit: i
 
     e = cfg.env
     factory = load_env(e.name)
-    _check_builds(factory, e)
-    pool = EnvPool(lambda: factory(**e.kwargs), PoolLimits.from_config(e), e.tool_format, name=e.name)
+    # An agent is told the model name the endpoint serves (a program gets it as OPENAI_MODEL).
+    kwargs = {**e.kwargs, "model": e.endpoint.model} if e.name == "agent" else dict(e.kwargs)
+    _check_builds(lambda: factory(**kwargs), e)
+    pool = EnvPool(lambda: factory(**kwargs), PoolLimits.from_config(e), e.tool_format, name=e.name)
     fmt = TurnFormat(tokenizer, chat=cfg.data.chat_template, role=e.observation_role,
                      template=e.observation_template, system_prompt=cfg.data.system_prompt,
                      add_special_tokens=add_special_tokens)
     limits = EpisodeLimits(e.max_turns, e.max_tokens or context_limit, e.max_observation_tokens, context_limit)
+    agents = None
+    if e.name == "agent":
+        from conveyor.controller.agent_episodes import agent_episodes
+        agents = agent_episodes(cfg, tokenizer, limits, add_special_tokens, pool.count)
     return EpisodeRunner(workers, pool, fmt, limits, n=cfg.rollout.n, version=version,
                          sampling=lambda seed: SamplingParams.from_config(cfg.rollout, seed=seed, n=1),
-                         on_failure=e.on_failure, attempts=e.episode_attempts, timeout_s=cfg.launch.timeout_s)
+                         on_failure=e.on_failure, attempts=e.episode_attempts, timeout_s=cfg.launch.timeout_s,
+                         agents=agents)
 
 
 class _Teacher:
@@ -222,13 +253,13 @@ class _Teacher:
         return Completion(toks, [0.0] * len(toks), [0] * len(toks), "stop", action)
 
 
-def _check_builds(factory: Callable, e) -> None:
+def _check_builds(build: Callable, e) -> None:
     """Build one instance before the run starts, so a bad ``env.kwargs`` is one line now rather
     than a stream of failed episodes later."""
     from conveyor.controller.run import SetupError
     from conveyor.env.pool import _close_quietly
     try:
-        instance = factory(**e.kwargs)
+        instance = build()
     except Exception as err:  # noqa: BLE001 - any error of user code is reported the same way
         first = str(err).splitlines()[0] if str(err) else ""
         raise SetupError(f"env.name={e.name!r} with env.kwargs={dict(e.kwargs)}: building it raised "

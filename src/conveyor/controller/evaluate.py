@@ -5,7 +5,9 @@ Contract: ``Evaluator(cfg, tasks, prompting, rollouts, rewards, logger)``;
 ``loop.eval_temperature`` (greedy by default) and, with
 ``loop.eval_sampled``, also at the rollout temperature (the policy's
 expected reward), scores them, logs the means as ``eval_*`` /
-``eval_sampled_*`` metrics at ``step`` and returns them. ``on(tasks,
+``eval_sampled_*`` metrics at ``step`` and returns them (a span on the run's
+timeline); the completions of
+the first ``observe.eval_samples`` tasks go to ``eval_samples.jsonl``. ``on(tasks,
 temperature, prefix)`` does one such pass over any tasks (the warm start's
 early-stop check). Requests go through the producer outside the training
 schedule, with a fixed seed, and wait with the launch deadline. It knows
@@ -17,6 +19,7 @@ import time
 
 from conveyor.config import RunConfig
 from conveyor.controller.producer import Producer, Prompting
+from conveyor.observe import timeline
 from conveyor.observe.progress import report_length_skips
 from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.single_turn import prepare_prompts, to_groups
@@ -33,40 +36,43 @@ class Evaluator:
 
     def evaluate(self, step: int) -> dict[str, float]:
         cfg = self.cfg
-        with self.logger.phase("eval", 2 if cfg.loop.eval_sampled else 1) as bar:
-            m = self.on(self.tasks, cfg.loop.eval_temperature, "eval_")
+        with timeline.measure("controller", "eval", args={"step": step}), \
+                self.logger.phase("eval", 2 if cfg.loop.eval_sampled else 1) as bar:
+            m = self.on(self.tasks, cfg.loop.eval_temperature, "eval_", step)
             bar.update()
             if cfg.loop.eval_sampled:
-                m.update(self.on(self.tasks, cfg.rollout.temperature, "eval_sampled_"))
+                m.update(self.on(self.tasks, cfg.rollout.temperature, "eval_sampled_", step))
         m.update({k: v for k, v in self.length_notes.items() if k.startswith("eval_")})  # prompts skipped
         self.logger.log(step, m, kind="eval")
         return m
 
-    def on(self, tasks: list[Task], temperature: float, prefix: str) -> dict[str, float]:
+    def on(self, tasks: list[Task], temperature: float, prefix: str, step: int | None = None) -> dict[str, float]:
         cfg, p = self.cfg, self.prompting
         params = SamplingParams.from_config(cfg.rollout, n=1, temperature=temperature, seed=cfg.loop.seed + 7919)
         n = len(tasks)
         if n == 0:  # no held-out set configured (data.eval_size=0): nothing to report
             return {prefix + "reward": float("nan")}
         if self.episodes is not None:
-            return self._episodes(tasks, params, prefix)
+            return self._episodes(tasks, params, prefix, step)
         tasks, prompts = prepare_prompts(p.tokenizer, tasks, p.max_prompt_tokens, p.add_special_tokens)
         report_length_skips(self.logger, p.max_prompt_tokens, n - len(tasks), n, prefix, self.length_notes)
         t0 = time.perf_counter()
         outs = self.rollouts.request([list(x) for x in prompts], params).result(timeout=cfg.launch.timeout_s)
         groups = to_groups(p.tokenizer, tasks, prompts, outs, time.perf_counter() - t0)
-        return self._means([t for g in groups for t in g.trajectories], prefix)
+        return self._means([t for g in groups for t in g.trajectories], prefix, step=step)
 
-    def _episodes(self, tasks: list[Task], params: SamplingParams, prefix: str) -> dict[str, float]:
+    def _episodes(self, tasks: list[Task], params: SamplingParams, prefix: str, step: int | None) -> dict[str, float]:
         """One episode per task; a failed episode scores the reward's fallback and is counted."""
         out = self.episodes.run_tasks(tasks, params, timeout_s=self.cfg.launch.timeout_s)
         done = [t for t in out if t is not None]
-        m = self._means(done, prefix, total=len(tasks)) if done else {prefix + "reward": self.cfg.reward.fallback}
+        m = self._means(done, prefix, total=len(tasks), step=step) if done else {prefix + "reward": self.cfg.reward.fallback}
         m[prefix + "episodes_failed"] = float(len(tasks) - len(done))
         return m
 
-    def _means(self, trajs, prefix: str, total: int | None = None) -> dict[str, float]:
+    def _means(self, trajs, prefix: str, total: int | None = None, step: int | None = None) -> dict[str, float]:
         trajs = self.rewards.score(trajs)
+        if step is not None:  # what the model wrote on the first held-out tasks (observe.eval_samples)
+            self.logger.eval_samples(step, trajs, prefix.rstrip("_"))
         total = total or len(trajs)
         # Failed episodes (total - len(trajs)) count at the reward's fallback.
         fallback = self.cfg.reward.fallback * (total - len(trajs))

@@ -11,7 +11,9 @@ reward service (off this thread) and puts each complete group into the
 buffer as ``Scored``. Chunks never straddle a training step and their
 sampling seed is their place in the schedule. ``snapshot()`` (engine clocks,
 skipped prompts) and ``take_swaps()`` (weight swaps since the last call) are
-what the loop reads of it.
+what the loop reads of it. What the engines report of their work (the spans
+in ``Done``, the ``WeightSwap`` stamps) and the groups in flight go to the
+run's timeline (``observe.timeline``).
 
 Failures stop the run: an engine that reports an error or whose process died,
 a buffer that stays full or a reward that never returns closes the buffer
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from conveyor import staleness
 from conveyor.config import LoopConfig
 from conveyor.launch.procs import RoleError
+from conveyor.observe import timeline
 from conveyor.rollout.api import EngineWorker, SamplingParams
 from conveyor.rollout.single_turn import prepare_prompts, to_groups
 from conveyor.transport.messages import Done, EngineClock, Failed, Generate, Scored, WeightSwap
@@ -132,6 +135,7 @@ class Producer:
     def published(self, version: int) -> None:
         """The engines may now be asked for ``version``: admission moves on by the staleness rule."""
         self._version = version
+        timeline.count("controller", "policy version", {"version": version})
 
     def version(self) -> int:
         """The newest published policy version (what new chunks are admitted for)."""
@@ -236,6 +240,7 @@ class Producer:
             self.inflight += k
             # The chunk carries the version it was admitted for: the engine starts it on no older weights.
             worker.send(Generate(first, [list(p) for p in prompts], self.sampling(seed), self._version))
+            self._count_groups()
 
     def _collect(self) -> None:
         try:
@@ -247,9 +252,11 @@ class Producer:
         if isinstance(msg, WeightSwap):
             with self._shared.lock:
                 self._shared.swaps.append(msg)
+            _record_swap(msg)
             return
         if not isinstance(msg, Done):
             return
+        timeline.record_spans("rollout", msg.spans)
         if msg.chunk_id < 0:
             self._direct.pop(msg.chunk_id).set_result(msg.completions)
             return
@@ -303,3 +310,20 @@ class Producer:
                 self._inflight[p.engine_id] -= 1
             self.inflight -= 1
             self.buffer.put(Scored(p.index, group), timeout=self.timeout)
+            self._count_groups()
+
+    def _count_groups(self) -> None:
+        timeline.count("controller", "groups", {"in flight": self.inflight, "buffered": len(self.buffer)})
+
+
+def _record_swap(swap: WeightSwap) -> None:
+    """A swap on the engine's weights track: the transfer (writer's announce -> the engine's
+    transport holds the version) where the transport says, and the swap's pause, which ends
+    when the copy has run."""
+    # Two tracks: a transfer may still run when the previous version's swap starts.
+    track = f"engine {swap.engine_id} weights"
+    if swap.announced_at is not None and swap.received_at is not None:
+        timeline.record("rollout", track + " transfer", "weights: transfer", swap.announced_at, swap.received_at,
+                        {"version": swap.version})
+    timeline.record("rollout", track, "weights: swap", swap.applied_at - swap.pause_s, swap.applied_at,
+                    {"version": swap.version})

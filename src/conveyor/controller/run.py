@@ -28,6 +28,7 @@ from conveyor.controller.evaluate import Evaluator
 from conveyor.controller.producer import Producer, Prompting
 from conveyor.data.api import TaskCursor, TaskSource, prompt_special_tokens
 from conveyor.launch.api import Launcher
+from conveyor.observe import timeline
 from conveyor.observe.metrics import MetricsLogger
 from conveyor.observe.progress import PhaseProgress
 from conveyor.observe.timers import PhaseTimer
@@ -78,6 +79,7 @@ class Session:
         engines = self.launcher.start_engines(path, self.tokenizer)
         self.warm = engines.warm
         cfg = self.cfg
+        self.logger.message(f"rollouts: {engines.label}")
         prompting = Prompting(self.tokenizer, max(1, engines.context_limit - 1), self.add_special_tokens)
         runner = None
         if cfg.env.name:
@@ -114,20 +116,36 @@ def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
                        t.intermediate_size, t.max_position_embeddings, seed=cfg.loop.seed)
         return str(out)
     p = cfg.model.path
+    from conveyor.data.gguf import GGUFError, is_gguf_spec, resolve_gguf
+    if is_gguf_spec(p):
+        try:
+            return str(resolve_gguf(p))
+        except GGUFError as e:
+            raise SetupError(str(e)) from None
     looks_local = p.startswith((".", "/", "~")) or Path(p).exists() or p.count("/") != 1
     if looks_local and not (Path(p).expanduser() / "config.json").exists():
         raise SetupError(f"model.path {p!r} is not a Hugging Face checkpoint directory (no config.json); "
-                         "give a directory written by save_pretrained or a hub id like org/name")
+                         "give a directory written by save_pretrained, a .gguf file, pkg:<package> or a hub id like org/name")
     return str(Path(p).expanduser()) if looks_local else p
 
 
 def load_sources(cfg: RunConfig, tokenizer):
     d = cfg.data
     if d.source.startswith("synthetic:"):
+        from conveyor.data.files import chat_prompt
         from conveyor.data.synthetic import synthetic_source
         name = d.source.split(":", 1)[1]
-        return (synthetic_source(name, "train", d.options, d.eval_size, d.seed),
-                synthetic_source(name, "eval", d.options, d.eval_size, d.seed))
+        render = None
+        if d.prompt_template != "{prompt}" or d.chat_template:
+            def render(prompt: str, parts: dict) -> str:
+                try:
+                    text = d.prompt_template.format(prompt=prompt, **parts)
+                except (KeyError, IndexError) as e:
+                    raise SetupError(f"data.prompt_template names {e} which task {name!r} does not have; "
+                                     f"its fields: prompt, {', '.join(parts) or '(none else)'}") from None
+                return chat_prompt(d, tokenizer, text)
+        return tuple(synthetic_source(name, s, d.options, d.eval_size, d.seed, render=render)
+                     for s in ("train", "eval"))
     if d.source.startswith("reasoning_gym:"):
         from conveyor.data.files import chat_prompt
         from conveyor.data.reasoning_gym import reasoning_gym_source
@@ -157,6 +175,11 @@ def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher) -> Sessi
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     except OSError as e:
         raise SetupError(f"cannot load the tokenizer of model.path {path!r}: {str(e).splitlines()[0]}") from None
+    from conveyor.data.files import check_tokenizer
+    try:
+        check_tokenizer(tokenizer, f"model.path {cfg.model.path or path}", chat=cfg.data.chat_template)
+    except ValueError as e:
+        raise SetupError(str(e)) from None
     train_src, eval_src = load_sources(cfg, tokenizer)
     # With an environment its own reward is the default; otherwise the task source's verifier.
     spec = ("env" if cfg.env.name else train_src.default_reward) if cfg.reward.fn == "auto" else cfg.reward.fn
@@ -170,8 +193,10 @@ def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher) -> Sessi
         logger=MetricsLogger(run_dir, tensorboard=cfg.observe.tensorboard, progress=cfg.observe.progress,
                              console=PhaseProgress(lc.steps, cfg.sft.steps, cfg.observe.log_every),
                              traces_per_step=cfg.observe.traces_per_step, traces_max_mb=cfg.observe.traces_max_mb,
-                             tokenizer=tokenizer, seed=lc.seed),
-        timer=PhaseTimer(),
+                             tokenizer=tokenizer, seed=lc.seed, sinks=cfg.observe.sinks, project=cfg.observe.project,
+                             timeline=cfg.observe.timeline, config=cfg.model_dump(mode="json"),
+                             eval_samples=cfg.observe.eval_samples),
+        timer=PhaseTimer(on_span=timeline.phase_span),  # the loop's phases are the controller's timeline row
         buffer=TrajectoryBuffer(lc.buffer_size or staleness.capacity(lc.batch_size, lc.max_staleness)),
         add_special_tokens=prompt_special_tokens(cfg.data),
     )
@@ -235,11 +260,11 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
     s.start_rollouts(start_path, start_step)
     if ckpt is None:
         _record(summary, s.evaluator.evaluate(0), "initial")
-        if cfg.sft.steps > 0:
+        if cfg.sft.steps > 0:  # without a warm-start the model is the one just evaluated
             start_path = warm_start_phase(s, base)
-        _record(summary, s.evaluator.evaluate(0), "warmstart")
-        s.logger.message(f"held-out reward: initial {summary['eval_reward_initial']:.3f}, "
-                         f"after warm-start {summary['eval_reward_warmstart']:.3f}")
+            _record(summary, s.evaluator.evaluate(0), "warmstart")
+            s.logger.message(f"held-out reward: initial {summary['eval_reward_initial']:.3f}, "
+                             f"after warm-start {summary['eval_reward_warmstart']:.3f}")
     s.trainer = s.launcher.start_trainer(start_path, s.tokenizer)
     if ckpt is not None:
         extra = s.trainer.load_checkpoint(ckpt)
@@ -251,7 +276,7 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
     last = loop.rl_loop(cfg, trainer=s.trainer, rollouts=s.rollouts, buffer=s.buffer, rewards=s.rewards,
                         logger=s.logger, timer=s.timer, evaluate=s.evaluator.evaluate,
                         checkpoint=lambda step: s.checkpoint(step, summary), start_step=start_step)
-    rl_seconds = time.perf_counter() - t_rl
+    rl_seconds = time.perf_counter() - t_rl - s.timer.outside_s  # training time: mid-run evaluations left out
     steps_done = s.trainer.step()
     _record(summary, s.evaluator.evaluate(steps_done), "final")
     summary.update({
@@ -268,6 +293,7 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
     s.tokenizer.save_pretrained(run_dir / "final")
     from conveyor.observe.report import write_summary
     write_summary(run_dir, summary)
+    s.logger.summary(summary)  # to the trackers of observe.sinks (W&B, MLflow)
     if cfg.observe.progress:  # the table of held-out numbers, the run's layout, how to try the model
         from conveyor.observe.progress import summary_text
         s.logger.message(summary_text(summary, run_dir, s.eval_tasks[:1]))

@@ -6,8 +6,9 @@ the trainer passes ``need`` asks for). ``train_and_prepare_next(trainer,
 buffer, loop, batch, loss_fn, need, version, last, algo)`` trains on
 ``batch`` through ``trainer.train_and_publish`` (the new weights leave as
 ``version`` as the step ends) and returns ``(trained, ahead)``: ``trained``
-is what that call returned; ``ahead`` is a ``Prefetch`` building the next
-step's batch on a thread, or None where the loop builds it itself: on the
+is what that call returned (its spans go to the run's timeline); ``ahead``
+is a ``Prefetch`` building the next step's batch on a thread, or None where
+the loop builds it itself: on the
 last step, when preparing needs a trainer call, or with ``max_staleness`` 0
 and the groups not yet buffered (they cannot arrive before the new version
 is published). ``Prefetch.take(timeout)`` returns the ``prepare`` result
@@ -20,6 +21,7 @@ import threading
 
 from conveyor.config import AlgoConfig, LoopConfig
 from conveyor.controller import objective
+from conveyor.observe import timeline
 from conveyor.trainer.api import LossFn, TrainerHandle
 from conveyor.transport.buffer import TrajectoryBuffer
 from conveyor.transport.messages import Scored, Trained
@@ -78,4 +80,6 @@ def train_and_prepare_next(trainer: TrainerHandle, buffer: TrajectoryBuffer, loo
     can_arrive = loop.max_staleness > 0 or len(buffer) >= loop.batch_size
     if not (last or need.proximal or need.reference or need.values) and can_arrive:
         ahead = Prefetch(trainer, buffer, algo, loop.batch_size, need, timeout_s)
-    return trainer.train_and_publish(batch, loss_fn, version), ahead
+    trained = trainer.train_and_publish(batch, loss_fn, version)
+    timeline.record_spans("trainer", trained.spans)  # every rank's train and publish, for the timeline
+    return trained, ahead

@@ -249,6 +249,26 @@ def _row_to_task(n: int, row: dict[str, Any] | str, cfg: DataConfig, tokenizer: 
     return Task(id=f"{id_prefix}-{n}", prompt=chat_prompt(cfg, tokenizer, text), answer=answer, info=info)
 
 
+def check_tokenizer(tokenizer: Any, name: str, chat: bool) -> None:
+    """An end-of-turn token and, with ``chat``, a chat template that renders; else ``ValueError``
+    naming ``name`` and the fix (raised before a run starts, not at its first prompt)."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{name}: the tokenizer has no end-of-turn (EOS) token, so completions could never "
+                         "stop; use a model whose tokenizer defines one")
+    if not chat:
+        return
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{name}: the tokenizer has no chat template; set data.chat_template=false "
+                         "(prompts as plain text) or use an instruct model")
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "1 + 1?"}], tokenize=False,
+                                      add_generation_prompt=True)
+    except Exception as e:  # a template is a Jinja program: any of its errors means it cannot be used
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"{name}: the chat template does not render ({type(e).__name__}: {first}); "
+                         "fix the template or set data.chat_template=false") from None
+
+
 def chat_prompt(cfg: DataConfig, tokenizer: Any, text: str) -> str:
     """``text`` (already through ``data.prompt_template``) as the model sees it: with
     ``data.chat_template`` a user message (after ``data.system_prompt``) rendered by the

@@ -11,6 +11,11 @@ Tasks
 - ``addition``: ``"47+38="`` -> ``"85"``; operands have ``digits`` digits.
 - ``reverse``: ``"rev:kxqa="`` -> ``"aqxk"``; strings of ``length`` letters.
 
+``data.prompt_template`` may name a task's parts (``{a}`` and ``{b}`` of a
+sum, ``{text}`` of a string to reverse) besides ``{prompt}``: the tasks of a
+pretrained model read as questions ("What is {a} + {b}?"), rendered through
+its chat template with ``data.chat_template``.
+
 ``options.teacher_error`` p makes the warm-start's demonstrations imperfect
 (``SyntheticSource.demonstration``): with probability p the teacher drops the
 carries (addition) or copies the string instead of reversing it (reverse).
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import random
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from conveyor.types import Task, Trajectory
@@ -38,6 +44,17 @@ def _addition(rng: random.Random, digits: int) -> tuple[str, str]:
     lo, hi = 0, 10 ** digits - 1
     a, b = rng.randint(lo, hi), rng.randint(lo, hi)
     return f"{a}+{b}=", str(a + b)
+
+
+def fields(name: str, prompt: str) -> dict[str, str]:
+    """The named parts of a task's prompt, for ``data.prompt_template`` (``{a}``, ``{b}`` of a sum,
+    ``{text}`` of a string to reverse) besides ``{prompt}`` itself."""
+    if name == "addition":
+        a, b = prompt[:-1].split("+")
+        return {"a": a, "b": b}
+    if name == "reverse":
+        return {"text": prompt[len("rev:"):-1]}
+    return {}
 
 
 def sum_without_carry(a: int, b: int) -> str:
@@ -85,18 +102,21 @@ class SyntheticSource:
         The verifier always checks the true answer, so RL can learn what
         imitation of this teacher cannot."""
         if self.teacher_error and rng.random() < self.teacher_error:
+            parts = task.info["fields"]
             if self.name == "reverse":  # the teacher copies the string instead of reversing it
-                return task.prompt[len("rev:"):-1]
-            a, b = (int(x) for x in task.prompt[:-1].split("+"))
-            return sum_without_carry(a, b)
+                return parts["text"]
+            return sum_without_carry(int(parts["a"]), int(parts["b"]))
         return task.answer or ""
 
 
 def synthetic_source(name: str, split: str, options: dict | None = None, eval_size: int = 256,
-                     seed: int = 0, train_size: int | None = None) -> SyntheticSource:
+                     seed: int = 0, train_size: int | None = None,
+                     render: Callable[[str, dict], str] | None = None) -> SyntheticSource:
     """Draw distinct problems with one seeded RNG; the first ``eval_size``
     belong to the eval split, the rest (up to ``train_size``, default 20000)
-    to train, so the splits never share a prompt."""
+    to train, so the splits never share a prompt. ``render(prompt, fields)``
+    (the data section's prompt and chat templates) gives the text the model
+    sees; the plain prompt and its fields stay in ``Task.info``."""
     from conveyor.data.agentic import AGENTIC_TASKS, agentic_source
     if name in AGENTIC_TASKS:  # multi-turn families, played by an environment
         return agentic_source(name, split, options, eval_size, seed)
@@ -118,8 +138,13 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
         raise ValueError(f"synthetic task {name!r} with options {options} has only {len(items)} distinct "
                          f"problems, not enough for eval_size={eval_size} plus training; lower data.eval_size")
     part = items[:eval_size] if split == "eval" else items[eval_size:]
-    tasks = [Task(id=f"{name}-{split}-{i}", prompt=p, answer=a, info={"task": name})
-             for i, (p, a) in enumerate(part)]
+    tasks = []
+    for i, (p, a) in enumerate(part):
+        info = {"task": name, "fields": fields(name, p)}
+        if render is not None:
+            info["raw_prompt"] = p
+        tasks.append(Task(id=f"{name}-{split}-{i}", prompt=render(p, info["fields"]) if render else p,
+                          answer=a, info=info))
     return SyntheticSource(name, tasks, teacher_error=teacher_error)
 
 

@@ -48,7 +48,7 @@ def build_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4, num_kv_he
         vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,  # vLLM's reload path leaves a tied lm_head stale
+        tie_word_embeddings=False,  # the tests' real model (SmolLM2) covers tied embeddings
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0, attn_implementation="sdpa",
     )

@@ -127,6 +127,7 @@ BUILTIN_ENVS = {
     "tools": "conveyor.env.tool_env:ToolEnv",
     "guess_number": "conveyor.env.games:GuessNumber",
     "textarena": "conveyor.env.ecosystem:TextArenaEnv",
+    "agent": "conveyor.env.agent:AgentEnv",
 }
 
 

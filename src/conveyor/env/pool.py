@@ -27,9 +27,17 @@ Contract
   quarantined tool answer an error observation; a quarantined environment
   holds new episodes back (up to ``reset_timeout_s``, then
   ``EnvFailure("quarantined")``) until its trial call.
+- ``EnvSession.play(fn, *args, timeout, what)``: a whole episode in one
+  call of user code (an external agent, ``env.agent``) under ``timeout``;
+  its failure is counted, recorded by the breaker and drops the instance,
+  as a failed ``step``'s does.
 - ``counts()``: failures by class (``env.api.FAILURE_CLASSES``) plus
   ``episodes``, ``tool_calls``, ``instances_created``; ``quarantined()``
   names what is quarantined now.
+- Each session holds the lowest free slot number (< ``limits.concurrency``);
+  its episode, resets and steps are spans of that slot's row on the run's
+  timeline (``observe.timeline``): one slot runs one episode at a time, so
+  its spans nest.
 
 It knows nothing of tokens, engines or rewards: text in, text out.
 """
@@ -45,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from conveyor.env.api import StepResult, Tool, ToolError, as_step_result, env_tools
+from conveyor.observe import timeline
 from conveyor.types import Task
 
 log = logging.getLogger(__name__)
@@ -126,6 +135,7 @@ class EnvPool:
         # Threads for plain (non-async) methods: one per session, plus room for abandoned hung calls.
         self._threads = ThreadPoolExecutor(max_workers=limits.concurrency * 2 + 4, thread_name_prefix="env")
         self._slots: asyncio.Semaphore | None = None
+        self._busy_slots: set[int] = set()  # timeline rows in use (sessions live on one event loop)
 
     # ----- counters --------------------------------------------------------------------
     def count(self, key: str, n: int = 1) -> None:
@@ -175,10 +185,14 @@ class EnvPool:
         async with self._slots:
             await self._until_allowed()
             instance = await self._instance()
-            session = EnvSession(self, instance)
+            slot = min(set(range(len(self._busy_slots) + 1)) - self._busy_slots)
+            self._busy_slots.add(slot)
+            session = EnvSession(self, instance, f"slot {slot}")
             try:
-                yield session
+                with timeline.measure("environment", "episode", track=session.track):
+                    yield session
             finally:
+                self._busy_slots.discard(slot)
                 self._give_back(instance, healthy=session.healthy)
 
     async def _until_allowed(self) -> None:
@@ -228,16 +242,18 @@ class EnvPool:
 class EnvSession:
     """One episode's use of one environment instance."""
 
-    def __init__(self, pool: EnvPool, env: Any):
+    def __init__(self, pool: EnvPool, env: Any, track: str = "slot 0"):
         self.pool, self.env = pool, env
+        self.track = track  # its row on the run's timeline
         self.tools: tuple[Tool, ...] = tuple(env_tools(env))
         self.healthy = True
 
     async def reset(self, task: Task) -> str:
         p = self.pool
         try:
-            obs = await p._retrying(self.env.reset, task, timeout=p.limits.reset_timeout_s,
-                                    what=f"{type(self.env).__name__}.reset")
+            with timeline.measure("environment", "reset", track=self.track):
+                obs = await p._retrying(self.env.reset, task, timeout=p.limits.reset_timeout_s,
+                                        what=f"{type(self.env).__name__}.reset")
         except EnvFailure:
             self.healthy = False
             p.breaker.record("env", False)
@@ -254,12 +270,14 @@ class EnvSession:
         """The answer to one model turn: (result, names of the tools called, failure class or "")."""
         if self.tools:
             from conveyor.env.tool_calls import run_tool_calls
-            answered = await run_tool_calls(self, action)
+            with timeline.measure("environment", "tool calls", track=self.track):
+                answered = await run_tool_calls(self, action)
             if answered is not None:
                 return answered
         p, where = self.pool, f"{type(self.env).__name__}.step"
         try:
-            raw = await p.call(self.env.step, action, timeout=p.limits.step_timeout_s, what=where)
+            with timeline.measure("environment", "step", track=self.track):
+                raw = await p.call(self.env.step, action, timeout=p.limits.step_timeout_s, what=where)
             result = as_step_result(raw, where)
         except (EnvFailure, TypeError) as e:
             kind = e.kind if isinstance(e, EnvFailure) else "bad_return"
@@ -269,6 +287,22 @@ class EnvSession:
             raise EnvFailure(kind, str(e)) from e
         p.breaker.record("env", True)
         return result, (), ""
+
+    async def play(self, fn: Callable, *args: Any, timeout: float, what: str) -> Any:
+        """A whole episode in one call of user code (an external agent: ``env.agent``), under
+        ``timeout``; its failure is counted, trips the breaker and drops the instance, like a step's."""
+        p = self.pool
+        try:
+            with timeline.measure("environment", "agent", track=self.track):
+                out = await p.call(fn, *args, timeout=timeout, what=what)
+        except EnvFailure as e:
+            self.healthy = False
+            p.count(e.kind)
+            p.breaker.record("env", False)
+            raise
+        p.count("episodes")
+        p.breaker.record("env", True)
+        return out
 
 
 def _close_quietly(instance: Any) -> None:

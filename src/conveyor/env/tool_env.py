@@ -2,7 +2,9 @@
 
 Contract: ``ToolEnv(tools=("calculator",), answer="exact", ...)`` declares
 the named built-in tools (``calculator``; ``python``, run in the sandbox;
-``search`` over ``search_folder``); the pool runs the calls (``env.pool``).
+``search`` over ``search_folder``) and the tools of the MCP servers in
+``mcp_servers`` (``env.tools.mcp``; their connections are released by
+``close()``); the pool runs the calls (``env.pool``).
 ``reset(task)`` shows ``task.prompt``; ``step(action)`` gets the turn that
 holds no tool call, the final answer, and ends the episode with reward 1.0
 when it matches ``task.answer`` (``answer="exact"``: equal after stripping
@@ -23,7 +25,7 @@ TOOL_NAMES = ("calculator", "python", "search")
 class ToolEnv:
     def __init__(self, tools: Sequence[str] = ("calculator",), answer: str = "exact",
                  search_folder: str | None = None, sandbox: dict[str, Any] | None = None,
-                 unsafe_python: bool = False):
+                 unsafe_python: bool = False, mcp_servers: Sequence[dict] = ()):
         unknown = [t for t in tools if t not in TOOL_NAMES]
         if unknown:
             raise ValueError(f"env.kwargs.tools: unknown tool(s) {unknown}; choose from {list(TOOL_NAMES)}")
@@ -31,7 +33,22 @@ class ToolEnv:
             raise ValueError(f"env.kwargs.answer={answer!r}: choose 'exact' or 'math'")
         self.answer = answer
         self.tools: tuple[Tool, ...] = tuple(_make_tool(t, search_folder, sandbox, unsafe_python) for t in tools)
+        self._release_mcp = None
+        if mcp_servers:
+            from conveyor.env.tools.mcp import mcp_tools
+            remote, self._release_mcp = mcp_tools(mcp_servers)
+            clash = sorted({t.name for t in remote} & {t.name for t in self.tools})
+            if clash:
+                self._release_mcp()
+                raise ValueError(f"env.kwargs.mcp_servers offer {clash}, which env.kwargs.tools also names; "
+                                 "give the server a 'prefix'")
+            self.tools += remote
         self.task: Task | None = None
+
+    def close(self) -> None:
+        if self._release_mcp is not None:
+            self._release_mcp()
+            self._release_mcp = None
 
     def reset(self, task: Task) -> str:
         self.task = task

@@ -30,6 +30,7 @@ class Engines:
     workers: list[EngineWorker]
     outbox: Any
     context_limit: int
+    label: str  # what generates (the first engine's description), logged when the run starts
     warm: Any  # has publish(named_tensors, version); None without a warm-start route
 
 

@@ -34,9 +34,9 @@ class LocalLauncher:
         except placement.PlacementError as e:
             raise SetupError(str(e)) from None
         self.routes = placement.make_routes(self.cfg, self.placement, path, roles.mp_context())
-        workers, outbox, context_limit = roles.start_engines(self.cfg, path, tokenizer, self.routes,
+        workers, outbox, context_limit, label = roles.start_engines(self.cfg, path, tokenizer, self.routes,
                                                              self.placement, self.run_dir)
-        return Engines(workers, outbox, context_limit, self.routes.controller)
+        return Engines(workers, outbox, context_limit, label, self.routes.controller)
 
     def start_trainer(self, path: str, tokenizer) -> TrainerHandle:
         return roles.start_trainer(self.cfg, path, tokenizer, self.routes, self.placement, self.run_dir)

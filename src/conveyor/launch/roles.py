@@ -21,6 +21,7 @@ It knows nothing of the loop's schedule or of the formulas.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -64,7 +65,9 @@ class TrainerProxy:
         return call_all(self._rpcs, method, args, kwargs, self._timeout)[0]
 
     def train_and_publish(self, batch, loss_fn: LossFn, version: int) -> Trained:
-        return self._all("train_and_publish", batch, loss_fn, version)
+        answers = call_all(self._rpcs, "train_and_publish", (batch, loss_fn, version), {}, self._timeout)
+        # Rank 0's answer, with every rank's spans: each rank is a row of the timeline.
+        return dataclasses.replace(answers[0], spans=tuple(s for a in answers for s in a.spans))
 
     def publish(self, version: int) -> float:
         return self._all("publish", version)
@@ -160,7 +163,7 @@ def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
 
 
 def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement,
-                  run_dir: Path) -> tuple[list[EngineWorker], object, int]:
+                  run_dir: Path) -> tuple[list[EngineWorker], object, int, str]:
     partial = cfg.loop.partial_rollouts
     if placement.sync == "inprocess":
         from conveyor.rollout.factory import make_engine
@@ -170,7 +173,7 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
                                                        cfg.launch.timeout_s),
                              name="engine0", daemon=True)
         t.start()
-        return [ThreadWorker(0, inbox, t)], outbox, engine.context_limit
+        return [ThreadWorker(0, inbox, t)], outbox, engine.context_limit, engine.label
     ctx = mp_context()
     outbox = ctx.Queue()
     workers = []
@@ -182,7 +185,7 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
         proc = RoleProcess(f"engine{i}", engine_process, (spec, inbox, outbox, routes.readers[i], i, partial),
                            run_dir / "logs", ctx, threads=cfg.launch.engine_threads)
         workers.append(ProcessWorker(i, inbox, proc))
-    context_limit, ready = None, set()
+    context_limit, label, ready = None, "", set()
     deadline = time.monotonic() + cfg.launch.timeout_s
     while len(ready) < len(workers):
         for w in workers:
@@ -198,8 +201,8 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
             raise RoleError(f"engine {msg.engine_id} failed while starting:\n{msg.traceback}")
         if isinstance(msg, Ready):
             ready.add(msg.engine_id)
-            context_limit = msg.context_limit
-    return workers, outbox, context_limit
+            context_limit, label = msg.context_limit, msg.label
+    return workers, outbox, context_limit, f"{label} x {len(workers)}" if len(workers) > 1 else label
 
 
 def _await(ready, proc: RoleProcess, timeout: float, what: str, peers=()) -> None:

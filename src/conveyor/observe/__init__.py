@@ -1,4 +1,5 @@
-"""Observing a run: phase timers, metrics sinks (JSONL, TensorBoard, console, trackers), run files.
+"""Observing a run: phase timers, metrics sinks (JSONL, TensorBoard, console, trackers), run files,
+the role timeline (``timeline``) and the HTML report (``html_report``).
 
 Contract: the names below are the package's public surface. Importing it
 costs only tqdm; TensorBoard, W&B and MLflow are imported when their sink is
@@ -8,9 +9,11 @@ from conveyor.observe.metrics import (
     DEFAULT_KEYS,
     JsonlSink,
     MetricsLogger,
+    MissingPackage,
     MlflowSink,
     ProgressSink,
     Sink,
+    SinkError,
     TensorBoardSink,
     WandbSink,
 )
@@ -18,6 +21,6 @@ from conveyor.observe.report import read_metrics, read_summary, write_summary
 from conveyor.observe.timers import PhaseTimer
 
 __all__ = [
-    "DEFAULT_KEYS", "JsonlSink", "MetricsLogger", "MlflowSink", "PhaseTimer", "ProgressSink", "Sink",
-    "TensorBoardSink", "WandbSink", "read_metrics", "read_summary", "write_summary",
+    "DEFAULT_KEYS", "JsonlSink", "MetricsLogger", "MissingPackage", "MlflowSink", "PhaseTimer", "ProgressSink",
+    "Sink", "SinkError", "TensorBoardSink", "WandbSink", "read_metrics", "read_summary", "write_summary",
 ]

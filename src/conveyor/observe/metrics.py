@@ -6,7 +6,14 @@ Contract
   anything with ``log(step, metrics, kind)`` and ``close()``. Built in:
   ``JsonlSink`` (``metrics.jsonl``, the source of truth, flushed per line),
   ``TensorBoardSink``, ``ProgressSink`` (the console, stderr), ``WandbSink``,
-  ``MlflowSink``.
+  ``MlflowSink``. ``sinks`` also takes the names of ``observe.sinks``
+  (``tensorboard``, ``wandb``, ``mlflow``): the trackers named get the run's
+  ``config`` at start and ``summary(...)`` at the end. A tracker whose
+  package is missing is a ``MissingPackage`` naming the extra, raised before
+  any file is opened; one that cannot start (no login, no tracking server)
+  a ``SinkError`` saying what to set; both are one line.
+- ``timeline=True``: the run's role timeline (``observe.timeline``) is
+  recorded to ``timeline.json`` while the logger is open.
 - Where stores are shared across kinds a metric is named ``<kind>/<key>``
   (``train/reward``, ``eval/reward``); the JSONL keeps keys as logged.
 - ``log_every`` thins only the console. A failing sink raises; ``close()``
@@ -33,6 +40,7 @@ from typing import Any, Protocol, TextIO, runtime_checkable
 
 from tqdm import tqdm
 
+from conveyor.observe import timeline as timeline_mod
 from conveyor.observe.report import METRICS_FILE, json_safe
 
 TENSORBOARD_DIR = "tensorboard"
@@ -305,12 +313,29 @@ def _no_bar() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext(SimpleNamespace(update=lambda n=1: None))
 
 
+class MissingPackage(ImportError):
+    """A metrics sink was asked for whose package is not installed; the message names the extra."""
+
+
+class SinkError(RuntimeError):
+    """A metrics sink that cannot start (not logged in, no tracking store); the message says what to set."""
+
+
+# observe.sinks name -> the module its sink imports
+TRACKER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
+
+
 def _require(module: str, sink: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{sink} needs the `{module}` package, which is not installed; "
-                          f"install it with: pip install '{TRACKING_EXTRA}'") from e
+        raise MissingPackage(f"{sink} needs the `{module}` package, which is not installed; "
+                             f"install it with: pip install '{TRACKING_EXTRA}'") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 class WandbSink:
@@ -324,11 +349,19 @@ class WandbSink:
                  run_dir: str | Path | None = None, config: Mapping[str, Any] | None = None,
                  **init_kwargs: Any) -> None:
         wandb = _require("wandb", "WandbSink")
-        self._run = wandb.init(project=project, name=name, dir=str(run_dir) if run_dir else None,
-                               config=dict(config) if config else None, **init_kwargs)
+        try:
+            self._run = wandb.init(project=project, name=name, dir=str(run_dir) if run_dir else None,
+                                   config=dict(config) if config else None, **init_kwargs)
+        except Exception as e:  # noqa: BLE001 - W&B's own errors (login, network) vary by version
+            raise SinkError(f"W&B could not start a run: {_first_line(e)}; log in with `wandb login` "
+                            "(or set WANDB_API_KEY), or set WANDB_MODE=offline to write the run locally") from e
 
     def log(self, step: int, metrics: Mapping[str, Number], kind: str = "train") -> None:
         self._run.log({qualified(kind, k): v for k, v in metrics.items()}, step=step)
+
+    def summary(self, summary: Mapping[str, Any]) -> None:
+        """The run's final numbers as the W&B run's summary (nested keys joined by dots)."""
+        self._run.summary.update(_flatten(json_safe(summary)))
 
     def close(self) -> None:
         if self._run is not None:
@@ -345,15 +378,21 @@ class MlflowSink:
 
     def __init__(self, experiment: str = "conveyor", *, run_name: str | None = None,
                  tracking_uri: str | None = None, params: Mapping[str, Any] | None = None) -> None:
-        _require("mlflow", "MlflowSink")
-        from mlflow.entities import Metric, Param
+        mlflow = _require("mlflow", "MlflowSink")
+        from mlflow.entities import Metric, Param, RunTag
         from mlflow.tracking import MlflowClient
 
-        self._metric_cls = Metric
-        self._client = MlflowClient(tracking_uri=tracking_uri)
-        found = self._client.get_experiment_by_name(experiment)
-        exp_id = found.experiment_id if found is not None else self._client.create_experiment(experiment)
-        self._run_id: str | None = self._client.create_run(exp_id, run_name=run_name).info.run_id
+        self._metric_cls, self._tag_cls = Metric, RunTag
+        try:
+            self._client = MlflowClient(tracking_uri=tracking_uri)
+            found = self._client.get_experiment_by_name(experiment)
+            exp_id = found.experiment_id if found is not None else self._client.create_experiment(experiment)
+            self._run_id: str | None = self._client.create_run(exp_id, run_name=run_name).info.run_id
+        except Exception as e:  # noqa: BLE001 - any store error means the same: fix the tracking URI
+            uri = tracking_uri or mlflow.get_tracking_uri()
+            raise SinkError(f"MLflow cannot use the tracking store {uri!r}: {_first_line(e)}; set "
+                            "MLFLOW_TRACKING_URI to a tracking server (http://host:5000), or to file:DIR "
+                            "with MLFLOW_ALLOW_FILE_STORE=true") from e
         flat = [Param(k, str(v)[:500]) for k, v in _flatten(params or {}).items()]
         for i in range(0, len(flat), 100):  # MLflow caps a batch at 100 params
             self._client.log_batch(self._run_id, params=flat[i:i + 100])
@@ -364,6 +403,22 @@ class MlflowSink:
         ms = int(time.time() * 1000)
         batch = [self._metric_cls(qualified(kind, k), float(v), ms, step) for k, v in metrics.items()]
         self._client.log_batch(self._run_id, metrics=batch)
+
+    def summary(self, summary: Mapping[str, Any]) -> None:
+        """The run's final numbers as metrics ``summary/<key>`` (nested keys joined by dots, at the
+        run's last step), its words (paths, names) as tags ``summary.<key>``."""
+        if self._run_id is None:
+            raise RuntimeError("MlflowSink is closed")
+        flat = _flatten(json_safe(summary))
+        step = flat.get("steps") if isinstance(flat.get("steps"), int) else 0
+        ms = int(time.time() * 1000)
+        numbers = [self._metric_cls(f"summary/{k}", float(v), ms, step) for k, v in flat.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        words = [self._tag_cls(f"summary.{k}", str(v)[:5000]) for k, v in flat.items() if isinstance(v, str)]
+        for i in range(0, len(numbers), 1000):  # MLflow caps a batch at 1000 metrics
+            self._client.log_batch(self._run_id, metrics=numbers[i:i + 1000])
+        if words:
+            self._client.log_batch(self._run_id, tags=words[:100])
 
     def close(self) -> None:
         if self._run_id is not None:
@@ -382,37 +437,85 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _check_sink_names(names: Sequence[str]) -> None:
+    for name in names:
+        if name in TRACKER_MODULES:
+            _require(TRACKER_MODULES[name], f"observe.sinks: {name}")
+        elif name != "tensorboard":
+            raise ValueError(f"unknown sink {name!r}; choose from tensorboard, {', '.join(TRACKER_MODULES)}")
+
+
+def _trackers(names: Sequence[str], project: str, run_dir: Path,
+              config: Mapping[str, Any] | None) -> list[WandbSink | MlflowSink]:
+    """The W&B and MLflow sinks ``names`` asks for, each a run named after the run directory and
+    given ``config``; if one cannot start, those already started are closed."""
+    out: list[WandbSink | MlflowSink] = []
+    try:
+        for name in names:
+            if name == "wandb":
+                out.append(WandbSink(project, name=run_dir.name, run_dir=run_dir, config=config))
+            elif name == "mlflow":
+                out.append(MlflowSink(project, run_name=run_dir.name, params=config))
+    except BaseException:
+        for sink in out:
+            with contextlib.suppress(Exception):
+                sink.close()
+        raise
+    return out
+
+
 class MetricsLogger:
     """Fans each ``log`` out to JSONL, TensorBoard, the console and any extra sinks.
 
     The keyword names match ``ObserveConfig``, so
     ``MetricsLogger(run_dir, **cfg.observe.model_dump(), total_steps=cfg.loop.steps)``
-    wires it from a run config.
+    wires it from a run config. ``sinks`` holds sink objects and names of
+    ``observe.sinks``; ``config`` is what the named trackers record as the run's
+    parameters (the resolved config).
     """
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, progress: bool = True,
                  total_steps: int | None = None, keys: Sequence[str] = DEFAULT_KEYS,
-                 log_every: int = 1, sinks: Sequence[Sink] = (), stream: TextIO | None = None,
+                 log_every: int = 1, sinks: Sequence[Sink | str] = (), stream: TextIO | None = None,
                  console: Any = None, traces_per_step: int = 0, traces_max_mb: float = 64.0,
-                 tokenizer: Any = None, seed: int = 0) -> None:
+                 tokenizer: Any = None, seed: int = 0, project: str = "conveyor", timeline: bool = False,
+                 config: Mapping[str, Any] | None = None, eval_samples: int = 0) -> None:
+        names = [s for s in sinks if isinstance(s, str)]
+        _check_sink_names(names)  # before any file is opened, so a missing package leaves nothing behind
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._stream = stream
         self.sinks: list[Sink] = [JsonlSink(self.run_dir / METRICS_FILE)]
-        if tensorboard:
+        if tensorboard or "tensorboard" in names:
             self.sinks.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR))
+        try:
+            self.trackers = _trackers(names, project, self.run_dir, config)
+        except BaseException:
+            for sink in self.sinks:  # the metrics file and event files opened above
+                sink.close()
+            raise
         # ``console``: a sink with ``message`` and ``phase`` (observe.progress.PhaseProgress)
         # that replaces the plain bar.
         self.progress: Any = None
         if progress:
             self.progress = console or ProgressSink(total_steps, keys, max(log_every, 1), stream=stream)
             self.sinks.append(self.progress)
-        self.sinks.extend(sinks)
+        self.sinks.extend(self.trackers)
+        self.sinks.extend(s for s in sinks if not isinstance(s, str))
         # Sampled trajectories per step (observe.traces): needs the tokenizer for their text.
         self.tracer = None
         if traces_per_step and tokenizer is not None:
             from conveyor.observe.traces import TraceWriter
             self.tracer = TraceWriter(self.run_dir, tokenizer, traces_per_step, traces_max_mb, seed)
+        # The first held-out tasks' completions at every evaluation (observe.eval_samples).
+        self.eval_tracer = None
+        if eval_samples and tokenizer is not None:
+            from conveyor.observe.traces import EVAL_SAMPLES_FILE, TraceWriter
+            self.eval_tracer = TraceWriter(self.run_dir, tokenizer, eval_samples, traces_max_mb, name=EVAL_SAMPLES_FILE)
+        # The role timeline (observe.timeline): active for this process while the logger is open.
+        self.timeline = timeline_mod.Timeline(self.run_dir) if timeline else None
+        if self.timeline is not None:
+            timeline_mod.activate(self.timeline)
         self._closed = False
 
     def log(self, step: int, metrics: Mapping[str, Any], kind: str = "train") -> None:
@@ -426,10 +529,21 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.log(step, clean, kind)
 
+    def eval_samples(self, step: int, trajectories: Sequence[Any], kind: str) -> None:
+        """Write the first ``observe.eval_samples`` of an evaluation's trajectories (held-out tasks
+        in their fixed order), each marked with ``kind`` ("eval", "eval_sampled")."""
+        if self.eval_tracer is not None:
+            self.eval_tracer.write_trajectories(step, list(trajectories[:self.eval_tracer.per_step]), eval=kind)
+
     def trace(self, step: int, groups: Sequence[Any]) -> None:
         """Write ``step``'s sampled trajectories (a no-op without traces or a tokenizer)."""
         if self.tracer is not None:
             self.tracer.write(step, list(groups))
+
+    def summary(self, summary: Mapping[str, Any]) -> None:
+        """Hand the run's final summary to the trackers named in ``sinks`` (W&B, MLflow)."""
+        for tracker in self.trackers:
+            tracker.summary(summary)
 
     def message(self, text: str) -> None:
         """Print a line for people, above the progress bar when there is one."""
@@ -450,6 +564,12 @@ class MetricsLogger:
             return
         self._closed = True
         first_error: BaseException | None = None
+        if self.timeline is not None:
+            timeline_mod.deactivate(self.timeline)
+            try:
+                self.timeline.close()
+            except Exception as e:  # noqa: BLE001 - the sinks below still close
+                first_error = e
         for sink in self.sinks:
             try:
                 sink.close()

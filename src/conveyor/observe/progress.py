@@ -198,6 +198,7 @@ LAYOUT = (
     ("metrics.jsonl", "every logged step (train, sft, eval)"),
     ("traces.jsonl", "sampled trajectories per step: `conveyor samples RUN_DIR --step N`"),
     ("tensorboard/", "the same as TensorBoard event files"),
+    ("timeline.json", "what every role did when (ui.perfetto.dev); `conveyor report RUN_DIR`: one HTML page"),
     ("logs/", "logs of role processes"),
 )
 
@@ -208,7 +209,8 @@ def summary_text(summary: Mapping[str, Any], run_dir: Path, examples: Sequence[A
     example = examples[0].info.get("raw_prompt", examples[0].prompt) if examples else "Hello"
     rows = [("greedy reward", "eval_reward"), ("sampled reward", "eval_sampled_reward"),
             ("exact answers", "eval_exact")]
-    cols = [("initial", "initial"), ("warm-start", "warmstart"), ("after RL", "final")]
+    cols = [(c, p) for c, p in (("initial", "initial"), ("warm-start", "warmstart"), ("after RL", "final"))
+            if p != "warmstart" or any(k.endswith("_warmstart") for k in summary)]  # no warm-start, no column
     lines = ["", f"{'held-out':<16}" + "".join(f"{c:>12}" for c, _ in cols)]
     for label, key in rows:
         vals = [summary.get(f"{key}_{p}") for _, p in cols]

@@ -10,7 +10,10 @@ Names are flat. Nested phases each record their own full duration, so
 more than ``time/step``. Re-entering a phase that is already open (the same
 name nested in itself) records nothing extra, so recursion never counts the
 same seconds twice. A phase still open at ``lap()`` is credited to the step in
-which it closes.
+which it closes. ``with timer.outside():`` leaves a block (an evaluation
+between steps) out of the step's time altogether. ``on_span(name, seconds)``,
+when given, hears of every outermost phase as it closes (the run's timeline
+records them as spans).
 
 It deliberately does not know which phases exist, how steps are numbered, or
 where the numbers go; the caller passes ``lap()``'s dict to a metrics logger.
@@ -29,13 +32,16 @@ STEP_KEY = "time/step"
 class PhaseTimer:
     """Accumulates seconds per phase between laps; safe to use from several threads."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter,
+                 on_span: Callable[[str, float], None] | None = None) -> None:
         # The clock is injectable so tests can drive time without sleeping.
         self._clock = clock
+        self._on_span = on_span
         self._lock = threading.Lock()
         self._totals: dict[str, float] = {}
         self._open: dict[str, int] = {}
         self._lap_start = clock()
+        self.outside_s = 0.0  # seconds left out of the steps by ``outside``
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -55,6 +61,8 @@ class PhaseTimer:
                 self._open[name] -= 1
                 if outermost:
                     self._totals[name] = self._totals.get(name, 0.0) + elapsed
+            if outermost and self._on_span is not None:
+                self._on_span(name, elapsed)
 
     def add(self, name: str, seconds: float) -> None:
         """Credit ``seconds`` measured elsewhere (e.g. by a remote engine) to ``name``."""
@@ -62,6 +70,19 @@ class PhaseTimer:
             raise ValueError(f"phase name {name!r} is reserved or empty; pick another name")
         with self._lock:
             self._totals[name] = self._totals.get(name, 0.0) + float(seconds)
+
+    @contextmanager
+    def outside(self) -> Iterator[None]:
+        """Leave the ``with`` block's wall time out of the current step (``time/step`` and its
+        phases), as for an evaluation between steps; ``outside_s`` sums all such blocks."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            with self._lock:
+                elapsed = self._clock() - start
+                self._lap_start += elapsed
+                self.outside_s += elapsed
 
     def lap(self) -> dict[str, float]:
         """Return this step's phase totals plus ``time/step`` and reset for the next step."""

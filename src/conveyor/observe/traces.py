@@ -11,6 +11,10 @@ a multi-turn episode (span, reward, tool calls, environment seconds,
 failure class) and the timings. Past ``max_mb`` nothing more is written and
 ``skipped`` counts what was left out; ``per_step = 0`` writes nothing.
 ``read_traces(run_dir, step=None)`` reads them back (one step, or all).
+``write_trajectories(step, trajs, **extra)`` appends given trajectories as
+they are; with ``name=EVAL_SAMPLES_FILE`` the evaluator writes the first
+held-out tasks' completions of every evaluation (``read_traces(run_dir,
+name=EVAL_SAMPLES_FILE)``).
 
 It knows nothing of the loop, engines or rewards beyond the wire types.
 """
@@ -24,12 +28,13 @@ from typing import Any
 from conveyor.types import Group, Trajectory
 
 TRACES_FILE = "traces.jsonl"
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"  # the same writer, for held-out evaluations
 
 
 class TraceWriter:
     def __init__(self, run_dir: str | Path, tokenizer: Any, per_step: int = 8, max_mb: float = 64.0,
-                 seed: int = 0):
-        self.path = Path(run_dir) / TRACES_FILE
+                 seed: int = 0, name: str = TRACES_FILE):
+        self.path = Path(run_dir) / name
         self.tokenizer, self.per_step, self.seed = tokenizer, per_step, seed
         self.max_bytes = int(max_mb * 2**20)
         self.written = self.path.stat().st_size if self.path.exists() else 0  # a resumed run appends
@@ -39,7 +44,11 @@ class TraceWriter:
         if self.per_step <= 0:
             return
         trajs = [t for g in groups for t in g.trajectories]
-        lines = [json.dumps(self.record(step, t), default=str) + "\n" for t in self.choose(step, trajs)]
+        self.write_trajectories(step, self.choose(step, trajs))
+
+    def write_trajectories(self, step: int, trajs: list[Trajectory], **extra: Any) -> None:
+        """Append ``trajs`` as they are (no choice), each record with the fields ``extra``."""
+        lines = [json.dumps({**self.record(step, t), **extra}, default=str) + "\n" for t in trajs]
         keep = []
         for line in lines:
             size = len(line.encode("utf-8"))
@@ -79,12 +88,12 @@ class TraceWriter:
         }
 
 
-def read_traces(run_dir: str | Path, step: int | None = None) -> list[dict[str, Any]]:
+def read_traces(run_dir: str | Path, step: int | None = None, name: str = TRACES_FILE) -> list[dict[str, Any]]:
     """The traces of ``run_dir`` (those of ``step`` only, when given), in the order written."""
-    path = Path(run_dir) / TRACES_FILE
+    path = Path(run_dir) / name
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: the run wrote no traces (observe.traces_per_step=0, "
-                                "or not a run directory)")
+        knob = "observe.eval_samples" if name == EVAL_SAMPLES_FILE else "observe.traces_per_step"
+        raise FileNotFoundError(f"{path} does not exist: the run wrote none ({knob}=0, or not a run directory)")
     out = []
     with path.open(encoding="utf-8") as f:
         for line in f:

@@ -14,6 +14,8 @@ Contract
   replacement worker started, up to ``max_stuck``; beyond that trajectories
   get the fallback at once. Details: docs/architecture.md ("Module contracts
   in detail").
+- Every call is a span on the run's timeline (``observe.timeline``), one row
+  per worker thread.
 
 This module knows nothing of what a reward computes or which reward a task
 wants; it only runs callables under a deadline and counts what went wrong.
@@ -32,6 +34,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Mapping
 
+from conveyor.observe import timeline
 from conveyor.reward.api import reward_name
 from conveyor.types import Trajectory
 
@@ -169,9 +172,12 @@ class RewardService:
                 job.deadline = time.monotonic() + self.timeout_s
                 self._running.add(job)
                 self._cond.notify_all()  # the watchdog must learn the new deadline
-            start = time.monotonic()
+            start, wall = time.monotonic(), time.time()
             reward, info, kind = self._call(job.traj)
             elapsed = time.monotonic() - start
+            # One row per worker thread: a thread scores one trajectory at a time.
+            args = {"task": job.traj.task.id, **({"failed": kind} if kind else {})}
+            timeline.record("reward", threading.current_thread().name, "score", wall, wall + elapsed, args)
             with self._cond:
                 self._running.discard(job)
                 if job.abandoned:

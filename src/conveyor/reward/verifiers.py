@@ -95,7 +95,10 @@ def format_reward(traj: Trajectory, pattern: str = DEFAULT_FORMAT_PATTERN) -> fl
 
 def env_return(traj: Trajectory) -> dict:
     """The environment's own reward: the sum of its turn rewards (the default of runs with
-    ``env.name``), with the episode's turns and tool calls as components."""
+    ``env.name``), with the episode's turns and tool calls as components, and the numbers an
+    environment gave beside its reward (an agent's dict, ``env.agent``) kept."""
     calls = sum(len(t.tool_calls) for t in traj.turn_records)
-    return {"reward": traj.env_return, "turns": float(traj.turns), "tool_calls": float(calls),
+    given = {k: float(v) for k, v in traj.reward_info.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "reward"}
+    return {**given, "reward": traj.env_return, "turns": float(traj.turns), "tool_calls": float(calls),
             "env_errors": float(sum(1 for t in traj.turn_records if t.error))}

@@ -137,6 +137,7 @@ class RolloutEngine(Protocol):
     counters: dict[str, float]
     cuda_device: Any
     context_limit: int | None
+    label: str  # what generates, for people: backend, runner, device (logged when a run starts)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """``params.n`` completions per prompt, prompts and samples in order; [] for no prompts."""

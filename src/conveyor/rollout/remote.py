@@ -188,6 +188,7 @@ class RemoteEngine:
         card = self._model_card(model)
         self.model = card["id"]
         self.context_limit = context_limit or card.get("max_model_len")
+        self.label = f"remote server {base_url} ({self.model})"
         self.vocab_size = len(tokenizer) if tokenizer is not None else None
 
     @classmethod

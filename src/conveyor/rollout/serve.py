@@ -13,7 +13,10 @@ streaming (``partial`` and ``engine.streams``): one ``generate_stream`` call
 that compatible chunks join between decode steps, each prompt reported as
 its samples end, weights swapped between steps; waves (otherwise): one
 ``generate`` per group of waiting chunks with equal sampling settings.
-``engine_process`` is the same loop as a child process's main.
+``engine_process`` is the same loop as a child process's main. Each ``Done``
+carries the ``Span``s of what the worker did since its previous one (generate
+calls, or a streaming call's stretch up to this report; waits for weights)
+for the run's timeline.
 
 It knows nothing of tasks, rewards, the admission rule or how it was started.
 """
@@ -29,7 +32,7 @@ import traceback
 
 from conveyor.rollout.api import RolloutEngine, StreamChunk
 from conveyor.transport.api import WeightReader
-from conveyor.transport.messages import Done, EngineClock, Failed, Generate, Ready, Stop, WeightSwap
+from conveyor.transport.messages import Done, EngineClock, Failed, Generate, Ready, Span, Stop, WeightSwap
 from conveyor.transport.weights import WeightSyncTimeout
 
 # With partial rollouts a watcher thread applies each version as it lands. Off, swaps happen
@@ -73,6 +76,10 @@ class _EngineServer:
         self.held = None  # a message read while streaming that could not join the running call
         self.streaming = False  # a streaming call runs: its thread swaps weights between steps
         self._settling: queue.Queue = queue.Queue()  # swaps queued on the device, not yet stamped
+        # What the generating thread did since its last report, for the run's timeline: the
+        # spans travel with the next Done, so a worker in another process needs no channel.
+        self.track = f"engine {engine_id}"
+        self.spans: list[Span] = []
 
     def take_weights(self, settle: bool = False, handoff: bool = False) -> None:
         """Apply the newest published version if there is one, and report it. ``settle`` (a
@@ -158,6 +165,7 @@ class _EngineServer:
         of a chunk admitted for version v comes from older weights."""
         self.take_weights()
         deadline = time.monotonic() + self.timeout_s
+        waited_from = time.time() if self.version < need else None
         while self.version < need:
             if time.monotonic() > deadline:
                 raise WeightSyncTimeout(
@@ -165,6 +173,8 @@ class _EngineServer:
                     f"arrive within {self.timeout_s:.0f}s; the engine holds version {self.version}")
             time.sleep(0.0002)
             self.take_weights()
+        if waited_from is not None:
+            self.spans.append(Span(self.track, "wait for weights", waited_from, time.time(), {"version": need}))
 
     def next_message(self):
         """The held message, else the next one from the inbox (None after a short idle wait)."""
@@ -181,7 +191,8 @@ class _EngineServer:
 
     def report(self, chunk_id: int, completions, busy_s: float, offset: int = 0) -> None:
         clock = EngineClock(busy_s, self.idle_s, dict(self.engine.counters))
-        self.outbox.put(Done(self.engine_id, chunk_id, completions, clock, offset))
+        spans, self.spans = tuple(self.spans), []
+        self.outbox.put(Done(self.engine_id, chunk_id, completions, clock, offset, spans))
 
     # ----- waves ----------------------------------------------------------------------
     def serve_waves(self, partial: bool) -> None:
@@ -198,9 +209,11 @@ class _EngineServer:
                 # Weights published before these requests were admitted must be in place
                 # before they start: that is what bounds staleness by the admission rule.
                 self.take_version(max(c.version for c in chunks))
-                t0 = time.perf_counter()
+                t0, wall0 = time.perf_counter(), time.time()
                 outs = self.engine.generate([p for c in chunks for p in c.prompts], chunks[0].params)
                 self.busy_s += time.perf_counter() - t0
+                self.spans.append(Span(self.track, _span_name(chunks[0].chunk_id), wall0, time.time(),
+                                       {"prompts": sum(len(c.prompts) for c in chunks), "chunks": len(chunks)}))
                 i = 0
                 for c in chunks:
                     self.report(c.chunk_id, outs[i:i + len(c.prompts)], self.busy_s)
@@ -226,6 +239,7 @@ class _EngineServer:
         pending = [first]
         running = [0]  # prompts handed to the engine and not yet reported
         t0 = time.perf_counter()
+        mark = [time.time()]  # where the timeline's current generate segment began
         evaluation: list = [None] * len(first.prompts)  # an evaluation request is answered whole
         if not first.prompts:
             self.report(first_id, [], self.busy_s)
@@ -266,6 +280,12 @@ class _EngineServer:
             return [StreamChunk(c.chunk_id, c.prompts, c.params.seed) for c in new]
 
         def on_done(chunk_id, i, samples) -> None:
+            # The call is cut into segments at its reports, so each Done carries the time up to
+            # it; reports of one decode step share a segment (nothing between them to show).
+            now = time.time()
+            if now > mark[0]:
+                self.spans.append(Span(self.track, _span_name(first_id), mark[0], now, {"running": running[0]}))
+                mark[0] = now
             running[0] -= 1
             busy = self.busy_s + time.perf_counter() - t0
             if chunk_id >= 0:
@@ -281,6 +301,10 @@ class _EngineServer:
         finally:
             self.streaming = False
             self.busy_s += time.perf_counter() - t0
+
+
+def _span_name(chunk_id: int) -> str:
+    return "generate" if chunk_id >= 0 else "generate (eval)"
 
 
 def _merge_waiting(first: Generate, inbox) -> tuple[list[Generate], bool]:
@@ -324,5 +348,5 @@ def engine_process(spec: dict, inbox, outbox, weights: WeightReader, engine_id: 
     sys.setswitchinterval(0.0005)
     engine = make_engine(RolloutConfig.model_validate(spec["rollout"]), spec["path"])
     weights.poll(engine, engine_id)
-    outbox.put(Ready(engine_id, engine.context_limit))
+    outbox.put(Ready(engine_id, engine.context_limit, engine.label))
     engine_loop(engine, inbox, outbox, weights, engine_id, partial, spec.get("timeout_s", 600.0))

@@ -12,6 +12,8 @@ Contract (``conveyor.rollout.api`` states what every engine promises)
   one lock.
 - Weights: ``weight_sync`` "reload" (a safetensors file in /dev/shm), "nccl"
   or "ipc" (vLLM's weight-transfer API). ``pause`` / ``resume`` use sleep mode.
+  A tied output embedding may be sent under either name or both; vLLM always
+  receives both (it refreshes only the layers it is sent tensors for).
 Details: docs/architecture.md ("Module contracts in detail").
 
 It does not know the loop, tasks, rewards or where weights come from, and
@@ -82,6 +84,29 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def tied_aliases(model_path: str, trust_remote_code: bool = False) -> dict[str, str]:
+    """Tensors tied to an earlier one, ``{name: name it shares storage with}`` ({} when untied).
+
+    For a tied Llama that is ``{"lm_head.weight": "model.embed_tokens.weight"}``. The model is
+    built on the meta device (nothing is allocated or loaded), and only when the config ties.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if not (getattr(config, "tie_word_embeddings", False)
+            or getattr(config.get_text_config(), "tie_word_embeddings", False)):
+        return {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if (source := first.setdefault(id(t), name)) != name:
+            aliases[name] = source
+    return aliases
+
+
 def checkpoint_eos_ids(model_path: str, tokenizer=None) -> set[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer, as the native engine gathers them."""
     ids: set[int] = set()
@@ -125,6 +150,12 @@ class VLLMEngine:
         vllm = import_vllm()
         self.model_path, self.tokenizer, self.weight_sync = str(model_path), tokenizer, weight_sync
         self._shapes = checkpoint_shapes(self.model_path)
+        # A tied checkpoint stores the output embedding under one name only, but a trainer's
+        # state_dict() carries both; each alias is accepted with its source's shape.
+        self._aliases = tied_aliases(self.model_path, bool(vllm_kwargs.get("trust_remote_code")))
+        for alias, source in self._aliases.items():
+            if source in self._shapes:
+                self._shapes.setdefault(alias, self._shapes[source])
         self.eos_ids = checkpoint_eos_ids(self.model_path, tokenizer)
         kwargs = self._engine_kwargs(dtype, seed, max_model_len, sleep_mode, vllm_kwargs)
         self.llm = vllm.LLM(model=self.model_path, **kwargs)
@@ -132,6 +163,7 @@ class VLLMEngine:
         self._VSamplingParams = vllm.SamplingParams
         mc = self.llm.llm_engine.model_config
         self.context_limit = int(mc.max_model_len)
+        self.label = f"vLLM {vllm.__version__}"
         self.vocab_size = int(mc.get_vocab_size())
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode"))
         self._version = int(version)
@@ -230,11 +262,30 @@ class VLLMEngine:
                                  f"{tuple(tensor.shape)}; send weights of the same architecture")
         return items
 
+    def _with_tied(self, items: list[tuple[str, "torch.Tensor"]]) -> list[tuple[str, "torch.Tensor"]]:
+        """``items`` with each tied tensor under all its names (a trainer's named_parameters() lists one).
+
+        vLLM's in-place reload (``reload_weights`` and the NCCL / IPC transfer engines alike) unties
+        the output embedding while it loads and re-processes only the layers that received tensors:
+        the embedding gets the new weights, but an lm_head sent nothing keeps what it derived from
+        the startup weights (on CPU a prepacked GEMM copy), so logits come from the old head.
+        Sent under both names, both layers are loaded and processed, and the tie holds again after.
+        """
+        if not self._aliases:
+            return items
+        given = dict(items)
+        extra = []
+        for alias, source in self._aliases.items():
+            for have, missing in ((source, alias), (alias, source)):
+                if have in given and missing not in given:
+                    extra.append((missing, given[have]))
+        return items + extra
+
     def update_weights(self, named_tensors: "Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]",
                        version: int) -> None:
         """Load the tensors into vLLM's workers (checkpoint names, e.g. ``model.layers.0...``), then set ``version``."""
         self._check_open()
-        items = self._checked(named_tensors)
+        items = self._with_tied(self._checked(named_tensors))
         with self._lock:
             t0 = time.perf_counter()
             if self.weight_sync == "reload":

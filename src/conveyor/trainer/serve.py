@@ -1,7 +1,7 @@
 """The trainer's host: one trainer (one rank of it) behind the ``TrainerHandle`` calls.
 
 Contract
-- ``TrainerHost(trainer, writers, publish_dtype)`` is the ``TrainerHandle``
+- ``TrainerHost(trainer, writers, publish_dtype, rank)`` is the ``TrainerHandle``
   (``trainer/api.py``) of a trainer in this process, and what a trainer rank
   process serves to the controller (``serve_rpc``). ``publish(version)`` is
   one pass over the trainer's weights (collective for a sharded trainer:
@@ -11,7 +11,10 @@ Contract
   from this process, not after a round trip through the controller; a
   trainer that ``streams_publish`` runs its last optimizer step group by
   group inside the publish. Neither waits for the engines' receives: each
-  engine waits for the version its chunks were admitted for.
+  engine waits for the version its chunks were admitted for. Its answer's
+  ``spans`` are this rank's train and publish spans (wall time), after those
+  of the forward-only calls (``logprobs``, ``ref_logprobs``, ``values``)
+  since the previous train call, for the run's timeline.
 - ``trainer_process(spec, conn, writers)`` is the main of a trainer rank's
   child process: bind the device, join the ranks' process group (world > 1,
   FSDP2), build the trainer, serve until stopped, close its writers.
@@ -25,31 +28,42 @@ import time
 
 from conveyor.trainer.api import LossFn, Trainer
 from conveyor.transport.api import WeightWriter
-from conveyor.transport.messages import Trained
+from conveyor.transport.messages import Span, Trained
 from conveyor.transport.weights import publish_all
 
 
 class TrainerHost:
     """A ``TrainerHandle`` over a trainer object of this process."""
 
-    def __init__(self, trainer: Trainer, writers: list[WeightWriter], publish_dtype=None):
+    def __init__(self, trainer: Trainer, writers: list[WeightWriter], publish_dtype=None, rank: int = 0):
         # publish_dtype: the same on every rank (the gathers are collective), None = float32.
         self.trainer, self.writers, self.publish_dtype = trainer, list(writers), publish_dtype
+        self.track = f"rank {rank}"  # this rank's row in the run's timeline
+        self._spans: list[Span] = []  # forward-only calls since the last train call, sent with its answer
 
     def train_and_publish(self, batch, loss_fn: LossFn, version: int) -> Trained:
+        before, self._spans = tuple(self._spans), []
+        start = time.time()
         if not self.trainer.streams_publish:
             metrics = self.trainer.train(batch, loss_fn)
-            return Trained(metrics, self.trainer.step_ended or time.time(), self.publish(version))
-        spent = []
+            trained = time.time()
+            publish_s = self.publish(version)
+            spans = (*before, Span(self.track, "train", start, trained, {"version": version}),
+                     Span(self.track, "publish", trained, trained + publish_s, {"version": version}))
+            return Trained(metrics, self.trainer.step_ended or trained, publish_s, spans)
+        spent, parts = [], []
 
         def publish(named) -> None:
-            t0 = time.perf_counter()
+            t0, wall0 = time.perf_counter(), time.time()
             try:
                 publish_all(self.writers, named, version, wait=False)
             finally:
                 spent.append(time.perf_counter() - t0)
+                parts.append(Span(self.track, "publish", wall0, wall0 + spent[-1], {"version": version}))
         metrics = self.trainer.train(batch, loss_fn, publish=publish, publish_dtype=self.publish_dtype)
-        return Trained(metrics, self.trainer.step_ended, sum(spent))
+        # The publish parts ran inside the train call (its last optimizer step, group by group).
+        spans = (*before, Span(self.track, "train", start, time.time(), {"version": version}), *parts)
+        return Trained(metrics, self.trainer.step_ended, sum(spent), spans)
 
     def publish(self, version: int) -> float:
         t0 = time.perf_counter()
@@ -60,13 +74,20 @@ class TrainerHost:
         return time.perf_counter() - t0
 
     def logprobs(self, batch):
-        return self.trainer.logprobs(batch)
+        return self._timed("logprobs", self.trainer.logprobs, batch)
 
     def ref_logprobs(self, batch):
-        return self.trainer.ref_logprobs(batch)
+        return self._timed("ref_logprobs", self.trainer.ref_logprobs, batch)
 
     def values(self, batch):
-        return self.trainer.values(batch)
+        return self._timed("values", self.trainer.values, batch)
+
+    def _timed(self, name: str, fn, batch):
+        start = time.time()
+        try:
+            return fn(batch)
+        finally:
+            self._spans.append(Span(self.track, name, start, time.time()))
 
     def step(self) -> int:
         return self.trainer.step
@@ -108,6 +129,6 @@ def trainer_process(spec: dict, conn, writers: list[WeightWriter]) -> None:
                                 world_size=spec["world"], timeout=timedelta(seconds=spec["collective_timeout_s"]))
         trainer = FSDPTrainer(spec["path"], cfg, **kwargs)
     conn.send(Answer(True, "ready"))
-    host = TrainerHost(trainer, writers, spec["publish_dtype"])
+    host = TrainerHost(trainer, writers, spec["publish_dtype"], rank=spec.get("rank", 0))
     serve_rpc(host, conn)
     host.close()

@@ -11,6 +11,7 @@ Engine worker -> controller (the shared outbox): ``Ready``, ``Done``,
 ``WeightSwap``, ``Failed``.
 Producer -> loop (the trajectory buffer): ``Scored``.
 Trainer -> loop (the answer of ``train_and_publish``): ``Trained``.
+Inside ``Done`` and ``Trained``: ``Span`` (what a role did when, for the timeline).
 Controller <-> a child served by ``serve_rpc``: ``Call``, ``Answer``.
 
 This module knows no torch, no engine and no schedule: only the shapes of
@@ -51,6 +52,7 @@ class Ready:
     """An engine process is built and holds its first weights; ``context_limit``: its context in tokens."""
     engine_id: int
     context_limit: int
+    label: str  # the engine's own description (backend, runner, device)
 
 
 @dataclass(frozen=True)
@@ -67,14 +69,29 @@ class EngineClock:
 
 
 @dataclass(frozen=True)
+class Span:
+    """Something a role did, for the run's timeline (``observe.timeline``): ``name`` ran on
+    ``track`` (an engine, a trainer rank) from ``start`` to ``end``, wall time (``time.time()``);
+    ``args``: a few numbers or words shown with it."""
+    track: str
+    name: str
+    start: float
+    end: float
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Done:
     """Completions of prompts ``offset, offset + 1, ...`` of chunk ``chunk_id`` (one list of
-    ``params.n`` samples per prompt). Every prompt of a chunk is answered exactly once."""
+    ``params.n`` samples per prompt). Every prompt of a chunk is answered exactly once.
+    ``spans``: what the engine worker did since its last report (generate calls, waits for
+    weights), carried here so that a worker in another process needs no channel of its own."""
     engine_id: int
     chunk_id: int
     completions: list[list[Completion]]
     clock: EngineClock
     offset: int = 0
+    spans: tuple[Span, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,10 +128,12 @@ class Scored:
 @dataclass(frozen=True)
 class Trained:
     """One train call whose weights were published: the step's ``metrics``, ``step_ended`` (when
-    its optimizer work was done, ``time.time()``) and ``publish_s`` (host seconds spent publishing)."""
+    its optimizer work was done, ``time.time()``), ``publish_s`` (host seconds spent publishing)
+    and ``spans`` (the train and publish spans of every rank, for the timeline)."""
     metrics: dict[str, float]
     step_ended: float
     publish_s: float
+    spans: tuple[Span, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -117,3 +117,43 @@ def test_a_bad_next_batch_fails_after_the_step_trained(bundle):
     assert trainer.step() == step + 1
     with pytest.raises(ValueError, match="equal group sizes"):
         ahead.take(30)
+
+
+def test_a_steps_train_and_publish_spans_reach_the_timeline(bundle, tmp_path):
+    """The trainer host stamps its forward-only calls, its train call and its publish (wall time,
+    its rank's row) into Trained.spans; the step records them as the trainer's on the active
+    timeline."""
+    import time
+
+    from conveyor.observe import timeline
+    cfg, trainer, loss = bundle
+    need = objective.needs(cfg.algo, True)
+    before = time.time()
+    proximal = objective.Needs(proximal=True, reference=False, values=False)
+    _, batch, _, _ = prep(components(cfg, trainer, []), groups(N, 1), proximal)  # one trainer.logprobs call
+    tl = timeline.Timeline(tmp_path)
+    timeline.activate(tl)
+    try:
+        trained, _ = train_and_prepare_next(trainer, TrajectoryBuffer(8), cfg.loop, cfg.algo, batch, loss, need,
+                                            version=trainer.step() + 1, timeout_s=30, last=True)
+        after = time.time()
+    finally:
+        timeline.deactivate(tl)
+        tl.close()
+    # (forward-only calls of earlier tests on this module's trainer would come first, before ``before``)
+    logprobs, train, *publishes = [s for s in trained.spans if s.start >= before]
+    assert (logprobs.track, logprobs.name) == ("rank 0", "logprobs")
+    assert before <= logprobs.start < logprobs.end <= train.start
+    assert (train.track, train.name) == ("rank 0", "train") and publishes
+    assert {(p.track, p.name) for p in publishes} == {("rank 0", "publish")}
+    assert before <= train.start < train.end <= after
+    assert sum(p.end - p.start for p in publishes) == pytest.approx(trained.publish_s, abs=1e-5)
+    if trainer.trainer.streams_publish:  # the last optimizer step publishes group by group, inside train
+        assert all(train.start <= p.start <= p.end <= train.end for p in publishes)
+    else:
+        assert train.end <= publishes[0].start and publishes[-1].end <= after
+    assert train.end - train.start >= trained.metrics["time_s"] * 0.9  # the train call holds the optimizer work
+    events = timeline.read_timeline(tmp_path)
+    trainer_pid = next(e["pid"] for e in events if e.get("name") == "process_name" and e["args"]["name"] == "trainer")
+    assert [e["name"] for e in events if e["ph"] == "X" and e["pid"] == trainer_pid][-2 - len(publishes):] == [
+        "logprobs", "train"] + ["publish"] * len(publishes)

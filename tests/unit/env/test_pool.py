@@ -279,3 +279,44 @@ def test_load_env_by_name_and_dotted_path():
     assert load_env("tests.unit.env.test_pool:Echo") is Echo
     with pytest.raises(PluginError, match="env.name 'nope' is not a builtin"):
         load_env("nope")
+
+
+def test_sessions_are_timeline_rows_whose_spans_nest(tmp_path):
+    """Concurrent sessions hold distinct slots; each slot's episode span holds its reset and steps,
+    and a slot runs one episode at a time, so Perfetto draws every row without overlaps."""
+    from conveyor.observe import timeline
+    pool = EnvPool(Echo, PoolLimits(concurrency=2))
+
+    async def episode(words):
+        async with pool.session() as s:
+            await s.reset(TASK)
+            for w in words:
+                await s.step(w)
+                await asyncio.sleep(0.01)
+
+    async def main():
+        await asyncio.gather(episode(["a", "b", "bye"]), episode(["c", "bye"]), episode(["d", "bye"]))
+
+    tl = timeline.Timeline(tmp_path)
+    timeline.activate(tl)
+    try:
+        run(main())
+    finally:
+        timeline.deactivate(tl)
+        tl.close()
+        pool.close()
+    events = timeline.read_timeline(tmp_path)
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    spans: dict[str, list] = {}
+    for e in events:
+        if e["ph"] == "X":
+            spans.setdefault(rows[(e["pid"], e["tid"])], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    assert sorted(spans) == ["slot 0", "slot 1"]  # three episodes, at most two at once
+    names = sorted(n for row in spans.values() for _, _, n in row)
+    assert names == ["episode"] * 3 + ["reset"] * 3 + ["step"] * 7
+    for row in spans.values():
+        episodes = sorted((a, b) for a, b, n in row if n == "episode")
+        assert all(b1 <= a2 for (_, b1), (a2, _) in zip(episodes, episodes[1:]))  # one at a time
+        for a, b, n in row:
+            if n != "episode":
+                assert any(ea <= a and b <= eb for ea, eb in episodes), (n, a, b)

@@ -75,3 +75,19 @@ def test_real_clock_with_sleeps():
     assert 0.01 <= out["time/b"] < 1.0
     assert out["time/step"] >= out["time/a"] + out["time/b"]
     assert timer.lap()["time/step"] < 0.5
+
+
+def test_outside_leaves_a_block_out_of_the_step():
+    clock = FakeClock()
+    timer = PhaseTimer(clock)
+    with timer.phase("train"):
+        clock.now += 1.0
+    with timer.outside():  # an evaluation between steps
+        clock.now += 30.0
+    clock.now += 0.5
+    assert timer.lap() == {"time/train": 1.0, "time/step": 1.5}
+    with timer.outside():  # also right after a lap: the next step starts when the block ends
+        clock.now += 7.0
+    clock.now += 2.0
+    assert timer.lap() == {"time/step": 2.0}
+    assert timer.outside_s == 37.0

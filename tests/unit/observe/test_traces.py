@@ -58,5 +58,5 @@ def test_size_bound_and_off(tmp_path, tok):
     off = TraceWriter(tmp_path / "off", tok, per_step=0)
     off.write(1, [group])
     assert not (tmp_path / "off" / "traces.jsonl").exists()
-    with pytest.raises(FileNotFoundError, match="wrote no traces"):
+    with pytest.raises(FileNotFoundError, match="the run wrote none"):
         read_traces(tmp_path / "off")

@@ -350,3 +350,39 @@ def test_bad_chunk_is_reported_as_an_error(model, tok, params, short_long):
     assert err.engine_id == 0 and "generate_stream chunk 5: generate: prompt 1 is empty" in err.traceback
     t.join(timeout=10)
     assert not t.is_alive()
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_done_messages_carry_the_spans_of_the_work_they_report(model, tok, params, short_long, partial):
+    """The timeline's engine rows come from the spans each Done carries: generate calls (a
+    streaming call cut at its reports, so the spans tile it), evaluation requests named apart,
+    and the wait for a version a chunk was admitted for."""
+    short, long = short_long
+    weights = StagedWeights(specs(model))
+    eng = fast(model, tok)
+    inbox, outbox, t = serve(eng, weights, partial)
+    before = time.time()
+    inbox.put(Generate(0, [long, short], params))
+    done = messages(outbox, Done, 1 if not partial else 2)
+    inbox.put(Generate(-1, [short], params))  # an evaluation request
+    done += messages(outbox, Done, 1)
+    inbox.put(Generate(2, [short], params, 1))  # admitted for version 1, published a moment later
+    time.sleep(0.2)
+    weights.publish(tiny(tok, seed=3).state_dict().items(), version=1)
+    done += messages(outbox, Done, 1)
+    after = time.time()
+    stop(inbox, t)
+    spans = [s for m in done for s in m.spans]
+    assert {s.track for s in spans} == {"engine 0"}
+    assert all(before <= s.start <= s.end <= after for s in spans)
+    train = [s for m in done if m.chunk_id == 0 for s in m.spans]
+    assert train and {s.name for s in train} == {"generate"}
+    if partial:  # one streaming call, cut at its two reports: the spans tile it without overlap
+        assert len(train) == 2 and train[0].end == train[1].start
+    else:
+        assert len(train) == 1 and train[0].args == {"prompts": 2, "chunks": 1}
+    assert [s.name for m in done if m.chunk_id == -1 for s in m.spans] == ["generate (eval)"]
+    last = [s.name for s in done[-1].spans]
+    assert last[0] == "wait for weights" and last[-1] == "generate"
+    wait = done[-1].spans[0]
+    assert wait.end - wait.start >= 0.15 and wait.args == {"version": 1}

@@ -119,6 +119,9 @@ class NativeEngine:
         else:
             self.runner = HFModelRunner(model, prefill_token_budget)
         self.eos_ids = _eos_ids(model, tokenizer)
+        why = " (rollout.runner=auto uses it off the GPU, where it measured faster)" if runner == "auto" else ""
+        self.label = (f"native engine, paged runner on {dev}" if self.paged
+                      else f"native engine, Hugging Face runner on {dev}{why}")
         self._version = int(version)
         # Held for one step at a time, and by update_weights, so a weight swap from
         # another thread lands between decode steps, never inside one.

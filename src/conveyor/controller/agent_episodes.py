@@ -1,0 +1,88 @@
+"""Agent episodes: the user's agent plays a task through the OpenAI-compatible endpoint, its calls become a trajectory.
+
+Contract: ``AgentEpisodes(endpoint, timeout_s)`` is the episode runner's
+path for ``env.name: agent`` (``controller.episodes.EpisodeRunner``).
+``start(engine)`` serves the endpoint on the runner's event loop with the
+runner as the default engine (turns reach the engine workers exactly as
+``run_episode``'s do). ``play(session, task, params, engine=None)`` opens
+an episode, runs the session's ``env.agent.AgentEnv`` with the endpoint's
+``base_url`` and the episode's key under the pool's deadline
+(``timeout_s``: ``env.endpoint.episode_timeout_s``; an agent that raises,
+hangs or never closes its episode is a counted failure of the session, see
+``EnvSession.play``), closes the episode (later calls with its key are
+refused) and returns its ``Trajectory``: the recorded tokens, the agent's
+reward on its last turn (its other numbers in ``reward_info``), and
+``finish_reason`` ``length`` when a call hit a budget. An episode that
+rewrote its history, made no call, returned something that is not a
+reward, or whose engine call failed raises ``EnvFailure``, counted by
+class on the pool. ``engine`` replaces the runner for one episode (the warm
+start's scripted teacher). ``stop()`` refuses every later call (the run
+ended) and stops the server.
+
+It knows nothing of admission, rewards functions or training.
+"""
+from __future__ import annotations
+
+import time
+
+from conveyor.env.agent import AgentEnv, agent_result
+from conveyor.env.pool import EnvFailure, EnvSession
+from conveyor.rollout.api import SamplingParams
+from conveyor.rollout.multi_turn import EpisodeLimits, TurnEngine
+from conveyor.rollout.openai_server import Endpoint, EndpointSettings
+from conveyor.types import Task, Trajectory
+
+
+class AgentEpisodes:
+    def __init__(self, endpoint: Endpoint, timeout_s: float):
+        self.endpoint, self.timeout_s = endpoint, timeout_s
+
+    async def start(self, engine: TurnEngine) -> str:
+        from conveyor.controller.run import SetupError
+        try:
+            return await self.endpoint.start(engine)
+        except RuntimeError as e:  # a taken address, a server that did not come up: the run cannot start
+            raise SetupError(str(e)) from None
+
+    async def stop(self) -> None:
+        await self.endpoint.stop()
+
+    async def play(self, session: EnvSession, task: Task, params: SamplingParams,
+                   engine: TurnEngine | None = None) -> Trajectory:
+        agent = session.env
+        if not isinstance(agent, AgentEnv):
+            raise TypeError(f"env.name=agent built a {type(agent).__name__}, not a conveyor.env.agent.AgentEnv")
+        pool, where = session.pool, f"agent {agent.name} on task {task.id!r}"
+        t0 = time.perf_counter()
+        ep = self.endpoint.open(task, params, engine)
+        try:
+            out = await session.play(agent.entry, self.endpoint.base_url, ep.key, task,
+                                     timeout=self.timeout_s, what=where)
+        finally:
+            self.endpoint.close(ep.key)
+        try:
+            if ep.failure is not None:
+                raise ep.failure
+            result = agent_result(out, where)
+            traj = ep.transcript.trajectory(
+                task, finish_reason="length" if ep.budget_hit else "stop", reward=result.reward, info=result.info,
+                timings={"episode_s": time.perf_counter() - t0, "generate_s": ep.generate_s, "env_s": ep.client_s})
+        except EnvFailure as e:
+            pool.count(e.kind)
+            raise
+        return traj
+
+
+def agent_episodes(cfg, tokenizer, limits: EpisodeLimits, add_special_tokens: bool, count) -> AgentEpisodes:
+    """The endpoint and agent episodes a ``RunConfig`` with ``env.name: agent`` asks for."""
+    from conveyor.controller.run import SetupError
+    for module in ("starlette", "uvicorn", "jsonschema"):
+        try:
+            __import__(module)
+        except ImportError:
+            raise SetupError(f"env.name=agent serves an OpenAI-compatible endpoint, which needs {module}: "
+                             "pip install 'conveyor[agents]'") from None
+    ep = cfg.env.endpoint
+    settings = EndpointSettings(host=ep.host, port=ep.port, model=ep.model, tools_in_prompt=ep.tools_in_prompt,
+                                tool_format=cfg.env.tool_format, add_special_tokens=add_special_tokens)
+    return AgentEpisodes(Endpoint(tokenizer, settings, limits, count), ep.episode_timeout_s)

