@@ -118,6 +118,9 @@ def import_gguf(gguf: str | Path, out_dir: str | Path) -> Path:
 
     from conveyor.data.files import check_tokenizer
 
+    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader needs it
+        raise GGUFError(f"{src.name}: reading GGUF files needs the accelerate package; "
+                        "pip install 'conveyor[gguf]' (or pip install accelerate)")
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     try:
         check_tokenizer(tokenizer, src.name, chat=bool(getattr(tokenizer, "chat_template", None)))
