@@ -37,7 +37,7 @@ def test_train_prints_phases_summary_table_and_how_to_try(run):
     s = json.loads((out / "summary.json").read_text())
     lines = text.splitlines()
     head = " ".join(l.strip() for l in lines[:lines.index(next(l for l in lines if l.startswith("eval @")))])
-    assert head.startswith("recipe the built-in recipe, base: none (pydantic defaults); ")
+    assert head.startswith("recipe the built-in recipe (tiny model), base: none (pydantic defaults); ")
     assert " loop.steps=2," in head and " sft.steps=3," in head
     assert [l.split()[2] for l in lines if l.startswith("[RL]")] == ["1/2", "2/2"]
     row = next(l for l in lines if l.startswith("greedy reward"))
