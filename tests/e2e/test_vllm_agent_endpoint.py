@@ -8,7 +8,6 @@ skipped elsewhere.
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
@@ -17,7 +16,6 @@ pytest.importorskip("vllm", reason="vLLM is installed only in the vLLM venv (doc
 pytest.importorskip("openai", reason="the agent endpoint's client (docs/agents.md)")
 
 import torch  # noqa: E402
-from openai import AsyncOpenAI  # noqa: E402
 
 from conveyor.data.tiny import build_model  # noqa: E402
 from conveyor.rollout.vllm import VLLMEngine  # noqa: E402
@@ -65,44 +63,19 @@ def vllm_rig(taught, monkeypatch):
     engine.close()
 
 
-async def tool_episode(base_url, api_key, task, seen):
-    """An agent written with the openai client: ask, run the tool it calls, ask again."""
-    c = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=60)
-    msgs = [{"role": "user", "content": task.prompt}]
-    r = await c.chat.completions.create(model="policy", messages=msgs, tools=[R.CALCULATOR], logprobs=True)
-    seen.append(r)
-    msg = r.choices[0].message
-    msgs.append(msg.model_dump(exclude_none=True))
-    for call in msg.tool_calls or []:
-        expression = json.loads(call.function.arguments)["expression"]
-        msgs.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expression))})
-    r2 = await c.chat.completions.create(model="policy", messages=msgs, tools=[R.CALCULATOR], logprobs=True)
-    seen.append(r2)
-    return {"reward": float((r2.choices[0].message.content or "").strip() == task.answer), "calls": 2.0}
-
-
 def test_openai_client_tool_episode_on_vllm_is_recorded_token_exact(vllm_rig, taught):
     tok, model, _ = taught
     seen: list = []
 
     async def agent(base_url, api_key, task):
-        return await tool_episode(base_url, api_key, task, seen)
+        return await R.tool_episode(base_url, api_key, task, seen, timeout_s=60)
     r = vllm_rig(agent)
     (traj,) = r.play([R.TASK], timeout_s=180)
     first, second = seen
-    call = first.choices[0].message.tool_calls[0]
-    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "calculator"
-    assert json.loads(call.function.arguments) == {"expression": "6*7"}
-    assert second.choices[0].message.content == "42" and second.choices[0].finish_reason == "stop"
     # The prompt is the chat template's rendering of the first request; between the turns, the only new
     # tokens are the tool message and the next generation prompt.
-    user = [{"role": "user", "content": R.TASK.prompt}]
-    assert list(traj.prompt_ids) == R.ids_of(tok, user)
-    recs = traj.turn_records
-    assert traj.turns == 2 and recs[0].tool_calls == ("calculator",) and recs[1].tool_calls == ()
-    turn1 = list(traj.completion_ids[recs[0].start:recs[0].end])
+    user, recs, turn1 = R.check_tool_replies(tok, seen, traj)
     turn2 = list(traj.completion_ids[recs[1].start:recs[1].end])
-    assert turn1 == list(tok(R.CALL, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
     assert turn2 == list(tok(R.ANSWER, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
     whole = R.ids_of(tok, user + [{"role": "assistant", "content": R.CALL}, {"role": "tool", "content": "42"}])
     gap = list(traj.completion_ids[recs[0].end:recs[1].start])
@@ -125,10 +98,7 @@ def test_openai_client_tool_episode_on_vllm_is_recorded_token_exact(vllm_rig, ta
     assert first.usage.completion_tokens == len(turn1) and second.usage.completion_tokens == len(turn2)
     assert first.usage.prompt_tokens == len(traj.prompt_ids)
     # vLLM's logprobs are the model's own log-probabilities of the recorded sequence.
-    ids = torch.tensor([list(traj.prompt_ids + traj.completion_ids)])
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
-    got = lp[len(traj.prompt_ids) - 1:][torch.tensor(own)]
+    got = R.model_logprobs(model, traj, own)
     assert torch.allclose(got, torch.tensor(api_lps), atol=1e-3, rtol=0), (got - torch.tensor(api_lps)).abs().max()
     assert recs[1].reward == 1.0 and traj.env_return == 1.0 and traj.reward_info == {"calls": 2.0}
     assert r.pool.counts()["agent_calls"] == 2 and r.pool.counts()["episodes"] == 1

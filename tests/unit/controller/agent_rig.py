@@ -148,3 +148,49 @@ def wait_for(predicate, timeout_s: float = 10.0) -> None:
 def build():
     tok = build_tokenizer()
     return tok, taught_model(tok)
+
+
+async def tool_episode(base_url, api_key, task, seen=None, timeout_s: float = 30.0):
+    """An agent written with the openai client: ask, run the tool it calls, ask again."""
+    import json
+
+    from openai import AsyncOpenAI
+    c = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
+    msgs = [{"role": "user", "content": task.prompt}]
+    r = await c.chat.completions.create(model="policy", messages=msgs, tools=[CALCULATOR], logprobs=True)
+    msg = r.choices[0].message
+    msgs.append(msg.model_dump(exclude_none=True))
+    for call in msg.tool_calls or []:
+        expression = json.loads(call.function.arguments)["expression"]
+        msgs.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expression))})
+    r2 = await c.chat.completions.create(model="policy", messages=msgs, tools=[CALCULATOR], logprobs=True)
+    if seen is not None:
+        seen += [r, r2]
+    return {"reward": float((r2.choices[0].message.content or "").strip() == task.answer), "calls": 2.0}
+
+
+def check_tool_replies(tok, seen, traj):
+    """What every engine must give ``tool_episode``: a calculator call, then "42", recorded with the
+    chat template's rendering of the first request as the prompt and the call (+ EOS) as turn 1.
+    Returns the first request's messages, the turn records and turn 1's ids."""
+    import json
+    first, second = seen
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "calculator"
+    assert json.loads(call.function.arguments) == {"expression": "6*7"}
+    assert second.choices[0].message.content == "42" and second.choices[0].finish_reason == "stop"
+    user = [{"role": "user", "content": TASK.prompt}]
+    assert list(traj.prompt_ids) == ids_of(tok, user)
+    recs = traj.turn_records
+    assert traj.turns == 2 and recs[0].tool_calls == ("calculator",) and recs[1].tool_calls == ()
+    turn1 = list(traj.completion_ids[recs[0].start:recs[0].end])
+    assert turn1 == list(tok(CALL, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+    return user, recs, turn1
+
+
+def model_logprobs(model, traj, positions) -> torch.Tensor:
+    """The model's own log-probabilities of the recorded sequence at completion ``positions``."""
+    ids = torch.tensor([list(traj.prompt_ids + traj.completion_ids)])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    return lp[len(traj.prompt_ids) - 1:][torch.tensor(positions)]

@@ -47,44 +47,18 @@ def client(base_url, api_key) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=30)
 
 
-async def tool_episode(base_url, api_key, task, seen=None):
-    """An agent written with the openai client: ask, run the tool it calls, ask again."""
-    c = client(base_url, api_key)
-    msgs = [{"role": "user", "content": task.prompt}]
-    r = await c.chat.completions.create(model="policy", messages=msgs, tools=[R.CALCULATOR], logprobs=True)
-    msg = r.choices[0].message
-    msgs.append(msg.model_dump(exclude_none=True))
-    for call in msg.tool_calls or []:
-        expression = json.loads(call.function.arguments)["expression"]
-        msgs.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expression))})
-    r2 = await c.chat.completions.create(model="policy", messages=msgs, tools=[R.CALCULATOR], logprobs=True)
-    if seen is not None:
-        seen += [r, r2]
-    return {"reward": float(r2.choices[0].message.content.strip() == task.answer), "calls": 2.0}
-
-
 def test_openai_client_tool_episode_is_recorded_token_exact(rig, taught):
     tok, model = taught
     seen: list = []
 
     async def agent(base_url, api_key, task):
-        return await tool_episode(base_url, api_key, task, seen)
+        return await R.tool_episode(base_url, api_key, task, seen)
     r = rig(agent)
     (traj,) = r.play([R.TASK])
-    first, second = seen
-    call = first.choices[0].message.tool_calls[0]
-    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "calculator"
-    assert json.loads(call.function.arguments) == {"expression": "6*7"}
-    assert second.choices[0].message.content == "42" and second.choices[0].finish_reason == "stop"
     # The prompt is the chat template's rendering of the first request; between the turns, the only new
     # tokens are the tool message and the next generation prompt (the history's tokens are reused).
-    user = [{"role": "user", "content": R.TASK.prompt}]
-    assert list(traj.prompt_ids) == R.ids_of(tok, user)
-    recs = traj.turn_records
-    assert traj.turns == 2 and recs[0].tool_calls == ("calculator",) and recs[1].tool_calls == ()
+    user, recs, turn1 = R.check_tool_replies(tok, seen, traj)
     whole = R.ids_of(tok, user + [{"role": "assistant", "content": R.CALL}, {"role": "tool", "content": "42"}])
-    turn1 = list(traj.completion_ids[recs[0].start:recs[0].end])
-    assert turn1 == list(tok(R.CALL, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
     gap = list(traj.completion_ids[recs[0].end:recs[1].start])
     assert gap == whole[len(traj.prompt_ids) + len(turn1) - 1:]  # the EOS the template does not write back
     between = slice(recs[0].end, recs[1].start)
@@ -95,10 +69,7 @@ def test_openai_client_tool_episode_is_recorded_token_exact(rig, taught):
     api_lps = [t.logprob for resp in seen for t in resp.choices[0].logprobs.content]
     assert [traj.logprobs[i] for i in own] == api_lps
     assert [traj.completion_ids[i] for i in own] == turn1 + list(traj.completion_ids[recs[1].start:recs[1].end])
-    ids = torch.tensor([list(traj.prompt_ids + traj.completion_ids)])
-    with torch.no_grad():
-        lp = torch.log_softmax(model(ids).logits.float(), -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
-    got = lp[len(traj.prompt_ids) - 1:][torch.tensor(own)]
+    got = R.model_logprobs(model, traj, own)
     assert torch.allclose(got, torch.tensor(api_lps), atol=1e-4, rtol=0), (got - torch.tensor(api_lps)).abs().max()
     assert {traj.versions[i] for i in own} == {0}
     assert recs[1].reward == 1.0 and traj.env_return == 1.0 and traj.reward_info == {"calls": 2.0}
