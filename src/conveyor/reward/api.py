@@ -5,6 +5,8 @@ Contract
   the scalar reward. A dict must carry ``"reward"`` (a finite real number);
   its other keys are kept in ``Trajectory.reward_info`` and the numeric ones
   are logged as metrics by whoever reads them.
+- ``BatchReward`` is the batched form (reward models, judges, remote servers):
+  ``score_batch(trajs)`` returns one float or dict per trajectory.
 - ``load_reward(spec, kwargs)`` turns a builtin name (``BUILTIN_REWARDS``) or a
   dotted path ``pkg.module:fn`` into a ``RewardFn``. Non-empty ``kwargs`` are
   bound with ``functools.partial``, so the reward is called as
@@ -19,12 +21,27 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 from conveyor.plugins import PluginError, resolve
 from conveyor.types import Trajectory
 
 RewardFn = Callable[[Trajectory], Union[float, dict]]
+
+
+@runtime_checkable
+class BatchReward(Protocol):
+    """A reward that scores many trajectories in one call: a reward model, a generative judge,
+    a remote reward server. ``score_batch`` returns one float or dict (as a ``RewardFn`` does) per
+    trajectory, in order; it may raise, and then the whole batch gets the fallback, counted.
+    ``max_batch`` bounds one call; ``close`` frees what the reward holds (a model, a process)."""
+
+    name: str
+    max_batch: int
+
+    def score_batch(self, trajs: Sequence[Trajectory]) -> list[Union[float, dict]]: ...
+
+    def close(self) -> None: ...
 
 BUILTIN_REWARDS: dict[str, str] = {
     "math": "conveyor.reward.verifiers:math_reward",
