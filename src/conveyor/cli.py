@@ -22,7 +22,8 @@ from conveyor.config import (DEFAULT_RECIPE, PRETRAINED_RECIPE, ConfigError, bas
 
 # Errors that mean "the user asked for something impossible"; resolved lazily
 # so `conveyor config` never imports torch.
-_USER_ERRORS = ("ConfigError", "DataError", "PluginError", "SetupError", "RewardError", "DeviceError", "GGUFError",
+_USER_ERRORS = ("ConfigError", "DataError", "PluginError", "SetupError", "RewardError", "RewardModelError",
+                "DeviceError", "GGUFError",
                 "MissingPackage", "SinkError", "ReportError")
 
 OVERRIDES = """\
@@ -44,6 +45,7 @@ examples:
   conveyor report runs/mine                        runs/mine/report.html: curves, role timeline, samples
   conveyor config trainer                          the trainer's fields, defaults and descriptions
   conveyor config my.yaml --diff                   what my.yaml changes from its base
+  conveyor train-rm pairs.jsonl --model runs/mine/final --out rm    a reward model (then reward.fn=rm reward.model=rm)
 
 built-in recipe: {DEFAULT_RECIPE}
 """
@@ -229,6 +231,19 @@ def _import(ns) -> int:
     return 0
 
 
+def _train_rm(ns) -> int:
+    from conveyor.observe.progress import quiet_libraries, say
+    from conveyor.reward.train_rm import RMTrainConfig, train_reward_model
+    quiet_libraries()
+    cfg = RMTrainConfig(data=ns.data, model=ns.model, out=ns.out, eval_data=ns.eval_data,
+                        eval_fraction=ns.eval_fraction, epochs=ns.epochs, steps=ns.steps, batch_size=ns.batch_size,
+                        micro_batch=ns.micro_batch, lr=ns.lr, eval_every=ns.eval_every, max_length=ns.max_length,
+                        seed=ns.seed, device=ns.device)
+    r = train_reward_model(cfg, log=say)
+    print(f"wrote {r.out}: held-out accuracy {r.final.accuracy:.3f}, loss {r.final.loss:.4f} ({r.final.pairs} pairs)")
+    return 0
+
+
 def _build_tiny(ns) -> int:
     from conveyor.data.tiny import build_tiny
     print(build_tiny(ns.out))
@@ -319,11 +334,76 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("gguf", metavar="GGUF")
     sp.add_argument("out", metavar="OUT")
     sp.set_defaults(fn=_import)
+    _add_train_rm(sub, fmt)
+    _add_serve_reward(sub, fmt)
     desc = "write the tiny model and tokenizer the built-in recipe trains"
     sp = sub.add_parser("build-tiny", help=desc, description=desc)
     sp.add_argument("out", metavar="OUT")
     sp.set_defaults(fn=_build_tiny)
     return p
+
+
+def _add_train_rm(sub, fmt) -> None:
+    desc = ("train a reward model on preference pairs (JSONL rows {prompt, chosen, rejected}, or chat messages) "
+            "with the Bradley-Terry loss, report held-out pair accuracy, and write a checkpoint for reward.fn=rm")
+    sp = sub.add_parser("train-rm", help=desc, description=desc, formatter_class=fmt, epilog=(
+        "example:\n  conveyor train-rm pairs.jsonl --model runs/sft/warmstart --out runs/rm --lr 1e-4\n"
+        "  conveyor train reward.fn=rm reward.model=runs/rm ...\n(docs/rewards.md, \"Training a reward model\")"))
+    sp.add_argument("data", metavar="PAIRS.jsonl")
+    sp.add_argument("--model", required=True, help="a causal LM (it gets a new scalar head) or a reward model")
+    sp.add_argument("--out", required=True, help="a new directory for the checkpoint")
+    sp.add_argument("--eval-data", default=None, help="held-out pairs (default: --eval-fraction of the prompts)")
+    sp.add_argument("--eval-fraction", type=float, default=0.1, help="share of prompts held out (default 0.1)")
+    sp.add_argument("--epochs", type=float, default=1.0, help="passes over the training pairs (default 1)")
+    sp.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    sp.add_argument("--batch-size", type=int, default=16, help="pairs per optimizer step (default 16)")
+    sp.add_argument("--micro-batch", type=int, default=None, help="pairs per forward pass (default: the batch)")
+    sp.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default 1e-5)")
+    sp.add_argument("--eval-every", type=int, default=100,
+                    help="steps between held-out evaluations (default 100; 0: before and after only)")
+    sp.add_argument("--max-length", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    sp.add_argument("--seed", type=int, default=0, help="split, order and head initialisation (default 0)")
+    sp.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    sp.set_defaults(fn=_train_rm)
+
+
+def _serve_reward(ns) -> int:
+    import json
+    from conveyor.reward.remote_server import ServeSettings, serve
+    try:
+        kwargs = json.loads(ns.kwargs)
+    except ValueError as e:
+        raise ConfigError(f"--kwargs {ns.kwargs!r} is not JSON ({e}); give an object, e.g. '{{\"all_pass\": true}}'") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"--kwargs must be a JSON object of the reward's keywords, got {ns.kwargs!r}")
+    try:
+        settings = ServeSettings(host=ns.host, port=ns.port, max_batch=ns.max_batch, batch_wait_ms=ns.batch_wait_ms,
+                                 workers=ns.workers, timeout_s=ns.timeout_s)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    serve(ns.spec, kwargs, settings, say=lambda line: print(line, flush=True))
+    return 0
+
+
+def _add_serve_reward(sub, fmt) -> None:
+    desc = ("serve a reward (a builtin name or a dotted path) over HTTP with batching, for reward.fn: "
+            "http://HOST:PORT in a run on another machine or process")
+    sp = sub.add_parser("serve-reward", help=desc, description=desc, formatter_class=fmt, epilog=(
+        "example:\n  conveyor serve-reward code --kwargs '{\"all_pass\": true}' --port 8300\n"
+        "  conveyor train recipes/smollm2-code.yaml reward.fn=http://127.0.0.1:8300\n"
+        "(docs/rewards.md, \"Remote rewards\")"))
+    sp.add_argument("spec", metavar="SPEC", help="builtin reward name (math, exact, format, code, ...) or pkg.module:fn")
+    sp.add_argument("--kwargs", default="{}", help="the reward's keyword arguments as a JSON object (default {})")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    sp.add_argument("--port", type=int, default=8300, help="port (default 8300; 0: any free port, printed)")
+    sp.add_argument("--max-batch", type=int, default=64, help="most trajectories per batch (default 64)")
+    sp.add_argument("--batch-wait-ms", type=float, default=10.0,
+                    help="how long the oldest waiting trajectory waits for a batch to fill (default 10)")
+    sp.add_argument("--workers", type=int, default=4,
+                    help="threads calling a plain reward, or concurrent calls of a batched one (default 4)")
+    sp.add_argument("--timeout-s", type=float, default=30.0,
+                    help="deadline of scoring one batch; items past it answer an error (default 30)")
+    sp.set_defaults(fn=_serve_reward)
 
 
 def _add_checkpoint(sp) -> None:

@@ -19,28 +19,38 @@ internals and not where the roles run.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from conveyor.config import RunConfig
 from conveyor.controller import objective
 from conveyor.controller.producer import Producer
 from conveyor.controller.step_batch import prepare, train_and_prepare_next
 from conveyor.controller.step_stats import engine_stats, rollout_stats, sync_stats
+from conveyor.launch import watchdog
+from conveyor.launch.procs import RoleError
+from conveyor.launch.watchdog import Deadlines
 from conveyor.trainer.api import TrainerHandle
+from conveyor.transport.buffer import BufferTimeout
 
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.observe.metrics import MetricsLogger
     from conveyor.observe.timers import PhaseTimer
-    from conveyor.reward.service import RewardService
+    from conveyor.reward.api import RewardHandle
     from conveyor.transport.buffer import TrajectoryBuffer
 
 
 def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffer: TrajectoryBuffer,
-            rewards: RewardService, logger: MetricsLogger, timer: PhaseTimer,
-            evaluate: Callable[[int], dict], checkpoint: Callable[[int], object],
-            start_step: int) -> dict[str, float]:
-    lc, timeout = cfg.loop, cfg.launch.timeout_s
+            rewards: RewardHandle, logger: MetricsLogger, timer: PhaseTimer,
+            evaluate: Callable[[int], dict], checkpoint: Callable[[int, dict, dict | None], object],
+            start_step: int, counted_before: Callable[[dict], dict] = dict) -> dict[str, float]:
+    """The RL loop from ``start_step`` to ``loop.steps``. ``checkpoint(step, counters, evaluation)``
+    saves a step (``counters``: the running counts of the metrics; ``evaluation``: the held-out
+    result of that step, if one ran); ``counted_before`` adds the counts of a run's earlier
+    parts to this part's (a resumed run reports the whole run's)."""
+    lc = cfg.loop
+    deadlines = Deadlines(cfg.launch.timeout_s)  # the wait for a step's groups may grow with the steps seen
     one_update = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1
     loss_fn = objective.PolicyLoss(cfg.algo, norm_len=cfg.rollout.max_new_tokens, one_update=one_update)
     need = objective.needs(cfg.algo, one_update)
@@ -55,26 +65,27 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
         if lc.time_limit_s and time.perf_counter() - t_start > lc.time_limit_s:
             logger.message(f"time limit {lc.time_limit_s:.0f}s reached after {step - start_step} steps")
             break
+        timeout, t_wait = deadlines.of("groups"), time.monotonic()
         if ahead is None:
-            with timer.phase("wait"):  # the trainer's idle time: waiting for scored groups
-                items = buffer.get(lc.batch_size, timeout=timeout)
+            with timer.phase("wait"), stalled(f"the wait for step {step + 1}'s {lc.batch_size} scored groups"):
+                items = buffer.get(lc.batch_size, timeout=timeout)  # the trainer's idle time
             with timer.phase("prepare"):
                 groups, batch, stats, extra = prepare(trainer, cfg.algo, items, need)
         else:  # built while the last step trained; what is not ready yet, the trainer waits for
-            with timer.phase("wait"):
+            with timer.phase("wait"), stalled(f"the wait for step {step + 1}'s batch"):
                 groups, batch, stats, extra = ahead.take(timeout)
         with timer.phase("train"):  # the trainer publishes version step + 1 as its step ends
             trained, ahead = train_and_prepare_next(trainer, buffer, lc, cfg.algo, batch, loss_fn, need,
                                                     version=step + 1, timeout_s=timeout, last=step + 1 == lc.steps)
+        deadlines.observe("groups", time.monotonic() - t_wait)  # a step's wait and train: what a wait may take
         published_at[step + 1] = trained.step_ended
         rollouts.published(step + 1)
         now = rollouts.snapshot()
+        counters = counted_before(running_counts(rewards, now))
         metrics = {**stats, **trained.metrics, **rollout_stats(groups, step),
                    "weight_publish_ms": trained.publish_s * 1e3,
                    "buffer_depth": len(buffer), **sync_stats(rollouts.take_swaps(), published_at, swaps, upto=step),
-                   **engine_stats(now.clocks, clocks),
-                   **{f"reward_{k}": v for k, v in rewards.stats().items()}, **now.prompts_skipped,
-                   **{f"env_{k}": v for k, v in now.env.items()}, **timer.lap()}
+                   **engine_stats(now.clocks, clocks), **counters, **timer.lap()}
         if "proximal_logprobs" in extra:
             metrics["logprob_diff_max"] = max(
                 float(((p - b).abs() * m).max()) for p, b, m in
@@ -85,11 +96,28 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
         metrics["samples_per_s"] = len(batch) / max(metrics["time/step"], 1e-9)
         logger.log(step + 1, metrics)
         logger.trace(step + 1, groups)  # what the model wrote (observe.traces_per_step of them)
+        evaluation = None
         if lc.eval_every and (step + 1) % lc.eval_every == 0 and step + 1 < lc.steps:
             with timer.outside():  # not a training step's time: samples/s and idle fractions stay true
-                evaluate(step + 1)
+                evaluation = evaluate(step + 1)
             engine_stats(rollouts.snapshot().clocks, clocks)  # the engines' eval work is not the next step's
         if lc.checkpoint_every and (step + 1) % lc.checkpoint_every == 0:
-            checkpoint(step + 1)
+            checkpoint(step + 1, counters, evaluation)
     rollouts.stop_admitting()
     return metrics
+
+
+def running_counts(rewards, now) -> dict[str, float]:
+    """The metrics that count since the run began: the reward service's and the environment
+    pool's counters, prompts skipped, engine restarts (``now``: the producer's snapshot)."""
+    return {**{f"reward_{k}": v for k, v in rewards.stats().items()}, **now.prompts_skipped,
+            **{f"env_{k}": v for k, v in now.env.items()}, "engine_restarts": now.restarts}
+
+
+@contextlib.contextmanager
+def stalled(what: str) -> Iterator[None]:
+    """A wait of the loop that runs out: every role's stacks are dumped, the error says where each was."""
+    try:
+        yield
+    except (BufferTimeout, TimeoutError) as e:
+        raise RoleError(f"{what} ran out: {e}\nwhere each role was:\n{watchdog.dump_stacks(what)}") from None

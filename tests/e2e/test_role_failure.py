@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "no
 
 
 @pytest.mark.parametrize("role, extra", [
-    ("engine0", []),
+    ("engine0", ["launch.max_restarts=0"]),  # engines are restarted by default (tests/e2e/test_faults.py)
     # The engine dies while its receiver thread is in the broadcast group.
     ("engine0", ["launch.weight_sync=broadcast"]),
     # One of two FSDP ranks dies: its peer is blocked in a collective, the controller must not be.

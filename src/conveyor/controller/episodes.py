@@ -67,7 +67,7 @@ class EpisodeRunner:
         self.sampling, self.n, self.version = sampling, n, version
         self.on_failure, self.attempts, self.timeout_s = on_failure, attempts, timeout_s
         self._ids = itertools.count()
-        self._turns: dict[int, tuple[asyncio.Future, int]] = {}  # turn id -> (future, engine id)
+        self._turns: dict[int, tuple[asyncio.Future, int, Generate]] = {}  # turn id -> (future, engine id, request)
         self._load = {w.engine_id: 0 for w in self.workers}
         self._finished: queue.Queue[GroupOutcome] = queue.Queue()
         self._loop = asyncio.new_event_loop()
@@ -92,6 +92,15 @@ class EpisodeRunner:
                 out.append(self._finished.get_nowait())
             except queue.Empty:
                 return out
+
+    def requeue(self, engine_id: int) -> None:
+        """The engine ``engine_id`` was replaced: its turns in flight are sent to the new one."""
+        def resend() -> None:
+            worker = next(w for w in self.workers if w.engine_id == engine_id)
+            for _, owner, msg in list(self._turns.values()):
+                if owner == engine_id:
+                    worker.send(msg)
+        self._loop.call_soon_threadsafe(resend)
 
     def answer(self, done: Done) -> None:
         """A turn's completion arrived (``done.chunk_id`` is a turn id)."""
@@ -157,7 +166,7 @@ class EpisodeRunner:
         entry = self._turns.pop(turn_id, None)
         if entry is None:  # its episode gave up waiting
             return
-        fut, engine_id = entry
+        fut, engine_id, _ = entry
         self._load[engine_id] -= 1
         if not fut.done():
             fut.set_result(completion)
@@ -167,9 +176,10 @@ class EpisodeRunner:
         turn_id = next(self._ids)
         worker = min(self.workers, key=lambda w: self._load[w.engine_id])
         fut = self._loop.create_future()
-        self._turns[turn_id] = (fut, worker.engine_id)
+        msg = Generate(turn_id, [ids], params, self.version())
+        self._turns[turn_id] = (fut, worker.engine_id, msg)
         self._load[worker.engine_id] += 1
-        worker.send(Generate(turn_id, [ids], params, self.version()))
+        worker.send(msg)
         try:
             return await asyncio.wait_for(fut, self.timeout_s)
         except asyncio.TimeoutError:

@@ -15,6 +15,7 @@ nothing of training or of how the engines run.
 """
 from __future__ import annotations
 
+import numbers
 import time
 
 from conveyor.config import RunConfig
@@ -78,7 +79,10 @@ class Evaluator:
         fallback = self.cfg.reward.fallback * (total - len(trajs))
         m = {prefix + "reward": (sum(t.reward for t in trajs) + fallback) / total,
              prefix + "len": sum(len(t.completion_ids) for t in trajs) / max(len(trajs), 1)}
-        for key in sorted({k for t in trajs for k in t.reward_info if k != "reward_error"}):
-            vals = [float(t.reward_info[key]) for t in trajs if key in t.reward_info]
+        # Numbers only: a reward's text (the code reward's per-test letters, an error) stays in the samples.
+        numeric = [(k, float(v)) for t in trajs for k, v in t.reward_info.items()
+                   if k != "reward_error" and isinstance(v, numbers.Real)]
+        for key in sorted({k for k, _ in numeric}):
+            vals = [v for k, v in numeric if k == key]
             m[prefix + key] = sum(vals) / len(vals)
         return m

@@ -15,14 +15,19 @@ what the loop reads of it. What the engines report of their work (the spans
 in ``Done``, the ``WeightSwap`` stamps) and the groups in flight go to the
 run's timeline (``observe.timeline``).
 
-Failures stop the run: an engine that reports an error or whose process died,
-a buffer that stays full or a reward that never returns closes the buffer
-with a ``RoleError`` naming the role, which the loop re-raises.
+An engine process that dies is restarted (``restart()`` of its worker, at
+most ``max_restarts`` times in the run) and what it had in flight (chunks,
+evaluation requests, episode turns) is sent to its replacement; prompts
+answered before the death are not taken twice. Other failures stop the run:
+an engine that reports an error, a death past the budget, a buffer that stays
+full or a reward that never returns closes the buffer with a ``RoleError``
+naming the role, which the loop re-raises.
 
 It knows nothing of training, advantages or how engines are launched.
 """
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import threading
@@ -36,8 +41,10 @@ from conveyor.launch.procs import RoleError
 from conveyor.observe import timeline
 from conveyor.rollout.api import EngineWorker, SamplingParams
 from conveyor.rollout.single_turn import prepare_prompts, to_groups
-from conveyor.transport.messages import Done, EngineClock, Failed, Generate, Scored, WeightSwap
+from conveyor.transport.messages import Done, EngineClock, Failed, Generate, Ready, Scored, WeightSwap
 from conveyor.types import Group, Task
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class RolloutSnapshot:
     clocks: dict[int, EngineClock]
     prompts_skipped: dict[str, int]
     env: dict[str, int] = field(default_factory=dict)
+    restarts: int = 0
 
 
 @dataclass
@@ -66,7 +74,8 @@ class _Chunk:
     prompts: list
     engine_id: int
     sent_at: float
-    reported: int = 0  # prompts answered so far (a streaming engine answers each as it ends)
+    message: Generate  # sent again, whole, to the engine that replaces a dead one
+    reported: set[int] = field(default_factory=set)  # prompts answered (a streaming engine answers each as it ends)
 
 
 @dataclass
@@ -89,7 +98,8 @@ class _Shared:
 class Producer:
     def __init__(self, workers: list[EngineWorker], outbox, *, loop: LoopConfig, timeout_s: float,
                  prompting: Prompting, cursor, train_size: int, rewards, buffer, start_issued: int = 0,
-                 version: int = 0, sampling=None, episodes=None, max_failed_groups: int = 64):
+                 version: int = 0, sampling=None, episodes=None, max_failed_groups: int = 64,
+                 max_restarts: int = 0, start_timeout_s: float | None = None):
         self.workers, self.outbox = tuple(workers), outbox
         self.prompting, self.cursor, self.train_size = prompting, cursor, train_size
         self.rewards, self.buffer = rewards, buffer
@@ -103,6 +113,9 @@ class Producer:
         self.concurrency = loop.concurrency or staleness.capacity(loop.batch_size, loop.max_staleness)
         self.per_engine = max(1, math.ceil(loop.batch_size / len(workers)))
         self.timeout = timeout_s
+        self.max_restarts, self.restarts = max_restarts, 0
+        self.start_timeout = start_timeout_s or timeout_s
+        self._starting: dict[int, float] = {}  # restarted engine -> deadline of its Ready
         self.issued = start_issued
         self._version = version
         self._admitting = False  # the loop turns admission on when RL starts
@@ -110,7 +123,7 @@ class Producer:
         self._inflight = {w.engine_id: 0 for w in self.workers}
         self._shared = _Shared(clocks={w.engine_id: EngineClock() for w in self.workers})
         self.error: BaseException | None = None
-        self._direct: dict[int, Future] = {}  # evaluation requests, keyed by negative ids
+        self._direct: dict[int, tuple[Future, Generate, int]] = {}  # evaluations by negative id: (future, request, engine)
         self._next_direct = -1
         self._chunks: dict[int, _Chunk] = {}
         self._cursor_at_step: dict[int, dict] = {}
@@ -150,7 +163,7 @@ class Producer:
         with self._shared.lock:
             clocks, skipped = dict(self._shared.clocks), dict(self._shared.skipped)
         env = self.episodes.pool.counts() if self.episodes is not None else {}
-        return RolloutSnapshot(clocks, skipped, env)
+        return RolloutSnapshot(clocks, skipped, env, self.restarts)
 
     def take_swaps(self) -> list[WeightSwap]:
         """The engines' weight swaps reported since the last call."""
@@ -164,16 +177,16 @@ class Producer:
             raise RoleError(f"rollouts have stopped: {self.error}") from self.error
         fut: Future = Future()
         key, self._next_direct = self._next_direct, self._next_direct - 1
-        self._direct[key] = fut
-        self.workers[engine_id].send(Generate(key, prompts, params, self._version))
+        msg = Generate(key, prompts, params, self._version)
+        self._direct[key] = (fut, msg, engine_id)
+        self.workers[engine_id].send(msg)
         return fut
 
     # ----- the producer's thread ----------------------------------------------------
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                for w in self.workers:
-                    w.check()
+                self._check_engines()
                 if self._admitting:
                     self._admit()
                 self._collect()
@@ -183,8 +196,9 @@ class Producer:
         except BaseException as e:  # noqa: BLE001 - handed to the loop through the buffer
             self.error = e
             self.buffer.close(e)
-            for fut in self._direct.values():
-                fut.set_exception(e)
+            for fut, _, _ in self._direct.values():
+                if not fut.done():
+                    fut.set_exception(e)
         finally:
             if self.episodes is not None:
                 self.episodes.close()
@@ -235,11 +249,12 @@ class Producer:
             # own place, however the schedule is cut into chunks and spread over engines, in a
             # resumed or re-launched run, and in a run at another staleness (same loop.seed).
             seed = self.seed * 2**40 + first
-            self._chunks[first] = _Chunk(first, tasks, prompts, worker.engine_id, time.perf_counter())
+            # The chunk carries the version it was admitted for: the engine starts it on no older weights.
+            msg = Generate(first, [list(p) for p in prompts], self.sampling(seed), self._version)
+            self._chunks[first] = _Chunk(first, tasks, prompts, worker.engine_id, time.perf_counter(), msg)
             self._inflight[worker.engine_id] += k
             self.inflight += k
-            # The chunk carries the version it was admitted for: the engine starts it on no older weights.
-            worker.send(Generate(first, [list(p) for p in prompts], self.sampling(seed), self._version))
+            worker.send(msg)
             self._count_groups()
 
     def _collect(self) -> None:
@@ -249,6 +264,9 @@ class Producer:
             return
         if isinstance(msg, Failed):
             raise RoleError(f"engine {msg.engine_id} failed:\n{msg.traceback}")
+        if isinstance(msg, Ready):  # a restarted engine is serving
+            self._starting.pop(msg.engine_id, None)
+            return
         if isinstance(msg, WeightSwap):
             with self._shared.lock:
                 self._shared.swaps.append(msg)
@@ -258,25 +276,67 @@ class Producer:
             return
         timeline.record_spans("rollout", msg.spans)
         if msg.chunk_id < 0:
-            self._direct.pop(msg.chunk_id).set_result(msg.completions)
+            entry = self._direct.pop(msg.chunk_id, None)  # None: answered before its engine was replaced
+            if entry is not None:
+                entry[0].set_result(msg.completions)
             return
         if self.episodes is not None:  # a turn of an episode
             with self._shared.lock:
                 self._shared.clocks[msg.engine_id] = msg.clock
             self.episodes.answer(msg)
             return
-        chunk = self._chunks[msg.chunk_id]
         with self._shared.lock:
             self._shared.clocks[msg.engine_id] = msg.clock
-        part = slice(msg.offset, msg.offset + len(msg.completions))
-        groups = to_groups(self.prompting.tokenizer, chunk.tasks[part], chunk.prompts[part], msg.completions,
-                           time.perf_counter() - chunk.sent_at)
-        for i, g in enumerate(groups):
-            futures = [self.rewards.submit(t) for t in g.trajectories]
-            self._pending.append(_Pending(msg.chunk_id + msg.offset + i, futures, g.task, chunk.engine_id))
-        chunk.reported += len(msg.completions)
-        if chunk.reported >= len(chunk.tasks):
+        chunk = self._chunks.get(msg.chunk_id)
+        if chunk is None:  # answered already, before its engine died and the chunk was sent again
+            return
+        # A chunk sent again to a restarted engine comes back whole: prompts answered before are dropped.
+        fresh = [j for j in range(len(msg.completions)) if msg.offset + j not in chunk.reported]
+        if fresh:
+            at = [msg.offset + j for j in fresh]
+            groups = to_groups(self.prompting.tokenizer, [chunk.tasks[a] for a in at], [chunk.prompts[a] for a in at],
+                               [msg.completions[j] for j in fresh], time.perf_counter() - chunk.sent_at)
+            for a, g in zip(at, groups):
+                futures = [self.rewards.submit(t) for t in g.trajectories]
+                self._pending.append(_Pending(msg.chunk_id + a, futures, g.task, chunk.engine_id))
+            chunk.reported.update(at)
+        if len(chunk.reported) >= len(chunk.tasks):
             del self._chunks[msg.chunk_id]
+
+    def _check_engines(self) -> None:
+        """A dead engine process is replaced (``launch.max_restarts`` in the run) and its work in
+        flight sent to the new one; past the budget, or for an engine that cannot restart, the
+        death stops the run naming the engine."""
+        for w in self.workers:
+            try:
+                w.check()
+            except RoleError as dead:
+                if not w.restartable or self.restarts >= self.max_restarts:
+                    used = f" (engine restarts used: {self.restarts} of launch.max_restarts={self.max_restarts})"
+                    raise RoleError(f"{dead}{used if w.restartable else ''}") from None
+                self._restart(w, str(dead).splitlines()[0])
+        now = time.monotonic()
+        for engine_id, deadline in list(self._starting.items()):
+            if now > deadline:
+                raise RoleError(f"engine {engine_id} was restarted but did not start within "
+                                f"{self.start_timeout:.0f}s (launch.timeout_s); see logs/engine{engine_id}.log")
+
+    def _restart(self, worker, why: str) -> None:
+        self.restarts += 1
+        logger.warning("%s; restarting it (%d of launch.max_restarts=%d) and sending it its work in flight",
+                       why, self.restarts, self.max_restarts)
+        now = time.time()
+        timeline.record("controller", "restarts", f"engine {worker.engine_id} restarted", now, now, {"why": why})
+        worker.restart()
+        self._starting[worker.engine_id] = time.monotonic() + self.start_timeout
+        for chunk in self._chunks.values():
+            if chunk.engine_id == worker.engine_id:
+                worker.send(chunk.message)
+        for _, msg, engine_id in self._direct.values():
+            if engine_id == worker.engine_id:
+                worker.send(msg)
+        if self.episodes is not None:
+            self.episodes.requeue(worker.engine_id)
 
     def _group_seed(self, index: int) -> int:
         # A group's place in the schedule keys its episodes' streams (sample j: + 64 j, attempt

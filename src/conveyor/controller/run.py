@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from conveyor import loop
 from conveyor.config import RunConfig, save_config
+from conveyor.controller import checkpoints
 from conveyor.controller.evaluate import Evaluator
 from conveyor.controller.producer import Producer, Prompting
 from conveyor.data.api import TaskCursor, TaskSource, prompt_special_tokens
@@ -32,7 +33,7 @@ from conveyor.observe import timeline
 from conveyor.observe.metrics import MetricsLogger
 from conveyor.observe.progress import PhaseProgress
 from conveyor.observe.timers import PhaseTimer
-from conveyor.reward.service import RewardService
+from conveyor.reward.api import RewardHandle
 from conveyor.rollout.api import SamplingParams
 from conveyor.trainer.api import TrainerHandle
 from conveyor.transport.buffer import TrajectoryBuffer
@@ -43,6 +44,13 @@ class SetupError(ValueError):
 
 
 @dataclass
+class RunClock:
+    """When this part of the run started, and when its RL loop did (0 until then)."""
+    started: float
+    rl_started: float = 0.0
+
+
+@dataclass
 class Session:
     """One run's parts. The roles (``rollouts``, ``evaluator``, ``warm``, ``trainer``) are set
     as the launcher starts them."""
@@ -50,7 +58,7 @@ class Session:
     run_dir: Path
     launcher: Launcher
     tokenizer: Any
-    rewards: RewardService
+    rewards: RewardHandle
     train_source: TaskSource
     eval_tasks: list
     cursor: TaskCursor
@@ -62,17 +70,28 @@ class Session:
     evaluator: Evaluator | None = None
     warm: Any = None  # where warm-start weights are published (Engines.warm)
     trainer: TrainerHandle | None = None
+    before: checkpoints.Totals = field(default_factory=checkpoints.Totals)  # a resumed run's earlier parts
+    clock: RunClock = field(default_factory=lambda: RunClock(time.perf_counter()))
 
-    def checkpoint(self, step: int, summary: dict) -> Path:
+    def checkpoint(self, step: int, summary: dict, counters: dict, evaluation: dict | None) -> Path:
+        """Save ``step`` with the run's totals so far (``counters``: the running counts, already
+        including earlier parts'), then keep only ``loop.keep_checkpoints`` (and the best)."""
         path = self.run_dir / "checkpoints" / f"step_{step:06d}"
         # With max_staleness > 0, groups of later steps may already be in flight; they are
         # regenerated after a resume (the cursor is saved as of this step's boundary). The
         # producer records the state before it draws: if it has not recorded it after our
         # read, our read was before its draw.
         now = self.cursor.state_dict()
-        self.trainer.save_checkpoint(path, {"step": step, "cursor": self.rollouts.cursor_at(step, now),
-                                            "summary": summary})
-        self.tokenizer.save_pretrained(path / "policy")
+        rl_s = time.perf_counter() - self.clock.rl_started - self.timer.outside_s if self.clock.rl_started else 0.0
+        totals = self.before.since(time.perf_counter() - self.clock.started, rl_s, step, counters)
+        extra = {"step": step, "cursor": self.rollouts.cursor_at(step, now), "summary": summary,
+                 "totals": totals.to_json(), "saved_at": time.time()}
+        if evaluation and isinstance(evaluation.get("eval_reward"), (int, float)):
+            extra["eval_reward"] = evaluation["eval_reward"]
+        self.trainer.save_checkpoint(path, extra)
+        if (path / "policy").is_dir():  # saved in the call: the tokenizer too (an asynchronous save copies
+            self.tokenizer.save_pretrained(path / "policy")  # the trainer's own tokenizer files)
+        checkpoints.prune(self.run_dir, self.cfg.loop.keep_checkpoints, self.cfg.loop.keep_best)
         return path
 
     def start_rollouts(self, path: str, start_step: int) -> None:
@@ -91,7 +110,8 @@ class Session:
                                  rewards=self.rewards, buffer=self.buffer,
                                  start_issued=start_step * cfg.loop.batch_size, version=start_step,
                                  sampling=lambda seed: SamplingParams.from_config(cfg.rollout, seed=seed),
-                                 episodes=runner, max_failed_groups=cfg.env.max_failed_groups)
+                                 episodes=runner, max_failed_groups=cfg.env.max_failed_groups,
+                                 max_restarts=cfg.launch.max_restarts)
         self.rollouts.start()
         self.evaluator = Evaluator(cfg, self.eval_tasks, prompting, self.rollouts, self.rewards, self.logger,
                                    episodes=runner)
@@ -164,12 +184,12 @@ def load_sources(cfg: RunConfig, tokenizer):
     return load_file_source(d, tokenizer, "train"), load_file_source(d, tokenizer, "eval")
 
 
-def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher) -> Session:
+def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher, purge_step: int | None = None) -> Session:
     """Everything but the roles, which the launcher starts."""
     from transformers import AutoTokenizer
 
     from conveyor import staleness
-    from conveyor.reward.api import load_reward
+    from conveyor.reward.factory import reward_service, reward_spec
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
@@ -182,9 +202,10 @@ def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher) -> Sessi
         raise SetupError(str(e)) from None
     train_src, eval_src = load_sources(cfg, tokenizer)
     # With an environment its own reward is the default; otherwise the task source's verifier.
-    spec = ("env" if cfg.env.name else train_src.default_reward) if cfg.reward.fn == "auto" else cfg.reward.fn
-    rewards = RewardService(load_reward(spec, cfg.reward.kwargs), timeout_s=cfg.reward.timeout_s,
-                            fallback=cfg.reward.fallback, workers=cfg.reward.workers)
+    spec = reward_spec(cfg.reward, "env" if cfg.env.name else train_src.default_reward)
+    # Threads or worker processes (reward.executor); a reward model or judge is built here, once.
+    reward = reward_model(cfg) if spec.fn == "rm" else judge(cfg, run_dir) if spec.fn == "judge" else None
+    rewards = reward_service(cfg.reward, spec, reward)
     lc = cfg.loop
     return Session(
         cfg=cfg, run_dir=run_dir, launcher=launcher, tokenizer=tokenizer, rewards=rewards,
@@ -195,16 +216,37 @@ def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher) -> Sessi
                              traces_per_step=cfg.observe.traces_per_step, traces_max_mb=cfg.observe.traces_max_mb,
                              tokenizer=tokenizer, seed=lc.seed, sinks=cfg.observe.sinks, project=cfg.observe.project,
                              timeline=cfg.observe.timeline, config=cfg.model_dump(mode="json"),
-                             eval_samples=cfg.observe.eval_samples),
+                             eval_samples=cfg.observe.eval_samples, purge_step=purge_step),
         timer=PhaseTimer(on_span=timeline.phase_span),  # the loop's phases are the controller's timeline row
         buffer=TrajectoryBuffer(lc.buffer_size or staleness.capacity(lc.batch_size, lc.max_staleness)),
         add_special_tokens=prompt_special_tokens(cfg.data),
     )
 
 
+def reward_model(cfg: RunConfig):
+    """``reward.fn: rm``: the reward model on its device (``placement.reward_device``), loaded and
+    checked before anything else starts."""
+    from conveyor.launch.placement import reward_device
+    from conveyor.reward.model import RewardModel, RewardModelError
+    try:
+        return RewardModel(cfg.reward.model, device=reward_device(cfg), max_batch=cfg.reward.max_batch,
+                           normalize=cfg.reward.normalize)
+    except RewardModelError as e:
+        raise SetupError(str(e)) from None
+
+
+def judge(cfg: RunConfig, run_dir: Path):
+    """``reward.fn: judge``: the generative judge's engine, loaded and checked before anything else
+    starts; without ``reward.judge.model`` it is the policy's base checkpoint."""
+    from conveyor.controller.judge_setup import JudgeSetupError, build_judge
+    try:
+        return build_judge(cfg, resolve_model_path(cfg, run_dir))
+    except JudgeSetupError as e:
+        raise SetupError(str(e)) from None
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
-    return ckpts[-1] if ckpts else None
+    return checkpoints.latest(run_dir)
 
 
 def run(cfg: RunConfig, run_dir: Path, resume: bool, launcher: Callable[[RunConfig, Path], Launcher]) -> dict:
@@ -213,6 +255,8 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool, launcher: Callable[[RunConf
         trainer = cfg.trainer.model_copy(update={"profile_dir": str(run_dir / "profile")})
         cfg = cfg.model_copy(update={"trainer": trainer})
     save_config(cfg, run_dir / "config.yaml")
+    from conveyor.launch import watchdog
+    watchdog.configure(run_dir / "logs")  # where a wait that runs out writes the controller's stacks
     t0 = time.perf_counter()
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
@@ -221,7 +265,15 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool, launcher: Callable[[RunConf
     warm = run_dir / "warmstart"
     # A resumed run rebuilds its RL starting point (and so its reference model) from warmstart/.
     start_path = str(warm) if ckpt is not None and (warm / "config.json").exists() else base
-    s = build(cfg, run_dir, start_path, launcher(cfg, run_dir))
+    before, resume_step = checkpoints.Totals(), None
+    if ckpt is not None:  # the logs lose what the resumed run writes again: they read as one run
+        extra = checkpoints.read_extra(ckpt)
+        resume_step = int(extra["step"])
+        lost_s = checkpoints.rewind(run_dir, resume_step).lost_seconds(extra.get("saved_at"))
+        before = checkpoints.Totals.of(extra)
+        before.wall_seconds += lost_s  # the time spent past the checkpoint was spent too
+    s = build(cfg, run_dir, start_path, launcher(cfg, run_dir), purge_step=resume_step)
+    s.before, s.clock = before, RunClock(t0)
     try:
         return _run(s, base, start_path, ckpt, t0)
     except Exception as e:
@@ -243,6 +295,11 @@ def _blame_dead_engine(s: Session, error: Exception) -> None:
             try:
                 w.check()
             except RoleError as dead:
+                if str(dead).splitlines()[0] in str(error):  # the error already names the death:
+                    cause = error.__cause__  # the producer's own (a closed buffer only passes it on)
+                    if isinstance(cause, RoleError) and str(dead).splitlines()[0] in str(cause):
+                        raise cause from None
+                    return
                 first = str(error).splitlines()[0] if str(error) else type(error).__name__
                 raise RoleError(f"{dead}\n(the run noticed it as: {first})") from error
         if not isinstance(error, RoleError):
@@ -272,23 +329,26 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
         s.trainer.publish(start_step)
         s.logger.message(f"resumed from {ckpt} at step {start_step}")
     s.timer.lap()  # step 1's times must not include the evaluations and start-up before it
-    t_rl = time.perf_counter()
+    t_rl = s.clock.rl_started = time.perf_counter()
     last = loop.rl_loop(cfg, trainer=s.trainer, rollouts=s.rollouts, buffer=s.buffer, rewards=s.rewards,
                         logger=s.logger, timer=s.timer, evaluate=s.evaluator.evaluate,
-                        checkpoint=lambda step: s.checkpoint(step, summary), start_step=start_step)
-    rl_seconds = time.perf_counter() - t_rl - s.timer.outside_s  # training time: mid-run evaluations left out
+                        checkpoint=lambda step, counters, evaluation: s.checkpoint(step, summary, counters, evaluation),
+                        start_step=start_step, counted_before=s.before.offset)
+    # Training time (mid-run evaluations left out) and wall time of the whole run, resumed parts included.
+    rl_seconds = s.before.rl_seconds + time.perf_counter() - t_rl - s.timer.outside_s
     steps_done = s.trainer.step()
     _record(summary, s.evaluator.evaluate(steps_done), "final")
     summary.update({
         "steps": steps_done,
-        "wall_seconds": time.perf_counter() - t0, "rl_seconds": rl_seconds,
-        "trained_samples_per_second": (steps_done - start_step) * cfg.loop.batch_size * cfg.rollout.n
-        / max(rl_seconds, 1e-9),
+        "wall_seconds": s.before.wall_seconds + time.perf_counter() - t0, "rl_seconds": rl_seconds,
+        "trained_samples_per_second": steps_done * cfg.loop.batch_size * cfg.rollout.n / max(rl_seconds, 1e-9),
+        "resumed_from": start_step if ckpt is not None else None,
         "final_metrics": last, "run_dir": str(run_dir), "max_prompt_tokens": s.evaluator.prompting.max_prompt_tokens,
         "traces_skipped": s.logger.tracer.skipped if s.logger.tracer else 0,
     })
     if cfg.loop.checkpoint_every:
-        s.checkpoint(steps_done, summary)
+        s.checkpoint(steps_done, summary, s.before.offset(loop.running_counts(s.rewards, s.rollouts.snapshot())),
+                     None)
     s.trainer.export_hf(run_dir / "final")
     s.tokenizer.save_pretrained(run_dir / "final")
     from conveyor.observe.report import write_summary

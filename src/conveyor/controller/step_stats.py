@@ -1,7 +1,8 @@
 """What a step of the RL loop reports besides the trainer's own metrics.
 
-Contract: ``rollout_stats(groups, step)`` gives the batch's lengths, truncation
-and staleness (versions behind the policy trained at ``step``);
+Contract: ``rollout_stats(groups, step)`` gives the batch's lengths, truncation,
+staleness (versions behind the policy trained at ``step``) and the means of
+the rewards' numeric ``reward_info`` keys (``reward_<key>``);
 ``sync_stats(new, published_at, pending, upto)`` the weight-sync times of
 the versions up to ``upto`` from the engines' ``WeightSwap`` reports;
 ``engine_stats(clocks, last)`` each engine's idle fraction since ``last``
@@ -10,10 +11,12 @@ and return numbers only; the loop logs them.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from collections import Counter
 
 from conveyor.transport.messages import EngineClock, WeightSwap
-from conveyor.types import Group
+from conveyor.types import Group, Trajectory
 
 
 def rollout_stats(groups: list[Group], step: int) -> dict[str, float]:
@@ -26,7 +29,21 @@ def rollout_stats(groups: list[Group], step: int) -> dict[str, float]:
            "staleness_max": float(max(stale)), "staleness_mean": sum(k * v for k, v in stale.items()) / len(trajs),
            "multi_version_frac": sum(len(set(t.policy_versions)) > 1 for t in trajs) / len(trajs)}
     out.update({f"staleness_hist/{k}": v / len(trajs) for k, v in sorted(stale.items())})
+    out.update(reward_info_means(trajs))
     return out
+
+
+def reward_info_means(trajs: list[Trajectory]) -> dict[str, float]:
+    """The mean of every numeric ``reward_info`` key (a reward's parts, a judge's counts) over the
+    trajectories that carry it, as ``reward_<key>``."""
+    sums: Counter = Counter()
+    counts: Counter = Counter()
+    for t in trajs:
+        for k, v in t.reward_info.items():
+            if isinstance(v, numbers.Real) and math.isfinite(v):
+                sums[k] += float(v)
+                counts[k] += 1
+    return {f"reward_{k}": sums[k] / counts[k] for k in sorted(counts)}
 
 
 def sync_stats(new: list[WeightSwap], published_at: dict[int, float], pending: list[WeightSwap],
@@ -62,6 +79,8 @@ def engine_stats(clocks: dict[int, EngineClock], last: dict[int, EngineClock]) -
     out, totals = {}, Counter()
     for engine_id, now in clocks.items():
         before = last[engine_id]
+        if now.busy_s < before.busy_s or now.idle_s < before.idle_s:  # a restarted engine counts anew
+            before = EngineClock()
         busy, idle = now.busy_s - before.busy_s, now.idle_s - before.idle_s
         last[engine_id] = now
         if busy + idle > 0:

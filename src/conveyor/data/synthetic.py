@@ -10,6 +10,7 @@ policy that is almost right gets a gradient, and ``sft_pairs`` gives the
 Tasks
 - ``addition``: ``"47+38="`` -> ``"85"``; operands have ``digits`` digits.
 - ``reverse``: ``"rev:kxqa="`` -> ``"aqxk"``; strings of ``length`` letters.
+- ``code``: Python functions with unit tests, from ``data/code_tasks.py``.
 
 ``data.prompt_template`` may name a task's parts (``{a}`` and ``{b}`` of a
 sum, ``{text}`` of a string to reverse) besides ``{prompt}``: the tasks of a
@@ -76,7 +77,7 @@ def _make(name: str, rng: random.Random, options: dict) -> tuple[str, str]:
         return _addition(rng, int(options.get("digits", 2)))
     if name == "reverse":
         return _reverse(rng, int(options.get("length", 5)))
-    raise ValueError(f"unknown synthetic task {name!r}; choose one of {', '.join(TASKS)}, multiply, guess")
+    raise ValueError(f"unknown synthetic task {name!r}; choose one of {', '.join(TASKS)}, code, multiply, guess")
 
 
 @dataclass
@@ -118,6 +119,9 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
     (the data section's prompt and chat templates) gives the text the model
     sees; the plain prompt and its fields stay in ``Task.info``."""
     from conveyor.data.agentic import AGENTIC_TASKS, agentic_source
+    if name == "code":  # functions to write, with unit tests (data/code_tasks.py)
+        from conveyor.data.code_tasks import code_source
+        return code_source(split, options, eval_size, seed, render)
     if name in AGENTIC_TASKS:  # multi-turn families, played by an environment
         return agentic_source(name, split, options, eval_size, seed)
     options = dict(options or {})

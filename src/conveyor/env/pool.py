@@ -21,7 +21,7 @@ Contract
   final answer). A malformed call, an unknown tool, bad arguments, a tool's
   ``ToolError`` or a timeout become an error observation the model reads,
   counted by class; never an exception in the episode.
-- Circuit breaker (``Breaker``): after ``breaker_failures`` consecutive
+- Circuit breaker (``resilience.Breaker``): after ``breaker_failures`` consecutive
   failures a tool (or the environment type) is quarantined for
   ``breaker_cooldown_s``; then one trial call decides. Calls to a
   quarantined tool answer an error observation; a quarantined environment
@@ -54,6 +54,7 @@ from typing import Any, AsyncIterator, Callable
 
 from conveyor.env.api import StepResult, Tool, ToolError, as_step_result, env_tools
 from conveyor.observe import timeline
+from conveyor.resilience import Breaker
 from conveyor.types import Task
 
 log = logging.getLogger(__name__)
@@ -84,50 +85,11 @@ class EnvFailure(Exception):
         self.kind = kind
 
 
-class Breaker:
-    """Consecutive-failure circuit breaker per key (a tool's name, or ``"env"``)."""
-
-    def __init__(self, failures: int, cooldown_s: float):
-        self.failures, self.cooldown_s = failures, cooldown_s
-        self._streak: dict[str, int] = {}
-        self._open_until: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def allow(self, key: str) -> bool:
-        """Whether a call may go through: closed, or open past its cooldown (the trial call)."""
-        with self._lock:
-            until = self._open_until.get(key)
-            if until is None:
-                return True
-            if time.monotonic() >= until:
-                # One trial: keep it open (for a new cooldown) until the trial's result is recorded.
-                self._open_until[key] = time.monotonic() + self.cooldown_s
-                return True
-            return False
-
-    def record(self, key: str, ok: bool) -> None:
-        with self._lock:
-            if ok:
-                self._streak[key] = 0
-                if self._open_until.pop(key, None) is not None:
-                    log.warning("environment pool: %s works again; quarantine lifted", key)
-                return
-            self._streak[key] = self._streak.get(key, 0) + 1
-            if self._streak[key] >= self.failures and key not in self._open_until:
-                self._open_until[key] = time.monotonic() + self.cooldown_s
-                log.warning("environment pool: %s failed %d times in a row; quarantined for %.0fs",
-                            key, self._streak[key], self.cooldown_s)
-
-    def open_keys(self) -> list[str]:
-        with self._lock:
-            return sorted(self._open_until)
-
-
 class EnvPool:
     def __init__(self, factory: Callable[[], Any], limits: PoolLimits = PoolLimits(), tool_format: str = "auto",
                  name: str = "env"):
         self.factory, self.limits, self.tool_format, self.name = factory, limits, tool_format, name
-        self.breaker = Breaker(limits.breaker_failures, limits.breaker_cooldown_s)
+        self.breaker = Breaker(limits.breaker_failures, limits.breaker_cooldown_s, label="environment pool")
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._idle: list[Any] = []

@@ -16,6 +16,10 @@ Contract
   broadcast; rank r feeds the IPC staging on its GPU), ``readers[i]`` is what
   engine i polls, ``controller`` is where the controller publishes the
   warm-start weights (every engine reads it).
+- ``reward_device(cfg, visible_gpus=None)``: where a reward model (``reward.fn:
+  rm``) runs: ``reward.device`` as given, or for ``auto`` / ``trainer`` the
+  device of trainer rank 0 (so on one GPU it shares the device, and its
+  memory, with the trainer and the colocated engine).
 
 It knows nothing of training, generation or the loop.
 """
@@ -84,6 +88,13 @@ def plan(cfg: RunConfig, visible_gpus: int | None = None) -> Placement:
     raise PlacementError(
         f"launch.placement=disaggregated needs launch.trainer_ranks + launch.engines = {n} + {m} = {n + m} "
         f"GPUs but {visible_gpus} are visible; lower them, or use launch.placement=colocated")
+
+
+def reward_device(cfg: RunConfig, visible_gpus: int | None = None) -> str:
+    d = cfg.reward.device
+    if d in ("auto", "trainer"):
+        return plan(cfg, visible_gpus).trainer_devices[0]
+    return "cuda:0" if d == "cuda" else d
 
 
 def _checked(p: Placement, wanted: str) -> Placement:

@@ -1,8 +1,9 @@
 """Refuse, before anything starts, a run that asks for GPUs this machine does not have.
 
 Contract: ``check_devices(cfg, visible_gpus=None)`` raises ``DeviceError``, one
-line naming the field and the fix, when ``trainer.device`` or
-``rollout.device`` names CUDA (or a CUDA index) that is not visible, or when
+line naming the field and the fix, when ``trainer.device``,
+``rollout.device``, (a reward model's) ``reward.device`` or (a judge's)
+``reward.judge.device`` names CUDA (or a CUDA index) that is not visible, or when
 ``launch.placement`` / ``launch.trainer_ranks`` / ``launch.engines`` need more
 GPUs than are visible (``placement.plan``'s own check, run early). On a
 machine without GPUs and with devices left at ``auto``, every placement runs
@@ -39,6 +40,10 @@ def check_devices(cfg: RunConfig, visible_gpus: int | None = None) -> None:
     gpus = visible_gpu_count() if visible_gpus is None else visible_gpus
     _check_field("trainer.device", cfg.trainer.device, gpus)
     _check_field("rollout.device", cfg.rollout.device, gpus)
+    if cfg.reward.fn == "rm":
+        _check_field("reward.device", cfg.reward.device, gpus)
+    if cfg.reward.fn == "judge" and cfg.reward.judge.engine != "remote":
+        _check_field("reward.judge.device", cfg.reward.judge.device, gpus)
     la = cfg.launch
     if gpus == 0 and not la.in_process and la.placement == "disaggregated" and la.weight_sync == "ipc":
         raise DeviceError("launch.weight_sync=ipc needs GPUs; on CPU use launch.weight_sync=shm or broadcast")

@@ -16,7 +16,9 @@ Contract
   on several children at once (ranks that run a collective together) and
   returns their answers in order; the first child that raises or dies ends
   the call with its error, without waiting for the others (which may be
-  blocked in a collective with it).
+  blocked in a collective with it). A call past its deadline dumps every
+  role's stacks (``watchdog.dump_stacks``) and its error says where each
+  role was.
 - Calls and answers (``transport.messages.Call`` / ``Answer``) travel as
   ``dumps``/``loads`` bytes in which CPU tensors are their raw bytes, not a
   shared-memory file per tensor as torch's default reduction would make.
@@ -35,6 +37,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from conveyor.launch import watchdog
 from conveyor.transport.messages import Answer, Call
 
 
@@ -74,6 +77,8 @@ def _bootstrap(role: str, log_path: str, threads: int, target: Callable, args: t
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
+    from conveyor.launch.watchdog import child_guard
+    child_guard()  # stacks on SIGUSR1 into this log; gone with the controller
     import torch
     torch.set_num_threads(max(1, threads))
     print(f"[{role}] started pid={os.getpid()} threads={threads}", flush=True)
@@ -94,6 +99,7 @@ class RoleProcess:
         self.proc = ctx.Process(target=_bootstrap, name=role, daemon=True,
                                 args=(role, str(self.log_path), threads, target, args))
         self.proc.start()
+        watchdog.register(self)
 
     def last_lines(self, n: int = 15) -> str:
         try:
@@ -178,8 +184,10 @@ def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, t
             answers[i] = answer.value
         late = [c for i, c in enumerate(clients) if i not in answers]
         if late and time.monotonic() > deadline:
-            raise RoleError(f"{', '.join(c.proc.role for c in late)}.{method} did not answer within "
-                            f"{timeout:.0f}s; last lines of {late[0].proc.role}'s log:\n{late[0].proc.last_lines()}")
+            what = f"{', '.join(c.proc.role for c in late)}.{method}"
+            where = watchdog.dump_stacks(f"{what} did not answer within {timeout:.0f}s")
+            raise RoleError(f"{what} did not answer within {timeout:.0f}s (launch.timeout_s); where each "
+                            f"role was:\n{where}")
     return [answers[i] for i in range(len(clients))]
 
 

@@ -26,10 +26,12 @@ import queue
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from conveyor.config import RunConfig
 from conveyor.launch.placement import Placement, free_port
 from conveyor.launch.procs import RoleError, RoleProcess, RpcClient, call_all
+from conveyor.launch.watchdog import Deadlines
 from conveyor.rollout.api import EngineWorker
 from conveyor.rollout.serve import engine_loop, engine_process
 from conveyor.trainer.api import LossFn
@@ -59,13 +61,20 @@ class TrainerProxy:
     rank (they run it together) and rank 0's answer is returned."""
 
     def __init__(self, rpcs: list[RpcClient], timeout: float):
-        self._rpcs, self._timeout = rpcs, timeout
+        self._rpcs = rpcs
+        self._deadlines = Deadlines(timeout)  # a call's deadline grows with the longest call seen
+
+    def _call(self, method: str, *args, **kwargs) -> list:
+        t0 = time.monotonic()
+        answers = call_all(self._rpcs, method, args, kwargs, self._deadlines.of(method))
+        self._deadlines.observe(method, time.monotonic() - t0)
+        return answers
 
     def _all(self, method: str, *args, **kwargs):
-        return call_all(self._rpcs, method, args, kwargs, self._timeout)[0]
+        return self._call(method, *args, **kwargs)[0]
 
     def train_and_publish(self, batch, loss_fn: LossFn, version: int) -> Trained:
-        answers = call_all(self._rpcs, "train_and_publish", (batch, loss_fn, version), {}, self._timeout)
+        answers = self._call("train_and_publish", batch, loss_fn, version)
         # Rank 0's answer, with every rank's spans: each rank is a row of the timeline.
         return dataclasses.replace(answers[0], spans=tuple(s for a in answers for s in a.spans))
 
@@ -101,8 +110,13 @@ class TrainerProxy:
 class ThreadWorker:
     """An ``EngineWorker``: ``engine_loop`` in a thread of this process."""
 
+    restartable = False  # an engine in this process that fails has raised: it is not a death
+
     def __init__(self, engine_id: int, inbox: queue.Queue, thread: threading.Thread):
         self.engine_id, self._inbox, self._thread = engine_id, inbox, thread
+
+    def restart(self) -> None:
+        raise RoleError(f"engine {self.engine_id} runs in the controller's process and cannot be restarted")
 
     def send(self, message) -> None:
         self._inbox.put(message)
@@ -116,10 +130,28 @@ class ThreadWorker:
 
 
 class ProcessWorker:
-    """An ``EngineWorker``: ``engine_process`` in a child process."""
+    """An ``EngineWorker``: ``engine_process`` in a child process, answering on a queue of its
+    own that a relay thread moves into the shared ``outbox`` (a child killed while writing can
+    then leave nothing torn or locked in the channel the other engines share).
+    ``restart()`` replaces a dead child with a new one on the same device and weight route:
+    it builds the engine again and takes the newest published weights when the first request
+    asks for them; the caller requeues what the dead one had in flight."""
 
-    def __init__(self, engine_id: int, inbox, process: RoleProcess):
-        self.engine_id, self._inbox, self._process = engine_id, inbox, process
+    def __init__(self, engine_id: int, start: Callable[[object, object], RoleProcess], ctx, outbox: queue.Queue,
+                 restartable: bool = True):
+        self.engine_id, self._start, self._ctx, self._outbox = engine_id, start, ctx, outbox
+        # A broadcast group cannot take a new member: engines on one are not restarted.
+        self.restartable = restartable
+        self.restarts = 0
+        self._launch()
+
+    def _launch(self) -> None:
+        self._inbox, own = self._ctx.Queue(), self._ctx.Queue()
+        self._process = self._start(self._inbox, own)
+        stop = threading.Event()
+        self._relay_stop = stop
+        threading.Thread(target=_relay, args=(own, self._outbox, stop), name=f"engine{self.engine_id}-relay",
+                         daemon=True).start()
 
     def send(self, message) -> None:
         self._inbox.put(message)
@@ -127,8 +159,30 @@ class ProcessWorker:
     def check(self) -> None:
         self._process.check()
 
+    def restart(self) -> None:
+        self._relay_stop.set()  # the dead child's channel is abandoned, whatever it holds
+        self._process.stop(timeout=0)
+        for q in (self._inbox,):
+            q.cancel_join_thread()
+            q.close()
+        self.restarts += 1
+        self._launch()
+
     def join(self, timeout: float) -> None:
         self._process.stop(timeout=timeout)
+        self._relay_stop.set()
+
+
+def _relay(source, outbox: queue.Queue, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            msg = source.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        except (EOFError, OSError, ValueError):
+            return
+        if not stop.is_set():
+            outbox.put(msg)
 
 
 def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement, run_dir: Path):
@@ -175,16 +229,17 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
         t.start()
         return [ThreadWorker(0, inbox, t)], outbox, engine.context_limit, engine.label
     ctx = mp_context()
-    outbox = ctx.Queue()
+    outbox: queue.Queue = queue.Queue()
     workers = []
     for i, device in enumerate(placement.engine_devices):
         rollout = cfg.rollout.model_copy(update={"device": device}) if device != "cpu" else cfg.rollout
         spec = {"path": path, "rollout": rollout.model_dump(mode="json"), "device": device,
                 "timeout_s": cfg.launch.timeout_s}
-        inbox = ctx.Queue()
-        proc = RoleProcess(f"engine{i}", engine_process, (spec, inbox, outbox, routes.readers[i], i, partial),
-                           run_dir / "logs", ctx, threads=cfg.launch.engine_threads)
-        workers.append(ProcessWorker(i, inbox, proc))
+
+        def start(inbox, own, i=i, spec=spec) -> RoleProcess:
+            return RoleProcess(f"engine{i}", engine_process, (spec, inbox, own, routes.readers[i], i, partial),
+                               run_dir / "logs", ctx, threads=cfg.launch.engine_threads)
+        workers.append(ProcessWorker(i, start, ctx, outbox, restartable=placement.sync != "broadcast"))
     context_limit, label, ready = None, "", set()
     deadline = time.monotonic() + cfg.launch.timeout_s
     while len(ready) < len(workers):

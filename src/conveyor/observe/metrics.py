@@ -178,7 +178,7 @@ class TensorBoardSink:
     reason to stop a run.
     """
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None) -> None:
         self.log_dir = Path(log_dir)
         self._writer: Any = None
         try:
@@ -189,7 +189,9 @@ class TensorBoardSink:
             _warn_once("tensorboard", f"TensorBoard logging is off: {e}. "
                        f"Install `tensorboard` to get event files; metrics.jsonl is still written.")
             return
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        # purge_step: a resumed run's events of later steps are hidden, its new ones take their place.
+        self._writer = SummaryWriter(log_dir=str(self.log_dir),
+                                     purge_step=None if purge_step is None else purge_step + 1)
 
     @property
     def available(self) -> bool:
@@ -479,7 +481,8 @@ class MetricsLogger:
                  log_every: int = 1, sinks: Sequence[Sink | str] = (), stream: TextIO | None = None,
                  console: Any = None, traces_per_step: int = 0, traces_max_mb: float = 64.0,
                  tokenizer: Any = None, seed: int = 0, project: str = "conveyor", timeline: bool = False,
-                 config: Mapping[str, Any] | None = None, eval_samples: int = 0) -> None:
+                 config: Mapping[str, Any] | None = None, eval_samples: int = 0,
+                 purge_step: int | None = None) -> None:
         names = [s for s in sinks if isinstance(s, str)]
         _check_sink_names(names)  # before any file is opened, so a missing package leaves nothing behind
         self.run_dir = Path(run_dir)
@@ -487,7 +490,7 @@ class MetricsLogger:
         self._stream = stream
         self.sinks: list[Sink] = [JsonlSink(self.run_dir / METRICS_FILE)]
         if tensorboard or "tensorboard" in names:
-            self.sinks.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR))
+            self.sinks.append(TensorBoardSink(self.run_dir / TENSORBOARD_DIR, purge_step))
         try:
             self.trackers = _trackers(names, project, self.run_dir, config)
         except BaseException:

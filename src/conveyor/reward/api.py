@@ -11,7 +11,16 @@ Contract
   dotted path ``pkg.module:fn`` into a ``RewardFn``. Non-empty ``kwargs`` are
   bound with ``functools.partial``, so the reward is called as
   ``fn(traj, **kwargs)``; keywords the function does not accept are rejected
-  here, at load time, rather than on every call.
+  here, at load time, rather than on every call. A spec naming a CLASS (the
+  ``code`` reward) is constructed with ``kwargs`` and its instance is the
+  reward, so it can check what it needs before a run starts. A spec
+  ``http://host:port`` (or https) is a reward served by ``conveyor
+  serve-reward``: a ``remote.RemoteReward`` (a ``BatchReward``) built with
+  ``kwargs``, after a health check.
+- ``RewardError``: a reward that cannot be used as configured (raised before a
+  run starts); the message names the fix.
+- ``RewardHandle``: the reward service the controller holds, run by threads
+  or by worker processes (``reward.executor``).
 
 This module does not call rewards and knows nothing of threads, timeouts or
 failures: ``service.py`` owns all of that. It does not know which reward a
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from concurrent.futures import Future
 from typing import Any, Callable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 from conveyor.plugins import PluginError, resolve
@@ -43,18 +53,54 @@ class BatchReward(Protocol):
 
     def close(self) -> None: ...
 
+
+class RewardError(RuntimeError):
+    """A reward that cannot be used as configured (no sandbox, a remote server that does not
+    answer); raised before a run starts, the message names the fix."""
+
+
+class RewardHandle(Protocol):
+    """What the controller holds of the reward role, whichever executor runs it
+    (``service.RewardService``: threads; ``processes.ProcessRewardService``: processes).
+    ``submit`` returns at once a Future that always resolves, ``score`` is the blocking form in
+    order, ``stats`` the counters the loop logs, ``close`` stops taking work."""
+
+    name: str
+
+    def submit(self, traj: Trajectory) -> "Future[Trajectory]": ...
+
+    def score(self, trajs: list[Trajectory], timeout_s: float | None = None) -> list[Trajectory]: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    def close(self, timeout_s: float | None = None) -> None: ...
+
+    def __enter__(self) -> "RewardHandle": ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
 BUILTIN_REWARDS: dict[str, str] = {
     "math": "conveyor.reward.verifiers:math_reward",
     "exact": "conveyor.reward.verifiers:exact_match",
     "format": "conveyor.reward.verifiers:format_reward",
     "env": "conveyor.reward.verifiers:env_return",
+    "code": "conveyor.reward.code:CodeReward",
 }
+REMOTE_SCHEMES = ("http://", "https://")
 
 
 def load_reward(spec: str, kwargs: Mapping[str, Any] | None = None) -> RewardFn:
     """Resolve ``spec`` and bind ``kwargs``; raises ``PluginError`` on a bad spec or keyword."""
-    fn = resolve(spec, "reward", BUILTIN_REWARDS)
     kwargs = dict(kwargs or {})
+    if spec.startswith(REMOTE_SCHEMES):
+        from conveyor.reward.remote import RemoteReward
+        _check_kwargs(spec, RemoteReward, kwargs, filled=1)
+        return RemoteReward(spec, **kwargs)  # type: ignore[return-value]
+    fn = resolve(spec, "reward", BUILTIN_REWARDS)
+    if inspect.isclass(fn):
+        _check_kwargs(spec, fn, kwargs, filled=0)
+        return fn(**kwargs)
     if not kwargs:
         return fn
     _check_kwargs(spec, fn, kwargs)
@@ -75,15 +121,17 @@ def reward_name(fn: Callable[..., Any]) -> str:
     return str(name).rsplit("<locals>.", 1)[-1]
 
 
-def _check_kwargs(spec: str, fn: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+def _check_kwargs(spec: str, fn: Callable[..., Any], kwargs: dict[str, Any], filled: int = 1) -> None:
+    """``filled``: leading positional parameters the caller fills (a reward function's trajectory;
+    nothing of the ``code`` reward's constructor; a remote reward's URL)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins / C callables: nothing to check against
         return
     try:
-        sig.bind(None, **kwargs)
+        sig.bind(*[None] * filled, **kwargs)
     except TypeError as e:
-        accepted = [p.name for p in list(sig.parameters.values())[1:]
+        accepted = [p.name for p in list(sig.parameters.values())[filled:]
                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         raise PluginError(f"reward {spec!r} does not accept reward.kwargs {sorted(kwargs)} ({e}); "
                           f"accepted keywords: {', '.join(accepted) or 'none'}") from None

@@ -16,26 +16,33 @@ Contract
   in detail").
 - Every call is a span on the run's timeline (``observe.timeline``), one row
   per worker thread.
+- Results are checked, counted and logged once as ``calls.py`` says, shared
+  with the process executor (``processes.py``).
+- ``fn`` may also be an ``api.BatchReward`` (a reward model, a judge): then
+  trajectories are gathered into batches of up to ``fn.max_batch`` (waiting at
+  most ``batch_wait_s`` for a batch to fill) and scored in one call each, the
+  deadline ``timeout_s`` applying to the whole call; ``batching.py`` states
+  what such a reward can rely on. ``close()`` closes it.
 
 This module knows nothing of what a reward computes or which reward a task
 wants; it only runs callables under a deadline and counts what went wrong.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
-import numbers
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from conveyor.observe import timeline
-from conveyor.reward.api import reward_name
+from conveyor.reward.api import BatchReward, reward_name
+from conveyor.reward.batching import BatchResultError, Gathering, call_batch
+from conveyor.reward.calls import (COUNTERS, Ledger, Outcome, check_result, check_settings, raised, rewarded,
+                                   settle)
 from conveyor.types import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -45,26 +52,34 @@ _POLL_S = 0.5
 
 
 class _Job:
-    __slots__ = ("traj", "future", "deadline", "abandoned")
+    __slots__ = ("traj", "future", "queued_at")
 
     def __init__(self, traj: Trajectory) -> None:
         self.traj = traj
         self.future: Future[Trajectory] = Future()
-        self.deadline = math.inf
+        self.queued_at = time.monotonic()
+
+
+class _Call:
+    """One call of the reward: one trajectory, or a batch of them for a ``BatchReward``."""
+    __slots__ = ("jobs", "deadline", "abandoned")
+
+    def __init__(self, jobs: list[_Job], deadline: float) -> None:
+        self.jobs = jobs
+        self.deadline = deadline
         self.abandoned = False
 
 
 class RewardService:
     def __init__(self, fn: Callable[[Trajectory], Any], timeout_s: float = 5.0, fallback: float = 0.0,
-                 workers: int = 2, name: str | None = None, max_stuck: int | None = None) -> None:
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"RewardService timeout_s={timeout_s!r} must be a finite number > 0 (reward.timeout_s)")
-        if not (isinstance(fallback, (int, float)) and math.isfinite(fallback)):
-            raise ValueError(f"RewardService fallback={fallback!r} must be a finite number (reward.fallback)")
-        if not (isinstance(workers, int) and workers >= 1):
-            raise ValueError(f"RewardService workers={workers!r} must be an integer >= 1 (reward.workers)")
+                 workers: int = 2, name: str | None = None, max_stuck: int | None = None,
+                 batch_wait_s: float = 0.02) -> None:
+        check_settings("RewardService", timeout_s, fallback, workers)
         self.fn = fn
-        self.name = name or reward_name(fn)
+        self.batched = isinstance(fn, BatchReward)
+        # The per-trajectory path is a "batch" of one, taken at once.
+        self.gathering = Gathering(fn.max_batch, batch_wait_s) if self.batched else Gathering()
+        self.name = name or (fn.name if self.batched else reward_name(fn))
         self.timeout_s = float(timeout_s)
         self.fallback = float(fallback)
         self.workers = workers
@@ -73,12 +88,11 @@ class RewardService:
         # resolved outside it so callbacks never run under the lock.
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
-        self._running: set[_Job] = set()
+        self._running: set[_Call] = set()
         self._live = 0   # workers able to take jobs (idle, or running within their deadline)
         self._stuck = 0  # threads inside an abandoned call
         self._closed = False
-        self._counts = {"scored": 0, "failures": 0, "timeouts": 0, "nonfinite": 0}
-        self._logged: set[str] = set()
+        self._ledger = Ledger(logger, (*COUNTERS, "batches") if self.batched else COUNTERS)
         self._ids = itertools.count()
         with self._cond:
             for _ in range(workers):
@@ -105,26 +119,20 @@ class RewardService:
     def score(self, trajs: list[Trajectory], timeout_s: float | None = None) -> list[Trajectory]:
         """Score ``trajs`` and return new trajectories in the same order.
 
-        The default deadline covers every call running its full ``timeout_s``
-        on ``workers`` threads, plus slack; it only expires if the service is
-        broken, and then raises ``TimeoutError`` naming how many are missing.
+        The default deadline covers every call (one per trajectory, or per
+        batch) running its full ``timeout_s`` on ``workers`` threads, plus
+        slack; it only expires if the service is broken, and then raises
+        ``TimeoutError`` naming how many are missing.
         """
         futures = [self.submit(t) for t in trajs]
         if timeout_s is None:
-            timeout_s = self.timeout_s * (math.ceil(len(trajs) / self.workers) + 1) + 5.0
-        deadline = time.monotonic() + timeout_s
-        out: list[Trajectory] = []
-        for i, fut in enumerate(futures):
-            try:
-                out.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-            except FutureTimeout:
-                raise TimeoutError(f"reward service {self.name!r}: {len(trajs) - i} of {len(trajs)} "
-                                   f"trajectories still unscored after {timeout_s:.1f}s") from None
-        return out
+            calls = math.ceil(len(trajs) / self.gathering.max_batch)
+            timeout_s = self.timeout_s * (math.ceil(calls / self.workers) + 1) + self.gathering.wait_s + 5.0
+        return settle(futures, timeout_s, self.name)
 
     def stats(self) -> dict[str, int]:
         with self._cond:
-            return {**self._counts, "stuck": self._stuck}
+            return {**self._ledger.snapshot(), "stuck": self._stuck}
 
     def close(self, timeout_s: float | None = None) -> None:
         """Stop taking work: cancel queued trajectories, let running ones finish or time out."""
@@ -143,6 +151,11 @@ class RewardService:
         if self._watchdog.is_alive():
             logger.warning("reward service %r: watchdog still running after close; threads are daemons "
                            "and will not block exit", self.name)
+        if self.batched:  # the service owns what a batched reward holds (a model, a process)
+            try:
+                self.fn.close()
+            except Exception:  # noqa: BLE001 - closing must not hide the run's own outcome
+                logger.exception("reward %r: close() raised", self.name)
 
     def __enter__(self) -> "RewardService":
         return self
@@ -161,127 +174,130 @@ class RewardService:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait(_POLL_S)
-                if not self._queue:  # closed and nothing left
+                jobs = self._take()
+                if jobs is None:  # closed and nothing left
                     self._live -= 1
                     return
-                job = self._queue.popleft()
-                if not job.future.set_running_or_notify_cancel():
-                    continue  # the caller cancelled it while queued
-                job.deadline = time.monotonic() + self.timeout_s
-                self._running.add(job)
+                if not jobs:
+                    continue  # every one was cancelled while queued
+                call = _Call(jobs, time.monotonic() + self.timeout_s)
+                self._running.add(call)
                 self._cond.notify_all()  # the watchdog must learn the new deadline
             start, wall = time.monotonic(), time.time()
-            reward, info, kind = self._call(job.traj)
+            results = self._call([j.traj for j in jobs])
             elapsed = time.monotonic() - start
-            # One row per worker thread: a thread scores one trajectory at a time.
-            args = {"task": job.traj.task.id, **({"failed": kind} if kind else {})}
+            # One row per worker thread: a thread runs one call at a time.
+            kinds = sorted({out.failure for out in results if out.failure})
+            args = {"task": jobs[0].traj.task.id, **({"batch": len(jobs)} if self.batched else {}),
+                    **({"failed": ",".join(kinds)} if kinds else {})}
             timeline.record("reward", threading.current_thread().name, "score", wall, wall + elapsed, args)
             with self._cond:
-                self._running.discard(job)
-                if job.abandoned:
-                    # The caller already got the fallback; this thread was replaced.
+                self._running.discard(call)
+                if call.abandoned:
+                    # The callers already got the fallback; this thread was replaced.
                     self._stuck -= 1
                     if self._closed or self._live >= self.workers:
                         return
                     self._live += 1
                     continue
-                self._counts["scored"] += 1
-                if kind is not None:
-                    self._counts[kind] += 1
-            self._resolve(job, reward, info, elapsed)
+                if self.batched:
+                    self._ledger.add("batches")
+                for out in results:
+                    self._ledger.count(out.failure)
+            for job, out in zip(jobs, results):
+                self._resolve(job, out.reward, out.info, elapsed)
 
-    def _call(self, traj: Trajectory) -> tuple[float, dict[str, Any], str | None]:
-        """Run the verifier once; returns (reward, info, failure counter name or None)."""
+    def _take(self) -> list[_Job] | None:
+        """The next call's jobs (caller holds the lock): one, or a batch gathered per
+        ``self.gathering``; None once closed with nothing queued."""
+        while True:
+            if not self._queue:
+                if self._closed:
+                    return None
+                self._cond.wait(_POLL_S)
+                continue
+            wait = self.gathering.wait(len(self._queue), self._queue[0].queued_at, time.monotonic(), self._closed)
+            if wait <= 0:
+                break
+            self._cond.wait(min(wait, _POLL_S))
+        n = min(len(self._queue), self.gathering.max_batch)
+        taken = [self._queue.popleft() for _ in range(n)]
+        return [j for j in taken if j.future.set_running_or_notify_cancel()]  # drop what callers cancelled
+
+    def _call(self, trajs: list[Trajectory]) -> list[Outcome]:
+        """Run the reward once on ``trajs`` (one, or a batch); what each trajectory gets."""
         try:
-            out = self.fn(traj)
+            outs = call_batch(self.fn, trajs) if self.batched else [self.fn(trajs[0])]
+        except BatchResultError as e:
+            self._ledger.log_once("count", "reward %r: %s; using fallback %s for the whole batch", self.name, e,
+                                  self.fallback)
+            return [Outcome(self.fallback, {"reward_error": "wrong count"}, "failures")] * len(trajs)
         except BaseException as e:  # noqa: BLE001 - a verifier must never take down a worker
-            self._log_once(f"raise:{type(e).__qualname__}", "reward %r raised %s on task %r; using fallback "
-                           "%s (traceback logged once per exception type)", self.name, type(e).__name__,
-                           traj.task.id, self.fallback, exc_info=e)
-            return self.fallback, {"reward_error": f"raised {type(e).__name__}"}, "failures"
-        info: dict[str, Any] = {}
-        value = out
-        if isinstance(out, Mapping):
-            info = {k: v for k, v in out.items() if k != "reward"}
-            value = out.get("reward")
-        if not isinstance(value, numbers.Real):
-            what = f"a dict whose 'reward' is {type(value).__name__}" if isinstance(out, Mapping) \
-                else f"a {type(out).__name__}"
-            self._log_once(f"type:{what}", "reward %r returned %s; expected a float or a dict with a float "
-                           "'reward'; using fallback %s", self.name, what, self.fallback)
-            return self.fallback, {**info, "reward_error": "wrong type"}, "failures"
-        value = float(value)
-        if not math.isfinite(value):
-            self._log_once("nonfinite", "reward %r returned %s on task %r; using fallback %s",
-                           self.name, value, traj.task.id, self.fallback)
-            return self.fallback, {**info, "reward_error": "nonfinite"}, "nonfinite"
-        return value, info, None
+            outs = [raised(e, trajs[0], self.name, self.fallback)] * len(trajs)
+            self._ledger.report(outs[0].problem)
+            return outs
+        return [self._check(out, traj) for out, traj in zip(outs, trajs)]
+
+    def _check(self, out: Any, traj: Trajectory) -> Outcome:
+        """One result of the reward, checked (``calls.check_result``) and its problem logged once."""
+        checked = check_result(out, traj, self.name, self.fallback)
+        self._ledger.report(checked.problem)
+        return checked
 
     def _resolve(self, job: _Job, reward: float, info: dict[str, Any], elapsed: float) -> None:
-        traj = job.traj.with_reward(reward, info)
-        traj = dataclasses.replace(traj, timings={**traj.timings, "reward_s": elapsed})
-        job.future.set_result(traj)
+        job.future.set_result(rewarded(job.traj, reward, info, elapsed))
 
     # ---- deadlines ----------------------------------------------------------
 
     def _watch(self) -> None:
         while True:
-            expired: list[_Job] = []
+            expired: list[_Call] = []
             starved: list[_Job] = []
             with self._cond:
                 if self._closed and not self._running and not self._queue:
                     return
                 now = time.monotonic()
-                for job in [j for j in self._running if j.deadline <= now]:
-                    self._abandon(job)
-                    expired.append(job)
+                for call in [c for c in self._running if c.deadline <= now]:
+                    self._abandon(call)
+                    expired.append(call)
                 if self._live == 0 and self._queue:
                     starved = list(self._queue)
                     self._queue.clear()
                 if not expired and not starved:
-                    nxt = min((j.deadline for j in self._running), default=now + _POLL_S)
+                    nxt = min((c.deadline for c in self._running), default=now + _POLL_S)
                     self._cond.wait(min(max(nxt - now, 0.0), _POLL_S))
-            for job in expired:
-                self._resolve(job, self.fallback, {"reward_error": "timeout"}, self.timeout_s)
+            for call in expired:
+                for job in call.jobs:
+                    self._resolve(job, self.fallback, {"reward_error": "timeout"}, self.timeout_s)
             self._fail_starved([j for j in starved if j.future.set_running_or_notify_cancel()])
 
-    def _abandon(self, job: _Job) -> None:
+    def _abandon(self, call: _Call) -> None:
         # Caller holds the lock.
-        self._running.discard(job)
-        job.abandoned = True
+        self._running.discard(call)
+        call.abandoned = True
         self._live -= 1
         self._stuck += 1
-        self._counts["scored"] += 1
-        self._counts["timeouts"] += 1
-        self._log_once("timeout", "reward %r exceeded %.2fs on task %r; the call is abandoned (a thread "
-                       "cannot be killed), its worker replaced, fallback %s used", self.name,
-                       self.timeout_s, job.traj.task.id, self.fallback)
+        self._ledger.count("timeouts", len(call.jobs))
+        if self.batched:
+            self._ledger.add("batches")
+        self._ledger.log_once("timeout", "reward %r exceeded %.2fs on task %r%s; the call is abandoned (a thread "
+                              "cannot be killed), its worker replaced, fallback %s used", self.name,
+                              self.timeout_s, call.jobs[0].traj.task.id,
+                              f" (a batch of {len(call.jobs)})" if self.batched else "", self.fallback)
         if self._closed:
             return
         if self._stuck <= self.max_stuck:
             self._spawn_worker()
         else:
-            self._log_once("max_stuck", "reward %r: %d calls are stuck (max_stuck=%d); no replacement "
-                           "worker started, the pool shrinks until they return", self.name, self._stuck,
-                           self.max_stuck, level=logging.ERROR)
+            self._ledger.log_once("max_stuck", "reward %r: %d calls are stuck (max_stuck=%d); no replacement "
+                                  "worker started, the pool shrinks until they return", self.name, self._stuck,
+                                  self.max_stuck, level=logging.ERROR)
 
     def _fail_starved(self, jobs: list[_Job]) -> None:
         if not jobs:
             return
-        with self._cond:
-            self._counts["scored"] += len(jobs)
-            self._counts["timeouts"] += len(jobs)
-        self._log_once("starved", "reward %r: every worker is stuck; %d trajectories get fallback %s "
-                       "without being scored", self.name, len(jobs), self.fallback, level=logging.ERROR)
+        self._ledger.count("timeouts", len(jobs))
+        self._ledger.log_once("starved", "reward %r: every worker is stuck; %d trajectories get fallback %s "
+                              "without being scored", self.name, len(jobs), self.fallback, level=logging.ERROR)
         for job in jobs:
             self._resolve(job, self.fallback, {"reward_error": "no free worker"}, 0.0)
-
-    def _log_once(self, key: str, msg: str, *args: Any, exc_info: BaseException | None = None,
-                  level: int = logging.WARNING) -> None:
-        with self._cond:
-            if key in self._logged:
-                return
-            self._logged.add(key)
-        logger.log(logging.ERROR if exc_info is not None else level, msg, *args, exc_info=exc_info)

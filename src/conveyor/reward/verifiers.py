@@ -15,13 +15,17 @@ Contract
   completion (``re.search`` with DOTALL); anchor the pattern with ``\\A`` and
   ``\\Z`` to demand the whole completion match.
 
-These functions know nothing of threads or time limits. math-verify's own
-timeout uses ``signal.alarm``, which only works on the main thread, so it is
-always switched off here; the reward service enforces the deadline instead.
+These functions know nothing of the reward service's deadlines. math-verify's
+own timeout (``verify_timeout_s``, per parse and per comparison) uses
+``signal.alarm``, which only works on a process's main thread: it is on where
+``math_reward`` runs there (the worker processes of ``reward.executor:
+process``, or a direct call) and off on any other thread (the thread
+executor), where only the service's deadline limits a call.
 """
 from __future__ import annotations
 
 import re
+import threading
 
 from math_verify import parse, verify
 
@@ -51,8 +55,14 @@ def extract_prediction(text: str) -> str | None:
 
 
 def math_reward(traj: Trajectory, *, float_rounding: int = 6, numeric_precision: int = 15,
-                strict: bool = True) -> dict[str, float]:
-    """1.0 if the completion's answer equals the gold mathematically (see the module docstring)."""
+                strict: bool = True, verify_timeout_s: int = 3) -> dict[str, float]:
+    """1.0 if the completion's answer equals the gold mathematically (see the module docstring).
+    A parse or comparison past ``verify_timeout_s`` (whole seconds; main thread only) counts as
+    no answer / not equal, as math-verify decides."""
+    if not (isinstance(verify_timeout_s, int) and verify_timeout_s >= 1):  # signal.alarm takes whole seconds
+        raise ValueError(f"math reward: verify_timeout_s={verify_timeout_s!r} must be a whole number of seconds >= 1")
+    # signal.alarm exists only on a process's main thread: elsewhere math-verify must not set it.
+    limit = verify_timeout_s if threading.current_thread() is threading.main_thread() else None
     if traj.task.answer is None or not str(traj.task.answer).strip():
         raise ValueError(f"math reward: task {traj.task.id!r} has no gold answer; "
                          "give the data an answer field or choose another reward")
@@ -61,16 +71,16 @@ def math_reward(traj: Trajectory, *, float_rounding: int = 6, numeric_precision:
     # delimiter; boxing it makes every plain gold parse the same way.
     if "\\boxed" not in gold_text:
         gold_text = "\\boxed{" + gold_text + "}"
-    gold = parse(gold_text, parsing_timeout=None)
+    gold = parse(gold_text, parsing_timeout=limit)
     if not gold:
         raise ValueError(f"math reward: cannot parse the gold answer {traj.task.answer!r} "
                          f"of task {traj.task.id!r}")
     pred_text = extract_prediction(traj.text)
-    pred = parse(pred_text, parsing_timeout=None) if pred_text is not None else []
+    pred = parse(pred_text, parsing_timeout=limit) if pred_text is not None else []
     if not pred:
         return {"reward": 0.0, "parsed": 0.0}
     ok = verify(gold, pred, float_rounding=float_rounding, numeric_precision=numeric_precision,
-                strict=strict, timeout_seconds=None)
+                strict=strict, timeout_seconds=limit)
     return {"reward": 1.0 if ok else 0.0, "parsed": 1.0}
 
 

@@ -163,13 +163,18 @@ class EngineWorker(Protocol):
     """The controller's handle on one engine worker. ``send`` queues a ``messages.Generate`` or
     ``Stop``; answers arrive on the outbox the launcher returns with the workers. ``check``
     raises ``RoleError`` naming the worker if it died; ``join`` waits for it to end after a
-    ``Stop`` (stopping its process if it does not)."""
+    ``Stop`` (stopping its process if it does not). ``restart`` replaces a dead worker with a
+    new one on the same device and weight route (only where ``restartable``); the caller sends
+    it the work that was in flight."""
 
     engine_id: int
+    restartable: bool
 
     def send(self, message: Any) -> None: ...
 
     def check(self) -> None: ...
+
+    def restart(self) -> None: ...
 
     def join(self, timeout: float) -> None: ...
 

@@ -102,7 +102,12 @@ class Trainer(Protocol):
         ...
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
-        """Write a resumable checkpoint; ``extra`` (JSON) comes back from ``load``."""
+        """Write a resumable checkpoint; ``extra`` (JSON) comes back from ``load``. A trainer may
+        write its files after returning (``trainer.async_checkpoint``): ``wait_saved`` waits for them."""
+        ...
+
+    def wait_saved(self) -> None:
+        """Return once every checkpoint ``save`` started is complete on disk."""
         ...
 
     def load(self, path: str | Path) -> dict[str, Any]:

@@ -6,6 +6,9 @@ Contract
   schedulers, step), ``rng.pt`` and ``extra.json``, assembled under a
   temporary name and renamed into place, so a crash never leaves half a
   checkpoint.
+- ``save_checkpoint_async(trainer, dir, extra) -> PendingSave``: the same
+  files, written by a thread from host copies taken at the call, so the
+  trainer steps while they go to disk; ``PendingSave.wait()`` joins it.
 - ``load_checkpoint(trainer, dir) -> extra`` restores it in place (parameters
   keep their identity). The frozen reference is not saved: resume from the
   same initial model.
@@ -21,12 +24,14 @@ know what the extra state means, nor anything about training.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
 import shutil
+import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -119,12 +124,77 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
-def save_checkpoint(trainer: Any, path: str | Path, extra: dict[str, Any]) -> Path:
-    """Write a resumable checkpoint of ``trainer`` to ``path`` (atomically); returns ``path``."""
+def _extra_text(extra: dict[str, Any]) -> str:
     try:
-        extra_text = json.dumps(extra, indent=2, sort_keys=True)
+        return json.dumps(extra, indent=2, sort_keys=True)
     except TypeError as e:
         raise TypeError(f"checkpoint extra must be JSON-serialisable ({e}); pass plain numbers/strings/lists") from None
+
+
+class PendingSave:
+    """A checkpoint being written on a thread; ``wait()`` blocks until it is in place and
+    re-raises what went wrong writing it."""
+
+    def __init__(self, path: Path, write: Callable[[], None]):
+        self.path = path
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as e:  # noqa: BLE001 - re-raised by wait(), in the trainer's thread
+                self._error = e
+        self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> Path:
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"writing checkpoint {self.path} failed: {self._error}") from self._error
+        return self.path
+
+
+def save_checkpoint_async(trainer: Any, path: str | Path, extra: dict[str, Any]) -> PendingSave:
+    """``save_checkpoint`` with the files written on a thread: the weights are copied to host
+    memory and the optimizer state serialised in memory here (the trainer may step right after),
+    the disk writes and the atomic rename happen in the background. A trainer with a critic
+    saves synchronously (returned already complete)."""
+    path, extra_text = Path(path), _extra_text(extra)
+    if trainer.critic is not None:
+        save_checkpoint(trainer, path, extra)
+        return PendingSave(path, lambda: None)
+    copies: dict[tuple, torch.Tensor] = {}  # tied tensors stay one tensor, as save_pretrained expects
+    state = {}
+    for name, t in trainer.model.state_dict().items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+        if key not in copies:
+            copies[key] = t.detach().to("cpu", copy=True)
+        state[name] = copies[key]
+    blobs = {}
+    for fname, obj in (("training_state.pt", trainer.training_state()), ("rng.pt", _rng_state())):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        blobs[fname] = buf.getvalue()
+    tmp = _prepare_tmp(path)
+    model, source = trainer.model, trainer.source_dir
+
+    def write() -> None:
+        try:
+            model.save_pretrained(tmp / "policy", state_dict=state)
+            copy_tokenizer_files(source, tmp / "policy")
+            for fname, data in blobs.items():
+                (tmp / fname).write_bytes(data)
+            (tmp / "extra.json").write_text(extra_text)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _commit(tmp, path)
+    return PendingSave(path, write)
+
+
+def save_checkpoint(trainer: Any, path: str | Path, extra: dict[str, Any]) -> Path:
+    """Write a resumable checkpoint of ``trainer`` to ``path`` (atomically); returns ``path``."""
+    extra_text = _extra_text(extra)
     with _atomic_dir(path) as tmp:
         trainer.model.save_pretrained(tmp / "policy")
         copy_tokenizer_files(trainer.source_dir, tmp / "policy")

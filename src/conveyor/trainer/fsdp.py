@@ -500,6 +500,9 @@ class FSDPTrainer(LocalTrainer):
                   "critic": self.critic is not None}
         (tmp / checkpoint.SHARDED_MARKER).write_text(json.dumps(marker, indent=2))
 
+    def wait_saved(self) -> None:
+        """Sharded checkpoints are complete when ``save`` returns."""
+
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         try:
             text = json.dumps(extra or {}, indent=2, sort_keys=True)

@@ -102,6 +102,7 @@ class TrainerHost:
         self.trainer.export_hf(path)
 
     def close(self) -> None:
+        self.trainer.wait_saved()  # a checkpoint being written is finished before the trainer goes
         for w in self.writers:  # a broadcast whose transfer is still running ends first
             with contextlib.suppress(Exception):  # the engines are stopping too
                 w.close()

@@ -276,6 +276,7 @@ class LocalTrainer:
         if self.critic is not None:
             self.critic_optimizer, self.critic_scheduler = self._optimizer(self.critic.parameters(), cfg.critic_lr)
         self._step = 0
+        self._saving: checkpoint.PendingSave | None = None  # a checkpoint still being written
 
     def _param_groups(self, params) -> list[dict]:
         return [{"params": [p for p in params if p.requires_grad]}]
@@ -538,12 +539,25 @@ class LocalTrainer:
         self._step = int(state["step"])
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
-        checkpoint.save_checkpoint(self, path, extra or {})
+        """A checkpoint; with ``trainer.async_checkpoint`` its files are written while training goes on
+        (the next save, load or export waits for them)."""
+        self.wait_saved()
+        if self.cfg.async_checkpoint:
+            self._saving = checkpoint.save_checkpoint_async(self, path, extra or {})
+        else:
+            checkpoint.save_checkpoint(self, path, extra or {})
+
+    def wait_saved(self) -> None:
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.wait()
 
     def load(self, path: str | Path) -> dict[str, Any]:
+        self.wait_saved()
         extra = checkpoint.load_checkpoint(self, path)
         self._refresh_compute()
         return extra
 
     def export_hf(self, path: str | Path) -> None:
+        self.wait_saved()
         checkpoint.export_policy(self, path)

@@ -13,6 +13,8 @@ Producer -> loop (the trajectory buffer): ``Scored``.
 Trainer -> loop (the answer of ``train_and_publish``): ``Trained``.
 Inside ``Done`` and ``Trained``: ``Span`` (what a role did when, for the timeline).
 Controller <-> a child served by ``serve_rpc``: ``Call``, ``Answer``.
+Reward service <-> a reward worker process (``reward.processes``): ``RewardLoaded``,
+``ScoreRequest``, ``ScoreReply``.
 
 This module knows no torch, no engine and no schedule: only the shapes of
 what is sent.
@@ -20,10 +22,13 @@ what is sent.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.rollout.api import Completion, SamplingParams
-from conveyor.types import Group
+from conveyor.types import Group, Trajectory
+
+if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.reward.calls import Outcome
 
 
 @dataclass(frozen=True)
@@ -149,3 +154,29 @@ class Answer:
     """What a ``Call`` returned (``ok``) or the child's traceback (not ``ok``)."""
     ok: bool
     value: Any = None
+
+
+@dataclass(frozen=True)
+class RewardLoaded:
+    """A reward worker process loaded its reward (``error`` empty) or could not (``error``: one
+    line saying why); ``name`` is the reward's name for logs."""
+    pid: int
+    name: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Score ``traj``; ``seq`` identifies the call in the answer."""
+    seq: int
+    traj: Trajectory
+
+
+@dataclass(frozen=True)
+class ScoreReply:
+    """The ``outcome`` of request ``seq`` (``reward.calls.Outcome``, its problem without the
+    exception object), and when the call started and ended (``time.time()``)."""
+    seq: int
+    outcome: Outcome
+    started_at: float
+    ended_at: float

@@ -78,3 +78,11 @@ def test_load_reward_rejects_unknown_kwargs_and_names():
         load_reward("exact", {"strip_all": True})
     with pytest.raises(PluginError, match="is not a builtin"):
         load_reward("maths", {})
+
+
+def test_math_reward_alarm_on_the_main_thread_and_whole_seconds_only():
+    # On the main thread math-verify's own alarm bounds a comparison that would run for minutes
+    # (the thread executor never gets here: off the main thread no alarm is set, see above).
+    assert math_reward(traj("\\boxed{9^{9^{9}}}"), verify_timeout_s=1) == {"reward": 0.0, "parsed": 1.0}
+    with pytest.raises(ValueError, match="verify_timeout_s=1.5 must be a whole number of seconds"):
+        math_reward(traj("\\boxed{42}"), verify_timeout_s=1.5)

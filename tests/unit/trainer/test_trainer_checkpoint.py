@@ -81,3 +81,24 @@ def test_load_errors_name_the_problem(tiny_dir, tmp_path):
     with pytest.raises(TypeError, match="JSON-serialisable"):
         plain.save(tmp_path / "bad", extra={"t": torch.zeros(1)})
     assert not (tmp_path / "bad").exists()
+
+
+def test_async_checkpoint_holds_the_state_of_its_call_while_training_goes_on(tiny_dir, make_batch, pg_loss,
+                                                                            tmp_path):
+    cfg = TrainerConfig(**{**CFG, "critic": False, "async_checkpoint": True})
+    batches = [make_batch([6, 9, 4, 7], seed=s) for s in range(3)]
+    first = LocalTrainer(tiny_dir, cfg, total_steps=5)
+    first.train(batches[0], pg_loss)
+    at_save = {k: v.clone() for k, v in first.model.state_dict().items()}
+    first.save(tmp_path / "ckpt", extra={"step": 1})
+    m_first = first.train(batches[1], pg_loss)  # the optimizer steps while the files are written
+    first.wait_saved()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # renamed into place
+    second = LocalTrainer(tiny_dir, cfg, total_steps=5)
+    assert second.load(tmp_path / "ckpt") == {"step": 1}
+    got = second.model.state_dict()
+    assert all(torch.equal(got[k], at_save[k]) for k in at_save)  # the weights of the call, not later ones
+    assert second.model.lm_head.weight is not None
+    m_second = second.train(batches[1], pg_loss)
+    assert m_second["loss"] == m_first["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), second.model.parameters()))

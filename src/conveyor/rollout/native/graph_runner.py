@@ -504,19 +504,22 @@ class PagedGraphRunner:
     def _capture_graphs(self) -> None:
         """Capture one decode graph per bucket, largest first, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+        # The capture runs on this engine's own stream of its own GPU: torch.cuda.graph's default
+        # capture stream is made once per process, on the first GPU that captured, so a second
+        # engine on another GPU (a judge beside the policy) would capture nothing there.
+        stream = torch.cuda.Stream(device=self.device)
         with torch.no_grad():
             for size in sorted(self.buckets, reverse=True):
                 host = _rows(self._hosts[0], 6, size)
                 h = host.numpy()
                 h[0:3], h[3], h[4], h[5] = 0, 1, self.null_row, -1
                 _rows(self._inp, 6, size).copy_(host)
-                stream.wait_stream(torch.cuda.current_stream())
+                stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     self._decode_forward(size, 1)  # compiles the kernels outside the capture
-                torch.cuda.current_stream().wait_stream(stream)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self._decode_forward(size, 1)
                 self._graphs[size] = (graph, out)
         torch.cuda.synchronize()

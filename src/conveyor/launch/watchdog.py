@@ -1,0 +1,141 @@
+"""Where was everyone when a wait ran out: stack dumps of every role, and deadlines that adapt.
+
+Contract
+- Every role process (``procs.RoleProcess``) registers here when it starts and
+  installs ``faulthandler`` on ``SIGUSR1`` in the child, writing every
+  thread's stack to its own log. ``dump_stacks(what)`` asks every live role
+  process for that dump, writes this process's threads to
+  ``<log dir>/controller.log`` and returns one line per role saying where its
+  main work was (the innermost frame of each thread that is not idle), for the
+  error of the wait that ran out. The controller calls it before it raises a
+  deadline error, so the error names the wait and the other side's place.
+- ``child_guard()`` runs in a role's child: the stack-dump signal, and a thread
+  that ends the child when its parent is gone (a controller killed with
+  SIGKILL leaves no role process behind; the child notices within
+  ``PARENT_POLL_S``).
+- ``Deadlines(base_s)``: the deadline of a wait of some kind is the larger of
+  ``base_s`` (``launch.timeout_s``) and ``GROWTH`` times the longest wait of
+  that kind that completed, so a stuck run stops within minutes while a
+  model whose steps legitimately take long is not cut.
+
+It knows nothing of what the roles do.
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+
+PARENT_POLL_S = 0.5
+GROWTH = 4.0
+_SETTLE_S = 0.5  # a child writes its dump from a signal handler: give it this long
+
+_roles: "weakref.WeakSet" = weakref.WeakSet()
+_log_dir: Path | None = None
+
+
+def configure(log_dir: Path) -> None:
+    """Where this process's own stack dumps go (the run's ``logs/``)."""
+    global _log_dir
+    _log_dir = Path(log_dir)
+
+
+def register(role) -> None:
+    """A started ``RoleProcess`` (anything with ``role``, ``proc`` and ``log_path``)."""
+    _roles.add(role)
+    global _log_dir
+    if _log_dir is None:
+        _log_dir = Path(role.log_path).parent
+
+
+def child_guard() -> None:
+    """In a role's child process: dump stacks on SIGUSR1, exit when the parent is gone."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent:  # re-parented: the controller is gone
+                os._exit(70)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def dump_stacks(what: str) -> str:
+    """Dump every role's and this process's stacks; return where each role was, one line each."""
+    live = [r for r in list(_roles) if r.proc.is_alive() and r.proc.pid]
+    sizes = {}
+    for r in live:
+        try:
+            sizes[r.role] = Path(r.log_path).stat().st_size
+            os.kill(r.proc.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    own = ""
+    if _log_dir is not None:
+        _log_dir.mkdir(parents=True, exist_ok=True)
+        path = _log_dir / "controller.log"
+        with open(path, "a") as f:
+            f.write(f"\n[controller] {time.strftime('%H:%M:%S')} stacks of every thread: {what}\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        own = f"controller: stacks in {path}"
+    time.sleep(_SETTLE_S if live else 0.0)
+    lines = [own] if own else []
+    for r in live:
+        where = _where(_read_from(Path(r.log_path), sizes.get(r.role, 0)))
+        lines.append(f"{r.role} (pid {r.proc.pid}): {where or 'no stack written'}; stacks in {r.log_path}")
+    return "\n".join(lines)
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
+
+
+_IDLE = {"threading.py", "queues.py", "selectors.py", "connection.py", "watchdog.py", "tempfile.py"}
+
+
+def _where(dump: str) -> str:
+    """The innermost frame of each thread of a faulthandler dump whose top is not a wait of the
+    standard library (idle helper threads), joined; else the main thread's top frame."""
+    frames: list[str] = []
+    first = ""
+    for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump):
+        m = re.search(r'File "([^"]+)", line (\d+) in (\S+)', block)
+        if not m:
+            continue
+        path, line, fn = m.groups()
+        frame = f"{fn} ({Path(path).name}:{line})"
+        first = first or frame
+        if Path(path).name not in _IDLE:
+            frames.append(frame)
+    return ", ".join(frames[:3]) or first
+
+
+class Deadlines:
+    """Per-kind deadlines that grow with what was seen (see the module contract)."""
+
+    def __init__(self, base_s: float, growth: float = GROWTH):
+        self.base_s, self.growth = float(base_s), growth
+        self._longest: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def of(self, kind: str) -> float:
+        with self._lock:
+            return max(self.base_s, self.growth * self._longest.get(kind, 0.0))
+
+    def observe(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            self._longest[kind] = max(self._longest.get(kind, 0.0), seconds)

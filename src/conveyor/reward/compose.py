@@ -1,0 +1,122 @@
+"""Several rewards as one: weighted components, gates, each component's value reported.
+
+Contract
+- ``Part(name, fn, kwargs, weight, gate)`` says how to load one component
+  (``fn`` and ``kwargs`` as ``api.load_reward`` takes them) and how it counts.
+  ``Composite(parts)`` loads every part and is a ``RewardFn`` returning
+  ``{"reward": total, "<name>": value, "<name>/<key>": ..., "gated": 0 | 1}``:
+  the service keeps every key but ``"reward"`` in ``reward_info``, so each
+  component's value is logged as a metric (``reward/<name>`` for training
+  steps, ``eval_<name>`` for evaluations).
+- Order and gates: parts run in the order given. A part's value is its
+  result's reward (a float, or a dict's ``"reward"``; the dict's other keys
+  are kept as ``"<name>/<key>"``). ``total`` is the sum of ``weight * value``
+  over the parts that ran. A part with a ``gate`` must reach it (value >=
+  gate): if it does not, the parts after it are not run (absent from the
+  result, so their metrics average over the trajectories that reached them)
+  and the total is what the parts so far gave — "format before correctness":
+  ``[format (weight 0, gate 1), math]`` is 0 for a badly formatted answer
+  without ever calling the math verifier. ``"gated"`` (1 when a gate stopped
+  the parts, else 0) is present when any part has a gate.
+- Failures: a part that raises, or returns something that is not a reward
+  (``calls.WrongType``), fails the whole composite: the exception goes up
+  with a note naming the part, and the service counts one failure and gives
+  the trajectory ``reward.fallback``. A NaN or infinite value makes the total
+  non-finite: counted ``nonfinite``, fallback likewise.
+- ``part_name(fn)`` is a part's default name: a builtin's name, else the last
+  part of the dotted path (``pkg.mod:partial_credit`` -> ``partial_credit``).
+
+It knows nothing of threads, processes or deadlines: the whole composite is
+one reward call under the service's ``reward.timeout_s``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.plugins import PluginError
+from conveyor.reward.api import BatchReward, load_reward
+from conveyor.reward.calls import COUNTERS, reward_value
+from conveyor.types import Trajectory
+
+# Not a part's name: keys of a composite's own, and names whose metric (reward_<name>) the loop
+# already logs (the reward's std, the service's counters).
+RESERVED = ("reward", "gated", "reward_error", "std", *COUNTERS, "stuck", "batches", "worker_deaths", "restarts")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One component: what to load (``fn``, ``kwargs``), its metric ``name``, its ``weight`` in
+    the total and its ``gate`` (None: no gate)."""
+    name: str
+    fn: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    weight: float = 1.0
+    gate: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name in RESERVED:
+            raise ValueError(f"component name {self.name!r} is empty, has a '/' or is one of "
+                             f"{', '.join(RESERVED)}; give the component another name")
+        if not math.isfinite(self.weight) or (self.gate is not None and not math.isfinite(self.gate)):
+            raise ValueError(f"component {self.name!r}: weight and gate must be finite numbers")
+
+
+def composite_name(parts: Sequence[Part]) -> str:
+    return "compose(" + "+".join(p.name for p in parts) + ")"
+
+
+def part_name(fn: str) -> str:
+    return fn.replace(":", ".").rsplit(".", 1)[-1]
+
+
+def parts_of(components: Sequence[Any]) -> tuple[Part, ...]:
+    """The parts of config components (objects with ``fn``, ``kwargs``, ``weight``, ``gate`` and
+    ``name``, ``reward.components``); the name defaults to ``part_name(fn)``."""
+    return tuple(Part(c.name or part_name(c.fn), c.fn, dict(c.kwargs), c.weight, c.gate) for c in components)
+
+
+def check_parts(parts: Sequence[Part]) -> None:
+    """Raise ``ValueError`` unless there is at least one part and their names are distinct."""
+    if not parts:
+        raise ValueError("a composite reward needs at least one component")
+    names = [p.name for p in parts]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"several components are named {', '.join(dup)}; give each a distinct name")
+
+
+class Composite:
+    """The ``RewardFn`` of several parts (see the module docstring)."""
+
+    def __init__(self, parts: Sequence[Part]) -> None:
+        check_parts(parts)
+        self.parts = tuple(parts)
+        self.gated = any(p.gate is not None for p in parts)
+        self.fns = [load_reward(p.fn, p.kwargs) for p in parts]
+        for part, fn in zip(self.parts, self.fns):
+            if isinstance(fn, BatchReward):
+                raise PluginError(f"reward component {part.name!r} ({part.fn}) scores batches (a reward model, "
+                                  "judge or remote server); components are per-trajectory rewards")
+        self.__name__ = composite_name(self.parts)
+
+    def __call__(self, traj: Trajectory) -> dict[str, Any]:
+        total, out = 0.0, {}
+        stopped = False
+        for part, fn in zip(self.parts, self.fns):
+            try:
+                value, extra = reward_value(fn(traj))
+            except BaseException as e:
+                e.add_note(f"in reward component {part.name!r} ({part.fn})")
+                raise
+            out[part.name] = value
+            out.update({f"{part.name}/{k}": v for k, v in extra.items()})
+            total += part.weight * value
+            if part.gate is not None and value < part.gate:  # NaN passes: the total is NaN, counted so
+                stopped = True
+                break
+        if self.gated:
+            out["gated"] = 1.0 if stopped else 0.0
+        return {"reward": total, **out}

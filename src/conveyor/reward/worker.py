@@ -1,0 +1,144 @@
+"""A reward worker process: loads its reward, scores on its main thread, dies with its parent.
+
+Contract: ``WorkerProcess(ctx, spec, fallback, name)`` starts one (its
+parent's handle: ``conn``, ``sentinel``, ``ask_to_exit``, ``join``, ``end``
+to kill it with its process group and reap it, returning its exit code;
+``exit_text(code)`` says it in words). ``worker_main(spec, conn, parent_pid,
+fallback)`` is the main of that process. It loads the reward
+from ``spec`` (``factory.RewardSpec.load``) and answers ``RewardLoaded``
+(with a one-line ``error`` if it cannot, or if the reward is a
+``BatchReward``, which this executor does not run); then, for each
+``ScoreRequest`` received on ``conn``, it calls the reward on its main thread
+(``calls.call_reward``: checked, never raising) and answers ``ScoreReply``,
+until it receives ``None`` or the pipe closes. It leads a process group of
+its own (a kill at a deadline takes what the reward started with it),
+ignores SIGINT (its parent decides when it stops), and exits when its parent
+process is gone: the kernel's parent-death signal (Linux) and a thread that
+watches its parent's pid.
+
+It knows nothing of deadlines, queues or counters: ``processes.py`` owns them.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from conveyor.plugins import PluginError
+from conveyor.reward.api import BatchReward, reward_name
+from conveyor.reward.calls import Outcome, Problem, call_reward
+from conveyor.transport.messages import RewardLoaded, ScoreReply
+
+if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.reward.factory import RewardSpec
+
+_PARENT_POLL_S = 0.2  # how often the watcher looks for its parent
+
+
+class WorkerProcess:
+    """The parent's handle of one worker process (see the module docstring)."""
+
+    def __init__(self, ctx, spec: RewardSpec, fallback: float, name: str) -> None:
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=worker_main, name=name, daemon=True,
+                                args=(spec, child_conn, os.getpid(), fallback))
+        self.proc.start()
+        child_conn.close()  # the child holds its end: EOF here when it dies
+        self.sentinel = self.proc.sentinel
+
+    def ask_to_exit(self) -> None:
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+
+    def join(self, timeout_s: float) -> None:
+        self.proc.join(max(0.0, timeout_s))
+
+    def end(self) -> int | None:
+        if self.proc.is_alive():
+            try:  # the worker leads its own process group: what it started goes too
+                if os.getpgid(self.proc.pid) == self.proc.pid:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.proc.kill()
+        self.proc.join(5.0)
+        self.conn.close()
+        code = self.proc.exitcode
+        if code is not None:
+            self.proc.close()  # frees its sentinel now rather than at garbage collection
+        return code
+
+
+def exit_text(code: int | None) -> str:
+    if code is None:
+        return "no exit code (still running after SIGKILL)"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def worker_main(spec: RewardSpec, conn, parent_pid: int, fallback: float) -> None:
+    """Load the reward, then answer each ``ScoreRequest`` until ``None`` or the pipe closes."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the terminal's group; the parent decides
+    try:
+        os.setpgid(0, 0)  # lead a group of its own, so a kill at the deadline takes what the reward started
+    except OSError:
+        pass
+    try:
+        fn = spec.load()
+        if isinstance(fn, BatchReward):
+            raise PluginError(f"reward {spec.fn!r} scores batches (a reward model, judge or remote server); "
+                              "reward.executor=process runs one trajectory per call: use reward.executor=thread")
+    except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        conn.send(RewardLoaded(os.getpid(), error=msg if isinstance(e, PluginError) else f"{type(e).__name__}: {msg}"))
+        return
+    name = reward_name(fn)
+    conn.send(RewardLoaded(os.getpid(), name))
+    while True:
+        try:
+            req = conn.recv()
+        except (EOFError, OSError):
+            return
+        if req is None:
+            return
+        start = time.time()
+        out = call_reward(fn, req.traj, name, fallback)
+        if out.problem is not None:
+            out = dataclasses.replace(out, problem=out.problem.portable())
+        try:
+            conn.send(ScoreReply(req.seq, out, start, time.time()))
+        except (OSError, EOFError):
+            return
+        except Exception as e:  # noqa: BLE001 - the reward's info did not pickle
+            conn.send(ScoreReply(req.seq, Outcome(fallback, {"reward_error": "unpicklable result"}, "failures", Problem(
+                "unpicklable", f"reward {name!r} returned a result that cannot be sent to the controller "
+                f"({type(e).__name__}: {e}); keep its dict to numbers and strings; using fallback {fallback}")),
+                start, time.time()))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:  # PR_SET_PDEATHSIG: the kernel kills us when the thread that started us ends
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # it died before we could watch it
+        os._exit(0)
+
+    def watch() -> None:  # also where the signal is not available, or the GIL is held in C for long
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(0)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -1,0 +1,191 @@
+"""Fault injection on whole runs: each fault is survived and counted, or stops the run naming the role.
+
+Engine processes are restarted (their work in flight sent again); a trainer rank that dies,
+an engine past the restart budget or on a broadcast group stop the run with a named error
+(tests/e2e/test_role_failure.py); reward and environment faults are counted by their
+services (tests/unit/reward, tests/e2e/test_env_faults.py).
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conveyor.observe.timeline import read_timeline
+
+pytestmark = pytest.mark.slow  # whole training runs
+
+TINY = ["sft.steps=0", "loop.batch_size=4", "rollout.n=4", "data.eval_size=8", "model.tiny.hidden_size=32",
+        "model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "observe.tensorboard=false",
+        "observe.progress=false", "launch.placement=disaggregated", "launch.timeout_s=120"]
+
+
+def start(run_dir: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run_dir}", *TINY, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("kind") == "train"]
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step for r in train_rows(run_dir)):
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def role_pids(run_dir: Path, role: str) -> list[int]:
+    text = (run_dir / "logs" / f"{role}.log").read_text()
+    return [int(p) for p in re.findall(rf"\[{role}\] started pid=(\d+)", text)]
+
+
+def test_killed_engine_is_restarted_and_the_run_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    # Streaming (staleness 1): the engine always has chunks in flight when it is killed.
+    proc = start(run_dir, "loop.steps=6", "loop.max_staleness=1")
+    wait_for_step(proc, run_dir, 2)
+    first = role_pids(run_dir, "engine0")[-1]
+    os.kill(first, signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # every step once: nothing lost or doubled
+    assert rows[-1]["engine_restarts"] == 1
+    pids = role_pids(run_dir, "engine0")
+    assert len(pids) == 2 and pids[0] == first and pids[1] != first
+    assert "restarting it (1 of launch.max_restarts=3)" in err
+    events = [e for e in read_timeline(run_dir) if e.get("name") == "engine 0 restarted"]
+    assert len(events) == 1, "the restart is on the timeline"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6
+
+
+def test_engine_deaths_past_the_budget_stop_the_run(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "loop.steps=100000", "loop.max_staleness=1", "launch.max_restarts=1")
+    wait_for_step(proc, run_dir, 1)
+    os.kill(role_pids(run_dir, "engine0")[-1], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while len(role_pids(run_dir, "engine0")) < 2:  # the replacement started
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.kill(role_pids(run_dir, "engine0")[-1], signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 15
+    assert proc.returncode == 1
+    assert "engine0 process exited with code -9" in err
+    assert "engine restarts used: 1 of launch.max_restarts=1" in err, err[-3000:]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process under ``pid`` (read from /proc)."""
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                kids = Path(f"/proc/{p}/task/{t}/children").read_text().split()
+            except OSError:
+                continue
+            for k in map(int, kids):
+                if k not in out:
+                    out.add(k)
+                    todo.append(k)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def trained_tasks(run_dir: Path) -> dict[int, list[str]]:
+    rows = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
+    out: dict[int, list[str]] = {}
+    for r in rows:
+        out.setdefault(r["step"], []).append(r["task_id"])
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+def test_streaming_run_killed_with_sigkill_resumes_as_one_run(tmp_path):
+    """kill -9 of the controller mid-streaming: no role process outlives it; --resume trains every
+    step's groups exactly once (the same tasks, step by step, as a run never killed), the
+    staleness bound holds, and the logs and totals read as one run."""
+    stream = ["loop.steps=6", "loop.max_staleness=2", "loop.checkpoint_every=2", "observe.traces_per_step=16",
+              "loop.eval_every=0"]
+    whole = tmp_path / "whole"
+    proc = start(whole, *stream)
+    assert proc.wait(timeout=300) == 0, proc.communicate()[1][-3000:]
+
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *stream)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "checkpoints" / "step_000002").exists() or len(train_rows(run_dir)) < 3:
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    kids = descendants(proc.pid)
+    assert any(alive(k) for k in kids), "the engine and trainer run in child processes"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t0 = time.monotonic()
+    while any(alive(k) for k in kids) and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert not [k for k in kids if alive(k)], "role processes outlived the killed controller"
+    killed_at = max(r["step"] for r in train_rows(run_dir))
+    saved = int(sorted((run_dir / "checkpoints").glob("step_*"))[-1].name.split("_")[1])
+    assert killed_at >= 3 and saved in (2, 4)
+
+    r = subprocess.run([sys.executable, "-m", "conveyor.cli", "train", "--resume", str(run_dir)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = train_rows(run_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]  # metrics.jsonl: each step once
+    assert all(row["staleness_max"] <= 2 for row in rows)
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals if e.get("kind") == "eval"] == [0, 6]  # the initial eval once
+    assert trained_tasks(run_dir) == trained_tasks(whole)  # no group twice, none lost
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"] == saved and summary["steps"] == 6
+    # The whole run's time: the part before the kill (up to its last step) and the resumed part.
+    first_part = rows[1]["time"] - evals[0]["time"]
+    assert summary["wall_seconds"] > first_part
+
+
+def test_reward_workers_that_hang_or_die_are_counted_and_the_run_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    root = str(Path(__file__).resolve().parents[2])  # the workers import the reward from tests/
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run_dir}", *TINY, "loop.steps=3",
+           "reward.executor=process", "reward.workers=2", "reward.timeout_s=2",
+           "reward.fn=tests.unit.reward.worker_rewards:flaky"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = train_rows(run_dir)[-1]
+    assert last["reward_timeouts"] >= 1 and last["reward_worker_deaths"] >= 1, last
+    assert last["step"] == 3

@@ -1,0 +1,85 @@
+"""Rewards that the process-executor tests load by name in worker processes (a worker imports
+them fresh, so they live in a module of their own, importable from the repository root)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from conveyor.types import Trajectory
+
+
+def length(traj: Trajectory, sleep_s: float = 0.0) -> dict:
+    """The text's length, and which process scored it (after ``sleep_s``)."""
+    time.sleep(sleep_s)
+    return {"reward": float(len(traj.text)), "pid": os.getpid()}
+
+
+def hang_on(traj: Trajectory, word: str = "hang", pidfile: str = "") -> float:
+    """Sleeps for good on a text containing ``word`` (writing its pid to ``pidfile`` first); 1.0
+    otherwise."""
+    if word in traj.text and pidfile:
+        Path(pidfile).write_text(str(os.getpid()))
+    while word in traj.text:
+        time.sleep(0.05)
+    return 1.0
+
+
+def die_once(traj: Trajectory, marker: str, how: str = "exit", word: str = "die") -> float:
+    """Ends its process on a text containing ``word`` the first time (``marker``, a file, records
+    the dead pid), by ``os._exit`` (``how="exit"``) or by SIGKILL as the OOM killer would
+    (``how="kill"``); otherwise returns its own pid."""
+    if word in traj.text and not Path(marker).exists():
+        Path(marker).write_text(str(os.getpid()))
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3)
+    return float(os.getpid())
+
+
+def kill_on(traj: Trajectory, word: str = "kill") -> float:
+    """SIGKILLs its own process on a text containing ``word``, as the OOM killer would."""
+    if word in traj.text:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 2.0
+
+
+def returns(traj: Trajectory, value: object = 1.0) -> object:
+    return value
+
+
+def raises(traj: Trajectory) -> float:
+    raise KeyError("boom")
+
+
+def spin(traj: Trajectory, iterations: int = 200_000) -> float:
+    """Pure-Python arithmetic holding the GIL: ``iterations`` rounds of a linear congruence."""
+    x = len(traj.text) + 1
+    for _ in range(iterations):
+        x = (x * 1103515245 + 12345) % 2147483648
+    return x / 2147483648
+
+
+class Batched:
+    """A ``BatchReward`` (scores lists of trajectories), which the process executor does not run."""
+    name = "batched"
+    max_batch = 4
+
+    def score_batch(self, trajs):
+        return [1.0 for _ in trajs]
+
+    def close(self) -> None:
+        pass
+
+
+def flaky(traj: Trajectory, share: float = 0.1) -> float:
+    """A verifier with seeded faults: on ``share`` of texts it hangs for good, on another ``share``
+    it SIGKILLs its own process; otherwise the text's length over 10."""
+    import hashlib
+    u = int.from_bytes(hashlib.sha256(traj.text.encode()).digest()[:4], "big") / 2**32
+    while u < share:
+        time.sleep(0.05)
+    if u < 2 * share:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return len(traj.text) / 10
