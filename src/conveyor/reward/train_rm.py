@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from conveyor.data.api import DataError
 from conveyor.data.preferences import PreferencePair, prompt_text, read_pairs

@@ -72,7 +72,7 @@ def test_batched_scores_equal_each_sequence_scored_alone(checkpoints):
     tol = 1e-5 * max(1.0, max(abs(a) for a in alone))
     assert all(isinstance(s, float) for s in scores)
     assert scores == pytest.approx(alone, abs=tol)
-    assert len(set(round(s, 4) for s in scores)) == len(scores)  # the head tells them apart
+    assert len({round(s, 4) for s in scores}) == len(scores)  # the head tells them apart
     rm.close()
     with pytest.raises(RuntimeError, match="closed"):
         rm.score_batch(trajs[:1])
@@ -142,8 +142,8 @@ def test_preflight_refuses_a_reward_device_this_machine_lacks():
 
 
 @pytest.mark.parametrize("which, needle", [
-    ("lm", "is a LlamaForCausalLM model, not a sequence classifier with a scalar head; train one from it with "
-           "`conveyor train-rm PAIRS.jsonl --model"),
+    ("lm", ("is a LlamaForCausalLM model, not a sequence classifier with a scalar head; train one from it with "
+            "`conveyor train-rm PAIRS.jsonl --model")),
     ("two", "has 2 outputs (num_labels=2); a reward model has one scalar output"),
 ])
 def test_a_run_with_an_unusable_reward_model_stops_before_it_starts(checkpoints, tmp_path, capsys, which, needle):

@@ -32,8 +32,8 @@ def lm(tmp_path_factory):
     ('{"prompt": "p", "chosen": "  ", "rejected": "b"}', "'chosen' is empty"),
     ('{"prompt": "p", "chosen": 3, "rejected": "b"}', "'chosen' must be a string or a list of one assistant"),
     ('{"prompt": 7, "chosen": "a", "rejected": "b"}', "'prompt' must be a string or a non-empty list"),
-    ('{"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"}], '
-     '"rejected": [{"role": "user", "content": "y"}, {"role": "assistant", "content": "b"}]}',
+    (('{"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"}], '
+      '"rejected": [{"role": "user", "content": "y"}, {"role": "assistant", "content": "b"}]}'),
      "must share every message but the last"),
     ('{"chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]}',
      "must be a conversation"),
