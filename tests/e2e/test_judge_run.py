@@ -29,8 +29,9 @@ def test_train_with_a_judge_counts_unparseable_judgements(tmp_path):
     evals = read_metrics(run, kind="eval")
     assert evals and all(e["eval_judge_fallback"] == 1.0 for e in evals)
     # Every reward is the hash of the completion's text under loop.seed (0), as configured.
-    from conveyor.reward.judge_text import hash_score
     from transformers import AutoTokenizer
+
+    from conveyor.reward.judge_text import hash_score
     tok = AutoTokenizer.from_pretrained(run / "final")
     traces = [json.loads(line) for line in (run / "traces.jsonl").read_text().splitlines()]
     assert len(traces) == 2 * 16
@@ -42,7 +43,7 @@ def test_train_with_a_judge_counts_unparseable_judgements(tmp_path):
 
 def test_a_judge_that_cannot_be_built_is_one_line_before_the_run(tmp_path):
     r = subprocess.run([sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={tmp_path / 'run'}", *FAST,
-                        *JUDGE, "reward.judge.model=/no/such/judge"], capture_output=True, text=True, timeout=300)
+                        *JUDGE, "reward.judge.model=/no/such/judge"], capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 2, r.stderr[-2000:]
     errors = [line for line in r.stderr.splitlines() if line.startswith("conveyor: error:")]
     assert len(errors) == 1 and "reward.judge.model '/no/such/judge' is not a Hugging Face checkpoint" in errors[0]

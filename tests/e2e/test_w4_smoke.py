@@ -32,7 +32,7 @@ def test_w4_harness_runs_sync_and_streaming_and_records_rows(tmp_path, monkeypat
     out = tmp_path / "bench"
     assert w4.main([*TINY, "--staleness", "0,1", "--out", str(out)]) == 0
     recs = {k: json.loads((out / f"w4-tiny-conveyor-{k}-seed0.json").read_text()) for k in ("sync", "async-s1")}
-    for label, rec in recs.items():
+    for rec in recs.values():
         assert rec["status"] == "ok", rec["error"]
         assert rec["workload"] == "w4" and rec["device_kind"] == "cpu"
         m = rec["metrics"]
@@ -40,7 +40,10 @@ def test_w4_harness_runs_sync_and_streaming_and_records_rows(tmp_path, monkeypat
         assert m["trained_samples_per_s"] > 0 and m["median_step_s"] > 0
         for key in ("engine_idle_frac", "trainer_idle_frac", "judge_idle_frac"):
             assert 0.0 <= m[key] <= 1.0, key
-        assert m["judge_busy_s"] > 0 and m["judge_tokens_per_s"] > 0
+        # A synchronous step judges its own samples; a streaming one may have judged them all during
+        # the step before (its window can then hold no judge call).
+        assert m["judge_busy_s"] > 0 if rec["setting"]["max_staleness"] == 0 else m["judge_busy_s"] >= 0
+        assert m["judge_tokens_per_s"] > 0
         assert 0 < m["judge_tokens_per_judgement"] <= 8
         assert m["judge_unparseable_frac"] == 1.0  # a random judge writes no score
         assert 1 <= m["reward_batch_mean"] <= 8

@@ -33,7 +33,6 @@ guarantees (and what it does not guarantee) are in ``env/tools/sandbox.py``.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 from pathlib import Path
@@ -42,8 +41,6 @@ from typing import Any, Sequence
 from conveyor.env.tools.sandbox import PythonSandbox, SandboxLimits, SandboxResult, SandboxUnavailable
 from conveyor.reward.api import RewardError
 from conveyor.types import Trajectory
-
-log = logging.getLogger(__name__)
 
 _HARNESS = (Path(__file__).with_name("code_harness.py")).read_text(encoding="utf-8")
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -93,7 +90,9 @@ class CodeReward:
         try:
             self.sandbox = PythonSandbox(limits, unsafe=unsafe)
         except SandboxUnavailable as e:
-            raise RewardError(f"code reward: {e} (reward.kwargs.unsafe: true)") from None
+            why = str(e).split(" or pass PythonSandbox(unsafe=True)")[0]  # the rest names the environment's knob
+            raise RewardError(f"code reward: {why}; or set reward.kwargs.unsafe: true to run the programs "
+                              "UNSANDBOXED (rlimits and a deadline only)") from None
         try:
             trial = self.run_tests("def f():\n    return 1\n", ["assert f() == 1"])
         except RuntimeError as e:

@@ -6,10 +6,11 @@ Contract
   ``rollout.api.RolloutEngine`` (the native engine on a device of its own, vLLM, a remote
   server) and the judge's tokenizer; ``cfg`` is the run's ``reward.judge`` section
   (``config.JudgeConfig``). ``score_batch(trajs)`` renders every judge prompt of the batch
-  (template fields cut in the middle to fit the judge's context), sends them ALL to the engine
-  in one ``generate`` call with ``n = cfg.samples``, reads the last score of each judgement
-  (``judge_text.ScoreParser``: the declared range mapped onto [0, 1]) and returns one dict per
-  trajectory, in order.
+  (template fields cut in the middle to fit the judge's context; ``{prompt}`` is the task
+  before the policy's templates, ``task.info["raw_prompt"]``, where the data layer kept it),
+  sends them ALL to the engine in one ``generate`` call with ``n = cfg.samples``, reads the
+  last score of each judgement (``judge_text.ScoreParser``: the declared range mapped onto
+  [0, 1]) and returns one dict per trajectory, in order.
 - Pointwise: one judge prompt per trajectory; its reward is the ``cfg.aggregate`` of its
   parsed samples (``mean``, or ``vote``: the majority score).
 - Pairwise: trajectories of the SAME CALL with the same task and prompt form a group; each
@@ -169,7 +170,7 @@ class JudgeReward:
     # ---- prompts ------------------------------------------------------------------------------
 
     def _pointwise(self, trajs: list[Trajectory]) -> list[_Prompt]:
-        return [_Prompt([(i, 1)], self._ids({"prompt": t.task.prompt, "completion": t.text,
+        return [_Prompt([(i, 1)], self._ids({"prompt": _question(t), "completion": t.text,
                                               "answer": t.task.answer or NO_ANSWER}, ("completion", "prompt")))
                 for i, t in enumerate(trajs)]
 
@@ -180,7 +181,7 @@ class JudgeReward:
         out = []
         for members in groups.values():
             task = trajs[members[0]].task
-            base = {"prompt": task.prompt, "answer": task.answer or NO_ANSWER}
+            base = {"prompt": _question(trajs[members[0]]), "answer": task.answer or NO_ANSWER}
             if len(members) > 1:
                 pairs = [(a, b) for a in members for b in members if a != b]
                 out += [self._pair(base, trajs[a].text, trajs[b].text, [(a, 1), (b, -1)]) for a, b in pairs]
@@ -256,6 +257,13 @@ class JudgeReward:
         reward = hash_score(traj.text, self.seed) if self.cfg.fallback == "hash" else self.fallback
         return {"reward": reward, "judge_fallback": 1.0, "reward_error": why, **info}
 
+
+
+def _question(traj: Trajectory) -> str:
+    """The task as a judge should read it: before the policy's templates and chat markup when the
+    data layer kept it (``raw_prompt``), else the prompt as the policy saw it."""
+    raw = (traj.task.info or {}).get("raw_prompt")
+    return raw if isinstance(raw, str) and raw else traj.task.prompt
 
 
 def _on_device(device: Any) -> contextlib.AbstractContextManager:

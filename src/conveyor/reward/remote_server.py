@@ -87,7 +87,12 @@ class RewardServer:
 
     # ----- lifecycle (on the event loop) -----------------------------------------------
     async def start(self, timeout_s: float = 30.0) -> str:
-        import uvicorn
+        try:
+            import starlette  # noqa: F401 - the app's framework, imported where it is built
+            import uvicorn
+        except ImportError as e:
+            raise RewardError(f"the reward server needs starlette and uvicorn ({e}): pip install "
+                              "'conveyor[agents]'") from None
         # A BatchReward: up to `workers` score_batch calls at once; a RewardFn: one batch at a
         # time, its items spread over the `workers` threads.
         self._queue = asyncio.Queue()
@@ -188,7 +193,7 @@ class RewardServer:
             submitted = [self._threads.submit(_call, fn, part) for part, fn in calls]
             futures = [asyncio.wrap_future(f) for f in submitted]
             self.counts["calls"] += len(futures)
-            done, pending = await asyncio.wait(futures, timeout=self.settings.timeout_s)
+            _, pending = await asyncio.wait(futures, timeout=self.settings.timeout_s)
             results: list[dict] = []
             for fut, sub, (part, _) in zip(futures, submitted, calls):
                 if fut in pending:
@@ -200,6 +205,8 @@ class RewardServer:
                     results += [{"error": why}] * len(part)
                 else:
                     results += fut.result()
+        except Exception as e:  # noqa: BLE001 - the server itself failed (closing): every item still answers
+            results = [{"error": f"the server failed to score: {type(e).__name__}: {e}"}] * len(batch)
         finally:
             self._slots.release()
         for item, result in zip(batch, results):

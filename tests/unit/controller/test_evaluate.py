@@ -9,3 +9,19 @@ def test_no_held_out_set_reports_nan_without_generating():
     ev = Evaluator(RunConfig(), [], prompting=None, rollouts=None, rewards=None, logger=None)
     m = ev.on([], 0.0, "eval_")
     assert list(m) == ["eval_reward"] and math.isnan(m["eval_reward"])
+
+
+def test_text_in_reward_info_is_kept_out_of_the_means():
+    # the code reward's per-test letters and error text ride beside its numbers
+    from conveyor.reward.service import RewardService
+    from conveyor.types import Task, Trajectory
+
+    def reward(t):
+        return {"reward": len(t.text) / 4, "tests_passed": float(len(t.text)), "results": "PF"[: len(t.text)],
+                "error": "test 1: assert f() == 2"}
+
+    trajs = [Trajectory(Task(f"t{i}", "q"), (1,), (2,), (0.0,), (0,), (1,), text="x" * (i + 1)) for i in range(2)]
+    with RewardService(reward, timeout_s=5.0, workers=1) as svc:
+        ev = Evaluator(RunConfig(), [], prompting=None, rollouts=None, rewards=svc, logger=None)
+        m = ev._means(trajs, "eval_")
+    assert m == {"eval_reward": 0.375, "eval_len": 1.0, "eval_tests_passed": 1.5}

@@ -184,3 +184,16 @@ def test_code_tasks_source_and_references_pass_their_own_tests(reward):
     assert reference(FAMILIES[0], {"k": 7}) == "def add_k(x):\n    return x + 7\n"
     with pytest.raises(ValueError, match="unknown code tasks"):
         synthetic_source("code", "train", {"families": ["nope"]}, eval_size=1)
+
+
+def test_the_recipe_loads_and_its_limits_fit_the_service_deadline():
+    from pathlib import Path
+
+    from conveyor.config import load_config
+    cfg = load_config(Path(__file__).resolve().parents[3] / "recipes" / "smollm2-code.yaml")
+    assert cfg.data.source == "synthetic:code" and cfg.reward.fn == "code"
+    reward = load_reward(cfg.reward.fn, cfg.reward.kwargs)  # the recipe's keywords are the reward's
+    assert reward.sandbox.limits.wall_s < cfg.reward.timeout_s  # the sandbox's deadline ends a run first
+    task = synthetic_source("code", "eval", {}, eval_size=cfg.data.eval_size)[0]
+    text = cfg.data.prompt_template.format(prompt=task.prompt, **task.info["fields"])
+    assert text.startswith(task.prompt) and text.endswith("in a ```python block.")

@@ -104,6 +104,10 @@ def test_config_names_bad_judge_fields_before_the_run():
         with pytest.raises(ConfigError) as e:
             load_config(None, ["reward.fn=judge", override, *extra])
         assert needle in str(e.value), (override, str(e.value))
+    with pytest.raises(ConfigError, match="reward.judge is set but reward.fn=auto; set reward.fn=judge"):
+        load_config(None, ["reward.judge.samples=3"])
+    with pytest.raises(ConfigError, match="reward.judge.device='gpu1': give auto, cpu, cuda or cuda:N"):
+        load_config(None, ["reward.fn=judge", "reward.judge.device=gpu1"])
 
 
 def test_fit_fields_cuts_the_longest_field_in_the_middle():
@@ -163,10 +167,11 @@ def judge(path, **cfg) -> JudgeReward:
     return JudgeReward(engine, engine.tokenizer, JudgeConfig(**cfg), **kw)
 
 
-def traj(task_id: str, text: str, prompt: str = "2+2=", answer: str | None = "4", prompt_ids=(1,)) -> Trajectory:
+def traj(task_id: str, text: str, prompt: str = "2+2=", answer: str | None = "4", prompt_ids=(1,),
+         info=None) -> Trajectory:
     ids = tuple(range(5, 5 + max(1, len(text))))
-    return Trajectory(Task(task_id, prompt, answer), tuple(prompt_ids), ids, (0.0,) * len(ids), (0,) * len(ids),
-                      (1,) * len(ids), text=text)
+    return Trajectory(Task(task_id, prompt, answer, info or {}), tuple(prompt_ids), ids, (0.0,) * len(ids),
+                      (0,) * len(ids), (1,) * len(ids), text=text)
 
 
 def test_a_random_judge_writes_garbage_counted_with_the_hash_fallback(tmp_path, tok):
@@ -308,3 +313,74 @@ def test_build_judge_names_what_is_wrong(tmp_path, tok):
     with pytest.raises(JudgeSetupError, match="has no chat template; set reward.judge.chat_template=false"):
         build_judge(cfg(f"reward.judge.model={plain}"), "/nowhere")
     build_judge(cfg(f"reward.judge.model={plain}", "reward.judge.chat_template=false"), "/nowhere").close()
+
+
+def test_a_judge_device_this_machine_lacks_is_refused_before_the_run():
+    from conveyor.launch.preflight import DeviceError, check_devices
+    judge_on = ["reward.fn=judge", "reward.judge.device=cuda:1"]
+    with pytest.raises(DeviceError, match=r"reward.judge.device=cuda:1 but only 1 CUDA GPU\(s\) are visible"):
+        check_devices(load_config(None, judge_on), visible_gpus=1)
+    with pytest.raises(DeviceError, match="reward.judge.device=cuda:1 but this machine has no usable CUDA GPU"):
+        check_devices(load_config(None, judge_on), visible_gpus=0)
+    check_devices(load_config(None, judge_on), visible_gpus=2)
+    remote = ["reward.judge.engine=remote", "reward.judge.remote_url=http://127.0.0.1:9"]
+    check_devices(load_config(None, [*judge_on, *remote]), visible_gpus=0)  # a server's GPUs are its own
+
+
+def judge_server(tok):
+    """An OpenAI-compatible server on loopback that plays a judge: it reads the prompt's token
+    ids and answers "Score: 9" when the response is "4", else "Score: 1" (vLLM's reply format)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, payload):
+            data = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send({"data": [{"id": "judge", "max_model_len": 512}]} if self.path == "/v1/models" else {})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            text = "Looks right. Score: 9" if "Response: 4\n" in tok.decode(body["prompt"]) else "No. Score: 1"
+            ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+            choice = {"text": text, "finish_reason": "stop", "token_ids": ids,
+                      "logprobs": {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": [0.0] * len(ids)}}
+            self._send({"choices": [dict(choice, index=i) for i in range(body["n"])]})
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, seen
+
+
+def test_a_remote_judge_over_http(tmp_path, tok):
+    path = bigram_judge(tok, tmp_path / "tokenizer", {})  # the judge's tokenizer (and EOS) only
+    httpd, seen = judge_server(tok)
+    try:
+        cfg = load_config(None, ["reward.fn=judge", "reward.judge.engine=remote", f"reward.judge.model={path}",
+                                 f"reward.judge.remote_url=http://127.0.0.1:{httpd.server_address[1]}",
+                                 "reward.judge.samples=3", "reward.judge.temperature=1.0"])
+        j = build_judge(cfg, "/nowhere")
+        chat = "<|user|>What is 2+2?\n<|assistant|>"  # the policy's prompt; the judge reads the raw question
+        out = j.score_batch([traj("a", "4", prompt=chat, info={"raw_prompt": "What is 2+2?"}), traj("b", "5")])
+        assert [o["reward"] for o in out] == [pytest.approx(0.9), pytest.approx(0.1)]
+        judged = sorted(tok.decode(b["prompt"]) for b in seen)  # requests run concurrently
+        assert "Task: 2+2=\n" in judged[0] and "Task: What is 2+2?\n" in judged[1]
+        assert not any("<|user|>What" in p for p in judged)
+        assert all(o["judge_parsed"] == 1.0 for o in out)
+        assert [b["n"] for b in seen] == [3, 3] and j.stats()["samples"] == 6
+        j.close()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -23,7 +23,7 @@ import pytest
 from conveyor.resilience import backoff_delay
 from conveyor.reward.api import RewardError, load_reward
 from conveyor.reward.remote import (WIRE_VERSION, RemoteBadResponse, RemoteBreakerOpen, RemoteReward,
-                                    RemoteServerError, RemoteTimeout, RemoteUnreachable, WireTrajectory)
+                                    RemoteServerError, RemoteTimeout, WireTrajectory)
 from conveyor.reward.remote_server import RewardServer, ServeSettings
 from conveyor.reward.service import RewardService
 from conveyor.reward.verifiers import math_reward
@@ -246,6 +246,22 @@ def test_garbage_answers_are_counted_not_trusted():
         assert client.score_batch([traj(0, "x")]) == [{"reward": 1.0}]  # a 503, then a good answer on the retry
         assert {k: v for k, v in client.stats().items() if v} == {
             "requests": 6, "items": 6, "retries": 2, "bad_response": 4, "server_error": 1}
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+class OtherVersion(Garbage):
+    def do_GET(self):
+        self._send(200, json.dumps({"status": "ok", "version": WIRE_VERSION + 1, "reward": "x"}).encode())
+
+
+def test_a_server_of_another_wire_version_is_refused_at_start():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OtherVersion)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(RewardError, match=f"speaks wire version {WIRE_VERSION + 1}, this client {WIRE_VERSION}"):
+            load_reward(f"http://127.0.0.1:{httpd.server_address[1]}")
     finally:
         httpd.shutdown()
         httpd.server_close()

@@ -65,7 +65,7 @@ def test_format_reward_uses_search_with_dotall():
 
 
 def test_load_reward_builtins_and_kwargs():
-    assert set(BUILTIN_REWARDS) == {"math", "exact", "format", "env"}
+    assert set(BUILTIN_REWARDS) == {"math", "exact", "format", "env", "code"}
     assert load_reward("math", {}) is math_reward
     fn = load_reward("exact", {"case_sensitive": False})
     assert fn(traj("PARIS", "paris")) == 1.0
