@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` when run as a script
 
-from conveyor.env.tools.sandbox import PythonSandbox, SandboxLimits
+from conveyor.sandbox import PythonSandbox, SandboxLimits
 
 
 def measure(run, runs: int, warmup: int) -> dict:

@@ -3,7 +3,7 @@
 Contract
 - ``CodeReward(all_pass=False, test_timeout_s=1.0, wall_s=4.0, memory_mb=256, unsafe=False)``
   (``reward.fn: code``, the keywords are ``reward.kwargs``) is a ``RewardFn``. Constructing it
-  builds the bubblewrap sandbox (``env.tools.sandbox``) and runs one trial program through the
+  builds the bubblewrap sandbox (``conveyor.sandbox``) and runs one trial program through the
   harness: no ``bwrap``, or limits too tight for the interpreter, raise ``RewardError`` naming
   the fix before a run starts. ``unsafe=True`` runs programs without the sandbox (rlimits and
   the deadline only) and warns.
@@ -28,7 +28,7 @@ Contract
   ``tests_passed / tests_total``, or with ``all_pass=True`` 1.0 only when every test passed.
 
 It knows nothing of where tasks come from or how a run uses the number; the sandbox's
-guarantees (and what it does not guarantee) are in ``env/tools/sandbox.py``.
+guarantees (and what it does not guarantee) are in ``sandbox.py``.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from conveyor.env.tools.sandbox import PythonSandbox, SandboxLimits, SandboxResult, SandboxUnavailable
+from conveyor.sandbox import PythonSandbox, SandboxLimits, SandboxResult, SandboxUnavailable
 from conveyor.reward.api import RewardError
 from conveyor.types import Trajectory
 

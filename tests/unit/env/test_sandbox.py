@@ -221,7 +221,7 @@ def test_missing_bwrap_names_the_package():
 def test_unsafe_mode_warns_every_time(caplog):
     for _ in range(2):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="conveyor.env.tools.sandbox"), \
+        with caplog.at_level(logging.WARNING, logger="conveyor.sandbox"), \
                 pytest.warns(RuntimeWarning, match="UNSANDBOXED"):
             sb = PythonSandbox(SandboxLimits(wall_s=5), unsafe=True, bwrap="/nonexistent/bwrap")
         assert any("UNSANDBOXED" in rec.getMessage() for rec in caplog.records)
