@@ -96,6 +96,21 @@ def test_tensorboard_event_file_holds_the_scalars(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("eval/len")] == [(5, 12.5)]
 
 
+def test_a_resumed_run_replaces_the_later_steps_in_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    with MetricsLogger(tmp_path, progress=False) as log:
+        for step in range(1, 7):  # killed after step 6; its checkpoint was at step 4
+            log.log(step, {"reward": float(step)})
+    time.sleep(1.1)  # a new event file name (its suffix is the second it was opened)
+    with MetricsLogger(tmp_path, progress=False, purge_step=4) as log:
+        for step in (5, 6, 7):
+            log.log(step, {"reward": 10.0 * step})
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/reward")] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 50.0), (6, 60.0), (7, 70.0)]
+
+
 def test_missing_tensorboard_warns_once_and_continues(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
     monkeypatch.setattr(metrics_mod, "_warned", set())
