@@ -81,16 +81,24 @@ def default_run_dir(cfg: RunConfig) -> Path:
 
 
 def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False) -> TrainSummary:
-    from conveyor.launch.local import run_local
     from conveyor.launch.preflight import check_devices
     from conveyor.observe.progress import quiet_libraries, say
-    check_devices(cfg)
+    if cfg.launch.backend == "ray":  # the cluster's devices, not this machine's, are the roles'
+        try:
+            from conveyor.launch.ray import run_ray as run_roles
+        except ModuleNotFoundError as e:
+            if e.name != "ray":
+                raise
+            raise ConfigError("launch.backend=ray needs Ray on this machine: pip install 'conveyor[ray]'") from None
+    else:
+        from conveyor.launch.local import run_local as run_roles
+        check_devices(cfg)
     quiet_libraries()
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     if cfg.sft.steps == 0 and not resume:
         say("warm-start: skipped (sft.steps is 0); RL starts from the base model. "
             "Set sft.steps=N to teach the answer format first")
-    raw = run_local(cfg, run_dir, resume=resume)
+    raw = run_roles(cfg, run_dir, resume=resume)
     return summary_of(raw, run_dir)
 
 

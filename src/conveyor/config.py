@@ -492,6 +492,20 @@ class LaunchConfig(_Section):
         "restarts in the run, then the death stops the run (needs weight_sync shm or ipc)"))
     collective_timeout_s: float = Field(120.0, gt=0, description=(
         "deadline of one collective (trainer ranks, weight broadcast): a dead rank stops the run after this"))
+    backend: Literal["local", "ray"] = Field("local", description=(
+        "local: roles on this machine (threads or child processes); ray: every trainer rank and engine a Ray "
+        "actor in one placement group, weights by broadcast (docs/cluster.md); needs pip install 'conveyor[ray]'"))
+    ray_address: str = Field("", description=(
+        "backend=ray: the address of a running Ray cluster (e.g. 10.0.0.1:6379 or auto); empty starts a "
+        "local Ray instance for the run"))
+    ray_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
+        "backend=ray: the placement group strategy of the roles' bundles (SPREAD puts them on different "
+        "nodes where it can)"))
+    ray_trainer_resources: dict[str, float] = Field(default_factory=dict, description=(
+        "backend=ray: extra Ray resources each trainer rank's bundle asks for (e.g. {node_a: 0.1} to pin the "
+        "ranks to nodes started with --resources='{\"node_a\": 1}')"))
+    ray_engine_resources: dict[str, float] = Field(default_factory=dict, description=(
+        "backend=ray: extra Ray resources each engine's bundle asks for (placement=disaggregated)"))
 
     @property
     def in_process(self) -> bool:

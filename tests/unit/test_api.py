@@ -40,6 +40,8 @@ def test_model_dir_and_checkpoints_name_what_exists(tmp_path):
     with pytest.raises(ConfigError, match="no final/ model and no checkpoints/step_"):
         api.model_dir(tmp_path)
     (tmp_path / "checkpoints" / "step_000004" / "policy").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000004" / "extra.json").write_text('{"step": 4}')
+    (tmp_path / "checkpoints" / "step_000006" / "policy").mkdir(parents=True)  # incomplete: no extra.json
     assert api.model_dir(tmp_path) == tmp_path / "checkpoints" / "step_000004"
     assert api.model_dir(tmp_path, 4) == api.model_dir(tmp_path, "latest") == tmp_path / "checkpoints/step_000004"
     with pytest.raises(ConfigError, match=r"--checkpoint 7: no checkpoint there; .* has step_000004"):

@@ -12,7 +12,8 @@ reads it; None when nothing can be published from the controller).
 tokenizer)`` builds a plain ``Trainer`` in this process (the supervised
 warm start). ``stop_engines(workers)`` stops what ``start_engines`` started.
 Implementations: ``launch.local.LocalLauncher`` (in-process threads or local
-processes, by ``launch.placement``).
+processes, by ``launch.placement``) and ``launch.ray.RayLauncher`` (Ray
+actors, ``launch.backend=ray``).
 
 This module holds only the protocol: it starts nothing.
 """

@@ -1,0 +1,292 @@
+"""The Ray launcher: trainer ranks and engines as Ray actors in one placement group.
+
+Contract: ``run_ray(cfg, run_dir, resume)`` connects to the cluster at
+``launch.ray_address`` (empty: ``ray.init()`` starts a local Ray instance for
+the run, stopped after it), runs ``controller.run.run`` in this process (the
+driver: the controller never leaves it) with a ``RayLauncher``, and removes
+the placement group and disconnects at the end. ``RayLauncher`` provides the
+``launch.api.Launcher`` calls:
+- one placement group (``launch.ray_strategy``) with a bundle per trainer
+  rank and per engine (disaggregated) or per (rank i, engine i) pair
+  (colocated); a bundle asks for the role's CPU threads, one GPU when the
+  roles run on GPUs, and the extra resources ``launch.ray_trainer_resources``
+  / ``ray_engine_resources`` name (custom node resources pin roles to nodes).
+  A group the cluster cannot place within ``launch.timeout_s`` is a
+  ``SetupError`` naming the bundles and the cluster's resources.
+- weights always by ``BroadcastWeights`` from trainer rank 0 (gloo on CPU,
+  NCCL on GPU; shm staging cannot cross nodes), its rendezvous on rank 0's
+  node and its counters in a TCPStore served by the driver
+  (``transport.store_state``). The same deadline/version transaction as in
+  the local launch.
+- engines: ``ray_roles.EngineActor`` / ``RayWorker`` (not restartable);
+  trainer: ``ray_roles.TrainerRankActor`` / ``RayTrainerProxy`` (several
+  ranks train with FSDP2 over gloo or NCCL across actors).
+- where every role ran (``ray_roles.Place``: node address, Ray node id,
+  host, pid; with its bundle and the node's custom resources) is written to
+  ``run_dir/ray_placement.json`` as the roles start (``places``).
+- warm-start weights (``sft.steps > 0``; the controller is outside the
+  broadcast group) go to the engine actors through the object store
+  (``ray_roles.WarmWeights``). The trainer ranks read ``run_dir/warmstart``:
+  the nodes must share the run directory's filesystem.
+Not supported (``SetupError`` before anything starts): colocated placement on
+GPUs (it needs a same-GPU IPC route).
+
+It knows nothing of the loop, the schedule or the formulas.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import (
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from conveyor.config import RunConfig
+from conveyor.controller.run import SetupError, run
+from conveyor.launch.api import Engines
+from conveyor.launch.placement import Routes, engine_dtype, free_port
+from conveyor.launch.procs import RoleError
+from conveyor.launch.ray_roles import (
+    EngineActor,
+    Place,
+    RayTrainerProxy,
+    RayWorker,
+    TrainerRankActor,
+    WarmWeights,
+)
+from conveyor.launch.roles import make_trainer, stop_engines, trainer_kwargs
+from conveyor.trainer.api import TrainerHandle
+from conveyor.transport.messages import Failed, Ready
+
+__all__ = ["RayLauncher", "run_ray"]
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A role's actor: where it runs, its bundle, and its node's custom resources."""
+    place: Place
+    bundle: int
+    resources: dict[str, float]
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous() -> tuple[str, int, int]:
+    """Rank 0's node address and two ports free there (weight broadcast, trainer ranks)."""
+    return ray.util.get_node_ip_address(), free_port(), free_port()
+
+
+class RayLauncher:
+    def __init__(self, cfg: RunConfig, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        la = cfg.launch
+        self.gpu = cfg.trainer.device != "cpu" and cfg.rollout.device != "cpu" and \
+            ray.cluster_resources().get("GPU", 0) > 0
+        if self.gpu and la.placement == "colocated":
+            raise SetupError("launch.backend=ray with GPUs needs launch.placement=disaggregated (a colocated "
+                             "engine would share its trainer rank's GPU in one broadcast group)")
+        self.pg = None
+        self.places: dict[str, Placed] = {}
+        self.routes: Routes | None = None
+        self._store = None
+        self._bundle_of: dict[str, int] = {}
+
+    # ------------------------------------------------------------ placement
+    def _bundles(self) -> list[dict]:
+        la, gpu = self.cfg.launch, (1 if self.gpu else 0)
+        trainer = {"CPU": la.trainer_threads, **({"GPU": gpu} if gpu else {}), **la.ray_trainer_resources}
+        engine = {"CPU": la.engine_threads, **({"GPU": gpu} if gpu else {}), **la.ray_engine_resources}
+        n, m = la.trainer_ranks, la.engines
+        if la.placement == "colocated":
+            both = {k: trainer.get(k, 0) + engine.get(k, 0) for k in trainer.keys() | engine.keys()}
+            self._bundle_of = {**{f"trainer{r}": r for r in range(n)}, **{f"engine{i}": i for i in range(m)}}
+            return [dict(both) for _ in range(max(n, m))]
+        self._bundle_of = {**{f"trainer{r}": r for r in range(n)}, **{f"engine{i}": n + i for i in range(m)}}
+        return [dict(trainer) for _ in range(n)] + [dict(engine) for _ in range(m)]
+
+    def _strategy(self, role: str) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self._bundle_of[role])
+
+    def _place(self) -> None:
+        bundles = self._bundles()
+        have = ray.cluster_resources()
+        short = {k: (need, have.get(k, 0.0)) for k in {k for b in bundles for k in b}
+                 if (need := sum(b.get(k, 0) for b in bundles)) > have.get(k, 0.0)}
+        if short:  # no placement can fit: say so now rather than after the placement deadline
+            lack = ", ".join(f"{k} {need:g} (the cluster has {got:g})" for k, (need, got) in sorted(short.items()))
+            raise SetupError(f"the roles' bundles {bundles} need {lack}; add nodes, or lower launch.*_threads, "
+                             "launch.engines or launch.trainer_ranks")
+        self.pg = placement_group(bundles, strategy=self.cfg.launch.ray_strategy, name=f"conveyor-{uuid.uuid4().hex[:8]}")
+        try:
+            ray.get(self.pg.ready(), timeout=self.cfg.launch.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise SetupError(f"Ray could not place the roles' bundles {bundles} (strategy "
+                             f"{self.cfg.launch.ray_strategy}) within {self.cfg.launch.timeout_s:.0f}s; the "
+                             f"cluster has {ray.cluster_resources()}: add nodes or lower launch.*_threads, "
+                             "launch.engines or launch.trainer_ranks") from None
+
+    def _record(self, role: str, place: Place) -> None:
+        # ray.nodes() rows are Ray's own dicts; what this run keeps of them is named below.
+        resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}.get(place.node_id, {})
+        standard = ("CPU", "GPU", "memory", "object_store_memory")
+        custom = {k: v for k, v in resources.items() if k not in standard and not k.startswith("node:")}
+        self.places[role] = Placed(place, self._bundle_of[role], custom)
+        rows = {r: {**dataclasses.asdict(p.place), "bundle": p.bundle, "resources": p.resources}
+                for r, p in self.places.items()}
+        path = self.run_dir / "ray_placement.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=1, sort_keys=True))
+
+    # ------------------------------------------------------------- weights
+    def _routes(self, path: str) -> Routes:
+        from conveyor.transport.broadcast import BroadcastWeights
+        from conveyor.transport.store_state import StoreState, serve_store
+        from conveyor.transport.weights import weight_specs
+        la = self.cfg.launch
+        ip, bport, self._master_port = ray.get(_rendezvous.options(scheduling_strategy=self._strategy("trainer0"))
+                                               .remote(), timeout=la.timeout_s)
+        self._master = ip
+        driver = ray.util.get_node_ip_address()
+        self._store = serve_store(driver, la.collective_timeout_s)
+        state = StoreState(driver, self._store.port, f"conveyor-weights-{uuid.uuid4().hex[:8]}",
+                           la.collective_timeout_s)
+        specs = weight_specs(path, self.cfg.model.trust_remote_code, dedupe_tied=self.cfg.rollout.engine == "native")
+        dtype = engine_dtype(self.cfg, path, "cuda:0" if self.gpu else "cpu")
+        bw = BroadcastWeights([(n, s, dtype) for n, s, _ in specs], state, engines=la.engines,
+                              backend="nccl" if self.gpu else "gloo", dtype=dtype, port=bport,
+                              bucket_mb=la.weight_bucket_mb, timeout_s=la.collective_timeout_s, host=ip)
+        return Routes(None, {0: [bw]}, {i: bw for i in range(la.engines)})
+
+    # ------------------------------------------------------------ launcher
+    def start_engines(self, path: str, tokenizer) -> Engines:
+        cfg, la = self.cfg, self.cfg.launch
+        self._place()
+        self.routes = self._routes(path)
+        device = "cuda:0" if self.gpu else "cpu"  # an actor sees only the GPU Ray gave it
+        rollout = cfg.rollout.model_copy(update={"device": device}) if self.gpu else cfg.rollout
+        spec = {"path": path, "rollout": rollout.model_dump(mode="json"), "device": device,
+                "timeout_s": la.timeout_s, "threads": la.engine_threads}
+        outbox: queue.Queue = queue.Queue()
+        workers = []
+        for i in range(la.engines):
+            actor = EngineActor.options(num_cpus=la.engine_threads, num_gpus=1 if self.gpu else 0,
+                                        scheduling_strategy=self._strategy(f"engine{i}"),
+                                        name=f"conveyor-engine{i}-{self.pg.id.hex()[:8]}") \
+                .remote(spec, self.routes.readers[i], i, cfg.loop.partial_rollouts)
+            workers.append(RayWorker(i, actor, outbox))
+        try:
+            for w in workers:
+                self._record(f"engine{w.engine_id}", w.locate(la.timeout_s))
+            context_limit, label = _await_ready(workers, outbox, la.timeout_s)
+        except BaseException:
+            stop_engines(workers)
+            raise
+        warm = WarmWeights([w.actor for w in workers], self.routes.writers[0][0].names, la.timeout_s)
+        return Engines(workers, outbox, context_limit, f"{label} x {len(workers)}" if len(workers) > 1 else label,
+                       warm)
+
+    def start_trainer(self, path: str, tokenizer) -> TrainerHandle:
+        cfg, la = self.cfg, self.cfg.launch
+        device = "cuda:0" if self.gpu else "cpu"
+        tcfg = cfg.trainer.model_copy(update={"device": device}) if self.gpu else cfg.trainer
+        bw = self.routes.writers[0][0]
+        actors = []
+        for r in range(la.trainer_ranks):
+            spec = {"path": path, "trainer": tcfg.model_dump(mode="json"), **trainer_kwargs(cfg, tokenizer),
+                    "rank": r, "world": la.trainer_ranks, "master": f"{self._master}:{self._master_port}",
+                    "device": device, "collective_timeout_s": la.collective_timeout_s,
+                    "publish_dtype": bw.dtype, "threads": la.trainer_threads}
+            actors.append(TrainerRankActor.options(num_cpus=la.trainer_threads, num_gpus=1 if self.gpu else 0,
+                                                   scheduling_strategy=self._strategy(f"trainer{r}"))
+                          .remote(spec, self.routes.writers.get(r, [])))
+        places = []
+        for r, a in enumerate(actors):
+            try:
+                places.append(ray.get(a.where.remote(), timeout=la.timeout_s))
+            except Exception as e:  # noqa: BLE001 - the rank's constructor raised or its node died
+                for b in actors:
+                    ray.kill(b)
+                raise RoleError(f"trainer rank {r} did not start: {type(e).__name__}: {str(e).strip()[:3000]}") \
+                    from None
+            self._record(f"trainer{r}", places[-1])
+        return RayTrainerProxy(actors, places, la.timeout_s)
+
+    def warm_start_trainer(self, cfg: RunConfig, path: str, tokenizer):
+        return make_trainer(cfg, path, tokenizer)
+
+    def stop_engines(self, workers) -> None:
+        stop_engines(workers)
+
+    def close(self) -> None:
+        """Remove the placement group (what is still running in it ends) and the weight counters."""
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+        self._store = None
+
+
+def _await_ready(workers: list[RayWorker], outbox: queue.Queue, timeout_s: float) -> tuple[int, str]:
+    context_limit, label, ready = 0, "", set()
+    deadline = time.monotonic() + timeout_s
+    while len(ready) < len(workers):
+        for w in workers:
+            w.check()
+        try:
+            msg = outbox.get(timeout=0.2)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise RoleError(f"engines did not start within {timeout_s:.0f}s ({len(ready)}/{len(workers)} "
+                                "ready)") from None
+            continue
+        if isinstance(msg, Failed):
+            raise RoleError(f"engine {msg.engine_id} failed while starting:\n{msg.traceback}")
+        if isinstance(msg, Ready):
+            ready.add(msg.engine_id)
+            context_limit, label = msg.context_limit, msg.label
+    return context_limit, label
+
+
+def connect(cfg: RunConfig) -> bool:
+    """Connect this process to ``launch.ray_address`` or start a local Ray; True if this call connected."""
+    if ray.is_initialized():
+        return False
+    if cfg.launch.ray_address:
+        ray.init(address=cfg.launch.ray_address, log_to_driver=False)
+    else:  # a Ray of this run only: as many CPUs as the roles' bundles ask for (threads, not cores)
+        ray.init(num_cpus=max(os.cpu_count() or 1, cpus_needed(cfg)), include_dashboard=False,
+                 log_to_driver=False, object_store_memory=200 * 2**20)
+    return True
+
+
+def cpus_needed(cfg: RunConfig) -> int:
+    la = cfg.launch
+    if la.placement == "colocated":
+        return max(la.trainer_ranks, la.engines) * (la.trainer_threads + la.engine_threads)
+    return la.trainer_ranks * la.trainer_threads + la.engines * la.engine_threads
+
+
+def run_ray(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
+    connected = connect(cfg)
+    made: list[RayLauncher] = []
+
+    def launcher(c: RunConfig, d: Path) -> RayLauncher:
+        made.append(RayLauncher(c, d))
+        return made[-1]
+    try:
+        return run(cfg, run_dir, resume, launcher)
+    finally:
+        for la in made:
+            la.close()
+        if connected:
+            ray.shutdown()

@@ -1,0 +1,324 @@
+"""Engine workers and trainer ranks as Ray actors, and the controller's handles on them.
+
+Contract
+- ``EngineActor(spec, reader, engine_id, partial)`` builds one engine (in a
+  thread, so the actor answers while it loads) and serves it with
+  ``rollout.serve.engine_loop`` over in-actor queues. ``send(seq, message)``
+  queues a ``Generate`` / ``Stop`` (``seq`` restores the controller's order,
+  which a threaded actor does not keep); ``pull(wait_s)`` is a long poll: it
+  returns every answer queued within ``wait_s`` (at least one if any comes).
+- ``RayWorker`` is the ``EngineWorker`` (``rollout/api.py``) over one such
+  actor: a driver thread pulls its answers into the shared outbox; ``check``
+  raises ``RoleError`` naming the engine, its node and pid and Ray's error
+  once the actor is dead (the pull fails within ``pull_s`` of the death).
+  ``restartable`` is False: engines fed by a weight broadcast group cannot be
+  replaced (the group cannot take a new member), so an engine death stops
+  the run with that error.
+- ``WarmWeights`` is where the controller publishes warm-start weights
+  (``Engines.warm``): ``publish(named_tensors, version)`` puts them in the
+  object store once and returns when every engine actor holds them; each
+  actor's ``ActorWarmReader`` (a ``WeightReader``, polled before the
+  broadcast through ``Fanin``) applies them at the engine's next poll.
+- ``TrainerRankActor(spec, writers)`` is one trainer rank: a ``LocalTrainer``
+  or, with several ranks, an ``FSDPTrainer`` in a torch.distributed group
+  (gloo on CPU, NCCL on GPU) rendezvousing at ``spec["master"]``, served by
+  a ``TrainerHost``. ``call(method, (args, kwargs))`` answers an ``Answer``
+  (the traceback when the method raised).
+- ``RayTrainerProxy`` is ``launch.roles.TrainerProxy`` over those actors:
+  every call goes to every rank, rank 0's answer is returned, and the first
+  rank that raises or dies ends the call with a ``RoleError`` naming the
+  rank, its node and pid and carrying the real traceback.
+
+It knows nothing of placement groups (``launch/ray.py`` places the actors)
+or of the loop.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import ray
+
+from conveyor.launch.procs import RoleError
+from conveyor.launch.roles import TrainerProxy
+from conveyor.launch.watchdog import Deadlines
+from conveyor.transport.messages import Answer, Failed, Ready
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where an actor runs: its node's address, Ray node id and host name, and its pid."""
+    node: str
+    node_id: str
+    host: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"node {self.node} ({self.host}, Ray node {self.node_id[:12]}), pid {self.pid}"
+
+
+UNKNOWN = Place("?", "?", "?", -1)  # an actor that died before it said where it was
+
+
+def where() -> Place:
+    """This process's place."""
+    return Place(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), socket.gethostname(),
+                 os.getpid())
+
+
+@ray.remote(max_concurrency=4)
+class EngineActor:
+    def __init__(self, spec: dict, reader, engine_id: int, partial: bool):
+        import sys
+
+        import torch
+        torch.set_num_threads(max(1, spec["threads"]))
+        # The weight receiver must get the GIL from the decode loop quickly (as in engine_process).
+        sys.setswitchinterval(0.0005)
+        from conveyor.transport.weights import Fanin
+        self._warm = ActorWarmReader()
+        reader = Fanin([self._warm, reader])
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._next, self._early, self._order = 0, {}, threading.Lock()
+        self._thread = threading.Thread(target=self._serve, args=(spec, reader, engine_id, partial),
+                                        name=f"engine{engine_id}", daemon=True)
+        self._thread.start()
+
+    def _serve(self, spec: dict, reader, engine_id: int, partial: bool) -> None:
+        from conveyor.config import RolloutConfig
+        from conveyor.launch.procs import bind_device
+        from conveyor.rollout.factory import make_engine
+        from conveyor.rollout.serve import engine_loop
+        try:
+            bind_device(spec["device"])
+            engine = make_engine(RolloutConfig.model_validate(spec["rollout"]), spec["path"])
+            reader.poll(engine, engine_id)
+            self._outbox.put(Ready(engine_id, engine.context_limit, engine.label))
+        except Exception:  # noqa: BLE001 - reported to the controller, which stops the run
+            self._outbox.put(Failed(engine_id, traceback.format_exc()))
+            return
+        engine_loop(engine, self._inbox, self._outbox, reader, engine_id, partial, spec["timeout_s"])
+
+    def where(self) -> Place:
+        return where()
+
+    def warm(self, named: dict, version: int) -> None:
+        self._warm.take(named, version)
+
+    def send(self, seq: int, message) -> None:
+        with self._order:
+            self._early[seq] = message
+            while self._next in self._early:
+                self._inbox.put(self._early.pop(self._next))
+                self._next += 1
+
+    def pull(self, wait_s: float) -> list:
+        try:
+            out = [self._outbox.get(timeout=wait_s)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self._outbox.get_nowait())
+            except queue.Empty:
+                return out
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+class ActorWarmReader:
+    """A ``WeightReader`` of the warm-start weights an engine actor was handed (see the module docstring)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: tuple[dict, int] | None = None
+        self._version = -1
+        self.received_at: float | None = None
+        self.announced_at: float | None = None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def take(self, named: dict, version: int) -> None:
+        with self._lock:
+            self._pending, self.received_at = (named, int(version)), time.time()
+            self.announced_at = self.received_at
+
+    def wait_news(self, engine, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._pending is None and time.monotonic() < deadline:
+            time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+        return self._pending is not None
+
+    def poll(self, engine, engine_id: int = 0) -> int | None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        named, version = pending
+        engine.update_weights(list(named.items()), version)
+        self._version = version
+        return version
+
+
+class WarmWeights:
+    """The controller's warm-start publish to every engine actor (see the module docstring)."""
+
+    def __init__(self, actors: list, names: list[str], timeout_s: float):
+        self._actors, self._names, self._timeout = actors, set(names), timeout_s
+
+    def publish(self, named_tensors, version: int) -> None:
+        named = {n: t.detach().to("cpu", copy=True) for n, t in named_tensors if n in self._names}
+        missing = self._names - named.keys()
+        if missing:
+            raise KeyError(f"warm-start publish of version {version}: missing tensors {sorted(missing)[:3]}")
+        ref = ray.put(named)
+        ray.get([a.warm.remote(ref, version) for a in self._actors], timeout=self._timeout)
+
+
+class RayWorker:
+    """The ``EngineWorker`` over an ``EngineActor`` (see the module docstring)."""
+
+    restartable = False  # a broadcast group cannot take a new member
+
+    def __init__(self, engine_id: int, actor, outbox: queue.Queue, pull_s: float = 0.5):
+        self.engine_id, self.actor, self._outbox, self._pull_s = engine_id, actor, outbox, pull_s
+        self._seq = 0
+        self._send_lock = threading.Lock()
+        self._error: str | None = None
+        self.place = UNKNOWN
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._relay, name=f"engine{engine_id}-ray-relay", daemon=True)
+        self._thread.start()
+
+    def locate(self, timeout: float) -> Place:
+        self.place = ray.get(self.actor.where.remote(), timeout=timeout)
+        return self.place
+
+    def _relay(self) -> None:
+        while not self._stop.is_set():
+            try:
+                messages = ray.get(self.actor.pull.remote(self._pull_s), timeout=self._pull_s + 60)
+            except Exception as e:  # noqa: BLE001 - the actor died or its node went away: check() says so
+                if not self._stop.is_set():
+                    self._error = f"{type(e).__name__}: {str(e).strip()[:2000]}"
+                return
+            for m in messages:
+                self._outbox.put(m)
+
+    def send(self, message) -> None:
+        with self._send_lock:
+            seq, self._seq = self._seq, self._seq + 1
+            self.actor.send.remote(seq, message)
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise RoleError(f"engine {self.engine_id} (Ray actor on {self.place}) died: {self._error}")
+
+    def restart(self) -> None:
+        raise RoleError(f"engine {self.engine_id} is a Ray actor in a weight broadcast group and cannot be "
+                        "restarted")
+
+    def join(self, timeout: float) -> None:
+        with contextlib.suppress(Exception):  # it is being stopped either way
+            ray.get(self.actor.join.remote(timeout), timeout=timeout + 5)
+        self._stop.set()
+        ray.kill(self.actor)
+        self._thread.join(self._pull_s + 5)
+
+
+@ray.remote(max_concurrency=2)
+class TrainerRankActor:
+    def __init__(self, spec: dict, writers: list):
+        import torch
+
+        from conveyor.config import TrainerConfig
+        from conveyor.launch.procs import bind_device
+        from conveyor.trainer.serve import TrainerHost
+        torch.set_num_threads(max(1, spec["threads"]))
+        bind_device(spec["device"])
+        cfg = TrainerConfig.model_validate(spec["trainer"])
+        kwargs = {k: spec[k] for k in ("total_steps", "temperature", "pad_token_id")}
+        if spec["world"] == 1:
+            from conveyor.trainer.single import LocalTrainer
+            trainer = LocalTrainer(spec["path"], cfg, **kwargs)
+        else:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            from conveyor.trainer.fsdp import FSDPTrainer
+            backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{spec['master']}", rank=spec["rank"],
+                                    world_size=spec["world"],
+                                    timeout=timedelta(seconds=spec["collective_timeout_s"]))
+            trainer = FSDPTrainer(spec["path"], cfg, **kwargs)
+        self._host = TrainerHost(trainer, writers, spec["publish_dtype"], rank=spec["rank"])
+
+    def where(self) -> Place:
+        return where()
+
+    def call(self, method: str, arguments: tuple[tuple, dict]) -> Answer:
+        args, kwargs = arguments
+        try:
+            return Answer(True, getattr(self._host, method)(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - sent back to the controller with the traceback
+            return Answer(False, traceback.format_exc())
+
+    def close(self) -> None:
+        self._host.close()
+
+
+class RayTrainerProxy(TrainerProxy):
+    """``TrainerProxy``'s calls over trainer rank actors (see the module docstring)."""
+
+    def __init__(self, actors: list, places: list[Place], timeout: float):
+        super().__init__([], timeout)
+        self._actors, self._places = actors, places
+        self._deadlines = Deadlines(timeout)
+
+    def _name(self, r: int) -> str:
+        return "trainer" if len(self._actors) == 1 else f"trainer{r}"
+
+    def _call(self, method: str, *args, **kwargs) -> list:
+        t0 = time.monotonic()
+        timeout = self._deadlines.of(method)
+        # The arguments (a step's batch) go into the object store once, not once per rank.
+        shared = ray.put((args, kwargs))
+        refs = [a.call.remote(method, shared) for a in self._actors]
+        rank_of = {ref: r for r, ref in enumerate(refs)}
+        answers: dict[int, object] = {}
+        pending, deadline = list(refs), t0 + timeout
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                late = ", ".join(self._name(rank_of[p]) for p in pending)
+                raise RoleError(f"{late}.{method} did not answer within {timeout:.0f}s (launch.timeout_s)")
+            r = rank_of[done[0]]
+            try:
+                answer = ray.get(done[0])
+            except Exception as e:  # noqa: BLE001 - the actor or its node died
+                raise RoleError(f"{self._name(r)}.{method}: the Ray actor on {self._places[r]} "
+                                f"died: {type(e).__name__}: {str(e).strip()[:2000]}") from None
+            if not answer.ok:
+                raise RoleError(f"{self._name(r)}.{method} raised on {self._places[r]}:\n"
+                                f"{answer.value}")
+            answers[r] = answer.value
+        self._deadlines.observe(method, time.monotonic() - t0)
+        return [answers[r] for r in range(len(self._actors))]
+
+    def close(self) -> None:
+        for a in self._actors:
+            with contextlib.suppress(Exception):  # closing a dead rank: nothing left to close
+                ray.get(a.close.remote(), timeout=30)
+            ray.kill(a)
