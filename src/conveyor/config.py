@@ -204,7 +204,8 @@ class RewardConfig(_Section):
         "what runs reward calls: thread = worker threads of the controller (a call past timeout_s is "
         "abandoned, its thread runs on); process = worker processes, each loading the reward itself (calls "
         "run in parallel without the GIL, a call past timeout_s is killed with its process, a crashed worker "
-        "is replaced); per-trajectory rewards only"))
+        "is replaced); per-trajectory rewards, and reward models (reward.fn=rm: each worker loads its own copy "
+        "on reward.device and scores whole batches)"))
     max_restarts: int = Field(16, ge=0, description=(
         "executor=process: worker deaths in a row (no call answered in between) survived by starting a "
         "replacement; one more stops the run naming the reward. Timeouts do not count"))
@@ -249,9 +250,10 @@ class RewardConfig(_Section):
 
     @model_validator(mode="after")
     def _executor_and_components(self) -> "RewardConfig":
-        if self.executor == "process" and (self.fn in ("rm", "judge") or self.fn.startswith(("http://", "https://"))):
-            raise ValueError(f"reward.executor=process runs one trajectory per call; reward.fn={self.fn} scores "
-                             "batches: use reward.executor=thread")
+        if self.executor == "process" and (self.fn == "judge" or self.fn.startswith(("http://", "https://"))):
+            held = "an inference engine" if self.fn == "judge" else "a connection to its server"
+            raise ValueError(f"reward.executor=process: reward.fn={self.fn} scores with {held} that the controller "
+                             "holds and a worker process cannot rebuild from the config; use reward.executor=thread")
         if not self.components:
             return self
         if self.fn != "auto" or self.kwargs:

@@ -203,7 +203,10 @@ def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher, purge_st
     train_src, eval_src = load_sources(cfg, tokenizer)
     # With an environment its own reward is the default; otherwise the task source's verifier.
     spec = reward_spec(cfg.reward, "env" if cfg.env.name else train_src.default_reward)
-    # Threads or worker processes (reward.executor); a reward model or judge is built here, once.
+    # Threads or worker processes (reward.executor); a reward model or judge is built here, once
+    # (a reward model under executor=process: by each worker process, from its spec).
+    if spec.fn == "rm" and cfg.reward.executor == "process":
+        spec = reward_model_spec(cfg)
     reward = reward_model(cfg) if spec.fn == "rm" else judge(cfg, run_dir) if spec.fn == "judge" else None
     rewards = reward_service(cfg.reward, spec, reward)
     lc = cfg.loop
@@ -233,6 +236,19 @@ def reward_model(cfg: RunConfig):
                            normalize=cfg.reward.normalize)
     except RewardModelError as e:
         raise SetupError(str(e)) from None
+
+
+def reward_model_spec(cfg: RunConfig):
+    """``reward.fn: rm`` under ``reward.executor: process``: the checkpoint checked here, before
+    anything starts; each worker process builds the model from the returned spec."""
+    from conveyor.launch.placement import reward_device
+    from conveyor.reward.factory import model_spec
+    from conveyor.reward.model import RewardModelError, check_checkpoint
+    try:
+        check_checkpoint(cfg.reward.model)
+    except RewardModelError as e:
+        raise SetupError(str(e)) from None
+    return model_spec(cfg.reward, reward_device(cfg))
 
 
 def judge(cfg: RunConfig, run_dir: Path):

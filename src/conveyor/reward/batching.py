@@ -27,18 +27,27 @@ Contract (what an author of a ``api.BatchReward`` relies on)
   is the mean batch size. ``RewardService.close()`` calls ``reward.close()`` once no call of
   the service runs in it any more (or, for an abandoned call, after its deadline).
 
-This module knows nothing of threads or counters (``service.py`` owns them) and nothing of
-what a reward computes.
+- ``call_checked(reward, trajs, name, fallback)``: one such call and each trajectory's checked
+  ``calls.Outcome`` (never raises); ``Gathering.take(queue)``: the next call's trajectories. Both
+  services use them: threads (``service.py``) and worker processes (``processes.py``, where the
+  same gathering happens in the controller and the call in a worker).
+
+This module knows nothing of threads, processes or counters (the services own them) and nothing
+of what a reward computes.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from conveyor.reward.api import BatchReward
+from conveyor.reward.calls import Outcome, Problem, check_result, raised
 from conveyor.types import Trajectory
+
+T = TypeVar("T")
 
 
 class BatchResultError(ValueError):
@@ -66,6 +75,10 @@ class Gathering:
             return 0.0
         return max(0.0, oldest_since + self.wait_s - now)
 
+    def take(self, queue: deque[T]) -> list[T]:
+        """The next call's items, oldest first: up to ``max_batch`` of ``queue``, taken from it."""
+        return [queue.popleft() for _ in range(min(len(queue), self.max_batch))]
+
 
 def call_batch(reward: BatchReward, trajs: Sequence[Trajectory]) -> list[Any]:
     """``reward.score_batch(trajs)`` as a list of one raw result per trajectory; raises
@@ -77,3 +90,16 @@ def call_batch(reward: BatchReward, trajs: Sequence[Trajectory]) -> list[Any]:
     if len(out) != len(trajs):
         raise BatchResultError(f"score_batch returned {len(out)} results for {len(trajs)} trajectories")
     return list(out)
+
+
+def call_checked(reward: BatchReward, trajs: Sequence[Trajectory], name: str, fallback: float) -> list[Outcome]:
+    """One ``score_batch`` call on ``trajs``: each trajectory's checked outcome (see the contract);
+    a raise or a wrong count gives every trajectory the fallback. Never raises."""
+    try:
+        outs = call_batch(reward, trajs)
+    except BatchResultError as e:
+        problem = Problem("count", f"reward {name!r}: {e}; using fallback {fallback} for the whole batch")
+        return [Outcome(fallback, {"reward_error": "wrong count"}, "failures", problem)] * len(trajs)
+    except BaseException as e:  # noqa: BLE001 - a reward must never take down its worker
+        return [raised(e, trajs[0], name, fallback)] * len(trajs)
+    return [check_result(out, traj, name, fallback) for out, traj in zip(outs, trajs)]

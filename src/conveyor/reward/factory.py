@@ -9,12 +9,16 @@ Contract
 - ``reward_spec(cfg, default_fn)``: the spec of a ``RewardConfig``:
   ``reward.components`` when given, else ``reward.fn`` (``auto``:
   ``default_fn``, what the task source or environment asks for).
+- ``model_spec(cfg, device)``: the spec of ``reward.fn: rm`` that a worker
+  process builds its own ``model.RewardModel`` from (the checkpoint path,
+  ``device``, ``max_batch`` and ``normalize``, as plain values).
 - ``reward_service(cfg, spec, reward=None)`` starts the service: executor
   ``thread`` -> ``service.RewardService`` over ``reward`` (an already built
   reward, such as a reward model) or ``spec.load()``; ``process`` ->
   ``processes.ProcessRewardService(spec)``, whose workers load the reward
-  themselves and report a reward that cannot load as ``PluginError`` before
-  the run starts. Both are an ``api.RewardHandle``.
+  themselves (a ``BatchReward``, such as a reward model, scores batches
+  there) and report a reward that cannot load as ``PluginError`` before the
+  run starts. Both are an ``api.RewardHandle``.
 
 It knows nothing of how a reward computes, nor of the run that uses it.
 """
@@ -29,6 +33,9 @@ from conveyor.reward.compose import Composite, Part, composite_name, part_name, 
 
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import RewardConfig
+
+
+MODEL_REWARD = "conveyor.reward.model:RewardModel"  # a class: load_reward constructs it with the kwargs
 
 
 @dataclass(frozen=True)
@@ -52,11 +59,16 @@ def reward_spec(cfg: RewardConfig, default_fn: str) -> RewardSpec:
     return RewardSpec(default_fn if cfg.fn == "auto" else cfg.fn, dict(cfg.kwargs))
 
 
+def model_spec(cfg: RewardConfig, device: str) -> RewardSpec:
+    return RewardSpec(MODEL_REWARD, {"path": str(cfg.model), "device": device, "max_batch": cfg.max_batch,
+                                     "normalize": cfg.normalize})
+
+
 def reward_service(cfg: RewardConfig, spec: RewardSpec, reward: Any = None) -> RewardHandle:
     if cfg.executor == "process":
         from conveyor.reward.processes import ProcessRewardService
         return ProcessRewardService(spec, timeout_s=cfg.timeout_s, fallback=cfg.fallback, workers=cfg.workers,
-                                    max_restarts=cfg.max_restarts)
+                                    max_restarts=cfg.max_restarts, batch_wait_s=cfg.batch_wait_ms / 1e3)
     from conveyor.reward.service import RewardService
     return RewardService(spec.load() if reward is None else reward, timeout_s=cfg.timeout_s,
                          fallback=cfg.fallback, workers=cfg.workers, batch_wait_s=cfg.batch_wait_ms / 1e3)

@@ -1,7 +1,7 @@
 """Score trajectories in worker processes; a call past its deadline is killed with its process.
 
 Contract
-- ``ProcessRewardService(spec, timeout_s, fallback, workers, max_restarts)``
+- ``ProcessRewardService(spec, timeout_s, fallback, workers, max_restarts, batch_wait_s)``
   is an ``api.RewardHandle`` like ``service.RewardService``: ``submit(traj)``
   returns at once a Future that always resolves (a trajectory, or the error
   that stopped the service, below); ``score(trajs)`` is the blocking form in
@@ -16,13 +16,21 @@ Contract
   worker when it is free, one at a time, so several score in parallel while
   the caller goes on. The constructor returns once every worker has loaded
   the reward, or raises ``PluginError`` with a worker's one-line reason.
+- A reward the workers load as an ``api.BatchReward`` (a reward model, each
+  worker with its own copy on its device) scores batches: trajectories are
+  gathered here exactly as the thread service gathers them (``batching.py``,
+  ``process_jobs.py``: up to its ``max_batch``, or fewer once the oldest has
+  waited ``batch_wait_s``) and a batch goes to a free worker as one call;
+  what follows of "a call" holds for the whole batch (one deadline, every
+  trajectory of it rescored or given the fallback, each counted), and
+  ``stats()`` counts ``batches`` too.
 - A call past ``timeout_s`` (from when its worker got it): the worker is
   killed (SIGKILL, with the process group it leads), a replacement started;
-  the trajectory gets ``fallback``, ``reward_error`` "timeout", counted
+  each trajectory of it gets ``fallback``, ``reward_error`` "timeout", counted
   ``timeouts``.
 - A worker that dies otherwise (a crash, ``os._exit``, the OOM killer) is
-  replaced; its trajectory is scored once more, by the next free worker, and
-  gets ``fallback`` with ``reward_error`` "worker died" (counted
+  replaced; its trajectories are scored once more, by the next free worker,
+  and get ``fallback`` with ``reward_error`` "worker died" (counted
   ``failures``) if that worker dies as well. ``stats()`` also counts
   ``worker_deaths`` and ``restarts`` (every replacement, timeouts included).
 - The restart rule: sporadic deaths are survived and counted; more than
@@ -45,7 +53,6 @@ import multiprocessing
 import os
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING
@@ -53,7 +60,9 @@ from typing import TYPE_CHECKING
 from conveyor.launch.procs import RoleError
 from conveyor.observe import timeline
 from conveyor.plugins import PluginError
+from conveyor.reward.batching import Gathering
 from conveyor.reward.calls import COUNTERS, Ledger, check_settings, rewarded, settle
+from conveyor.reward.process_jobs import Job, JobQueue
 from conveyor.reward.worker import WorkerProcess, exit_text
 from conveyor.transport.messages import RewardLoaded, ScoreReply, ScoreRequest
 from conveyor.types import Trajectory
@@ -67,16 +76,6 @@ _POLL_S = 0.5          # the supervisor re-checks close() and deadlines at least
 _STOP_GRACE_S = 2.0    # a worker asked to exit gets this long before it is killed
 
 
-class _Job:
-    __slots__ = ("deaths", "future", "running", "seq", "traj")
-
-    def __init__(self, seq: int, traj: Trajectory) -> None:
-        self.seq, self.traj = seq, traj
-        self.future: Future[Trajectory] = Future()
-        self.running = False  # its future is marked running (it left the queue once)
-        self.deaths = 0       # workers that died while scoring it
-
-
 class _Slot:
     """A worker's place in the pool and the process now in it (the supervisor thread's only)."""
 
@@ -85,14 +84,16 @@ class _Slot:
         self.proc: WorkerProcess | None = None
         self.gen = 0              # bumped per process, so stale handles are told apart
         self.loaded = False
-        self.job: _Job | None = None
+        self.jobs: list[Job] = []  # the call it runs
+        self.seq = -1             # that call's, to match its answer
         self.deadline = math.inf  # of loading, or of the call it runs
         self.sent_at = 0.0        # wall clock of the call it runs (timeline)
 
 
 class ProcessRewardService:
     def __init__(self, spec: RewardSpec, timeout_s: float = 5.0, fallback: float = 0.0, workers: int = 2,
-                 max_restarts: int = 16, name: str | None = None, load_timeout_s: float = 120.0) -> None:
+                 max_restarts: int = 16, name: str | None = None, load_timeout_s: float = 120.0,
+                 batch_wait_s: float = 0.02) -> None:
         check_settings("ProcessRewardService", timeout_s, fallback, workers)
         if not (isinstance(max_restarts, int) and max_restarts >= 0):
             raise ValueError(f"ProcessRewardService max_restarts={max_restarts!r} must be an integer >= 0 "
@@ -101,11 +102,10 @@ class ProcessRewardService:
         self.timeout_s, self.fallback, self.workers = float(timeout_s), float(fallback), workers
         self.max_restarts, self.load_timeout_s = max_restarts, load_timeout_s
         self._ctx = multiprocessing.get_context("spawn")
-        self._ledger = Ledger(logger, (*COUNTERS, "worker_deaths", "restarts"))
-        self._lock = threading.Lock()  # guards _queue, _closed, _broken
-        self._queue: deque[_Job] = deque()
-        self._closed = False
-        self._broken: RoleError | None = None
+        self.batch_wait_s = Gathering(1, batch_wait_s).wait_s  # checked now; max_batch comes from the workers
+        self._ledger = Ledger(logger, (*COUNTERS, "worker_deaths", "restarts", "batches"))
+        self._queue = JobQueue(Gathering())  # a batched reward's gathering once its workers report it
+        self.batched = False                 # whether they load a BatchReward (set when they report it)
         self._seq = itertools.count()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -127,13 +127,8 @@ class ProcessRewardService:
     # ---- public API -------------------------------------------------------
 
     def submit(self, traj: Trajectory) -> Future[Trajectory]:
-        job = _Job(next(self._seq), traj)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"reward service {self.name!r} is closed; create a new one to score more")
-            broken = self._broken
-            if broken is None:
-                self._queue.append(job)
+        job = Job(traj)
+        broken = self._queue.put(job, self.name)
         if broken is not None:
             job.future.set_exception(broken)
         else:
@@ -145,15 +140,20 @@ class ProcessRewardService:
         covers every call running its full ``timeout_s`` and its worker restarted, plus slack."""
         futures = [self.submit(t) for t in trajs]
         if timeout_s is None:
-            timeout_s = (self.timeout_s + self._load_s) * (math.ceil(len(trajs) / self.workers) + 1) + 5.0
+            calls = math.ceil(len(trajs) / self._queue.gathering.max_batch)
+            timeout_s = ((self.timeout_s + self._load_s) * (math.ceil(calls / self.workers) + 1)
+                         + self._queue.gathering.wait_s + 5.0)
         return settle(futures, timeout_s, self.name)
 
     def stats(self) -> dict[str, int]:
-        return self._ledger.snapshot()
+        counts = self._ledger.snapshot()
+        if not self.batched:  # as the thread service, which counts batches of batched rewards only
+            del counts["batches"]
+        return counts
 
     def close(self, timeout_s: float | None = None) -> None:
         """Stop taking work: cancel queued trajectories, let running ones finish or time out."""
-        queued = self._empty_queue(close=True)
+        queued = self._queue.drain(close=True)
         if queued is None:  # closed already
             return
         for job in queued:
@@ -206,19 +206,18 @@ class ProcessRewardService:
 
     def _turn(self) -> bool:
         """One round: hand out work, wait for an answer, a death, a wake-up or a deadline."""
-        with self._lock:
-            if self._broken is not None or (self._start_error and not self._started.is_set()):
-                return False
-            if self._closed and not self._queue and not any(s.job for s in self._slots):
-                return False
-        self._dispatch()
+        if self._queue.broken is not None or (self._start_error and not self._started.is_set()):
+            return False
+        if self._queue.closed and not len(self._queue) and not any(s.jobs for s in self._slots):
+            return False
+        gather_s = self._dispatch()
         handles: dict[object, tuple[_Slot, int, bool]] = {}
         for s in self._slots:
             if s.proc is not None:
                 handles[s.proc.conn] = (s, s.gen, True)
                 handles[s.proc.sentinel] = (s, s.gen, False)
-        nxt = min(s.deadline for s in self._slots)
-        ready = wait_any([self._wake_r, *handles], timeout=max(0.0, min(nxt - time.monotonic(), _POLL_S)))
+        nxt = min(s.deadline for s in self._slots) - time.monotonic()
+        ready = wait_any([self._wake_r, *handles], timeout=max(0.0, min(nxt, gather_s, _POLL_S)))
         if self._wake_r in ready:
             os.read(self._wake_r, 4096)
         # Messages first: a worker may answer and then exit.
@@ -234,31 +233,23 @@ class ProcessRewardService:
         self._expire(time.monotonic())
         return True
 
-    def _dispatch(self) -> None:
+    def _dispatch(self) -> float:
+        """Send each free worker its next call; the seconds until a gathering batch is due."""
         for slot in self._slots:
-            if slot.proc is None or not slot.loaded or slot.job is not None:
+            if slot.proc is None or not slot.loaded or slot.jobs:
                 continue
-            job = self._next_job()
-            if job is None:
-                return
-            slot.job, slot.sent_at = job, time.time()
+            jobs, gather_s = self._queue.take(time.monotonic())
+            if not jobs:
+                return gather_s
+            slot.jobs, slot.seq, slot.sent_at = jobs, next(self._seq), time.time()
             slot.deadline = time.monotonic() + self.timeout_s
             try:
-                slot.proc.conn.send(ScoreRequest(job.seq, job.traj))
-            except OSError:  # the worker is gone before it got the job: the job goes back unharmed
-                slot.job = None
-                with self._lock:
-                    self._queue.appendleft(job)
+                slot.proc.conn.send(ScoreRequest(slot.seq, tuple(j.traj for j in jobs)))
+            except OSError:  # the worker is gone before it got the call: its jobs go back unharmed
+                slot.jobs = []
+                self._queue.requeue(jobs)
                 self._died(slot)
-
-    def _next_job(self) -> _Job | None:
-        with self._lock:
-            while self._queue:
-                job = self._queue.popleft()
-                if job.running or job.future.set_running_or_notify_cancel():
-                    job.running = True
-                    return job
-        return None
+        return math.inf
 
     def _receive(self, slot: _Slot) -> None:
         try:
@@ -268,12 +259,15 @@ class ProcessRewardService:
             return
         except Exception as e:  # noqa: BLE001 - a reply that does not unpickle here
             msg = None
-            if slot.job is not None:
-                job, slot.job, slot.deadline = slot.job, None, math.inf
-                self._ledger.count("failures")
+            if slot.jobs:
+                jobs, slot.jobs, slot.deadline = slot.jobs, [], math.inf
+                self._ledger.count("failures", len(jobs))
+                self._ledger.add("batches")
                 self._ledger.log_once("unreadable", "reward %r: a result could not be read here (%s: %s); "
                                       "using fallback %s", self.name, type(e).__name__, e, self.fallback)
-                self._resolve(job, self.fallback, {"reward_error": "unreadable result"}, time.time() - slot.sent_at)
+                for job in jobs:
+                    self._resolve(job, self.fallback, {"reward_error": "unreadable result"},
+                                  time.time() - slot.sent_at)
         if isinstance(msg, RewardLoaded):
             if msg.error:
                 self._died(slot, msg.error)
@@ -281,38 +275,48 @@ class ProcessRewardService:
             slot.loaded, slot.deadline = True, math.inf
             if not self._named and msg.name:
                 self.name = msg.name  # the loaded reward's own name, as the thread service logs it
+            if msg.max_batch and not self.batched:  # a BatchReward: gather its calls (before any is taken)
+                self.batched = True
+                self._queue.gathering = Gathering(msg.max_batch, self.batch_wait_s)
             if all(s.loaded for s in self._slots):
                 self._started.set()
-        elif isinstance(msg, ScoreReply) and slot.job is not None and msg.seq == slot.job.seq:
-            job, slot.job, slot.deadline = slot.job, None, math.inf
+        elif isinstance(msg, ScoreReply) and slot.jobs and msg.seq == slot.seq:
+            jobs, slot.jobs, slot.deadline = slot.jobs, [], math.inf
             self._deaths_in_row = 0
-            out = msg.outcome
-            self._ledger.count(out.failure)
-            self._ledger.report(out.problem)
-            args = {"task": job.traj.task.id, **({"failed": out.failure} if out.failure else {})}
+            self._ledger.add("batches")
+            for out in msg.outcomes:
+                self._ledger.count(out.failure)
+                self._ledger.report(out.problem)
+            kinds = sorted({out.failure for out in msg.outcomes if out.failure})
+            args = {"task": jobs[0].traj.task.id, **({"batch": len(jobs)} if self.batched else {}),
+                    **({"failed": ",".join(kinds)} if kinds else {})}
             timeline.record("reward", slot.track, "score", msg.started_at, msg.ended_at, args)
-            self._resolve(job, out.reward, out.info, msg.ended_at - msg.started_at)
+            for job, out in zip(jobs, msg.outcomes):
+                self._resolve(job, out.reward, out.info, msg.ended_at - msg.started_at)
 
     def _expire(self, now: float) -> None:
         for slot in self._slots:
             if slot.proc is None or slot.deadline > now:
                 continue
-            job = slot.job
-            if job is None:  # still loading
+            jobs = slot.jobs
+            if not jobs:  # still loading
                 self._died(slot, f"did not load the reward within {self.load_timeout_s:.0f}s")
                 continue
             self._stop(slot)
             self._start(slot)  # before the caller hears of it, so stats() already count the restart
-            self._ledger.count("timeouts")
-            self._ledger.log_once("timeout", "reward %r exceeded %.2fs on task %r; its worker process was "
+            self._ledger.count("timeouts", len(jobs))
+            self._ledger.add("batches")
+            self._ledger.log_once("timeout", "reward %r exceeded %.2fs on task %r%s; its worker process was "
                                   "killed and replaced, fallback %s used", self.name, self.timeout_s,
-                                  job.traj.task.id, self.fallback)
-            self._record(slot, job, "timeouts")
-            self._resolve(job, self.fallback, {"reward_error": "timeout"}, self.timeout_s)
+                                  jobs[0].traj.task.id, f" (a batch of {len(jobs)})" if self.batched else "",
+                                  self.fallback)
+            self._record(slot, jobs, "timeouts")
+            for job in jobs:
+                self._resolve(job, self.fallback, {"reward_error": "timeout"}, self.timeout_s)
 
     def _died(self, slot: _Slot, why: str = "") -> None:
         """The process in ``slot`` is gone (or could not load the reward): count, rescore, replace."""
-        job = slot.job
+        jobs = slot.jobs
         code = self._stop(slot)
         why = why or f"exited with {exit_text(code)}"
         if not self._started.is_set():
@@ -320,50 +324,37 @@ class ProcessRewardService:
             return
         self._ledger.add("worker_deaths")
         self._deaths_in_row += 1
-        task = f" while scoring task {job.traj.task.id!r}" if job else ""
+        task = f" while scoring task {jobs[0].traj.task.id!r}" if jobs else ""
         self._ledger.log_once("death", "reward %r: a worker process %s%s; replaced (a trajectory is scored once "
                               "more on another worker, then gets fallback %s)", self.name, why, task, self.fallback)
-        if job is not None:
+        if jobs:
+            self._record(slot, jobs, "worker died")
+        for job in jobs:
             job.deaths += 1
-            self._record(slot, job, "worker died")
-            if job.deaths < 2 or self._deaths_in_row > self.max_restarts:
-                with self._lock:
-                    self._queue.appendleft(job)
-                job = None
-        if self._deaths_in_row > self.max_restarts:
+        breaking = self._deaths_in_row > self.max_restarts
+        self._queue.requeue([j for j in jobs if j.deaths < 2 or breaking])  # _break resolves them
+        if breaking:
             self._break(RoleError(
                 f"reward {self.name!r}: {self._deaths_in_row} worker processes died in a row without scoring "
                 f"anything (reward.max_restarts={self.max_restarts}); the last {why}. The reward crashes its "
                 "process (a segfault, os._exit, out of memory): fix it, or use reward.executor=thread"))
             return
         self._start(slot)
-        if job is not None:  # its second worker died too
+        for job in [j for j in jobs if j.deaths >= 2]:  # its second worker died too
             self._ledger.count("failures")
             self._resolve(job, self.fallback, {"reward_error": "worker died"}, time.time() - slot.sent_at)
 
-    def _record(self, slot: _Slot, job: _Job, failed: str) -> None:
+    def _record(self, slot: _Slot, jobs: list[Job], failed: str) -> None:
         """A call that ended without an answer, on its worker's timeline row."""
-        timeline.record("reward", slot.track, "score", slot.sent_at, time.time(),
-                        {"task": job.traj.task.id, "failed": failed})
-
-    def _empty_queue(self, close: bool = False, broken: RoleError | None = None) -> list[_Job] | None:
-        """Mark the service closed or broken and take what waits; None if it already was."""
-        with self._lock:
-            if (close and self._closed) or (broken is not None and self._broken is not None):
-                return None
-            self._closed = self._closed or close
-            self._broken = self._broken or broken
-            queued = list(self._queue)
-            self._queue.clear()
-        return queued
+        args = {"task": jobs[0].traj.task.id, **({"batch": len(jobs)} if self.batched else {}), "failed": failed}
+        timeline.record("reward", slot.track, "score", slot.sent_at, time.time(), args)
 
     def _break(self, err: RoleError) -> None:
-        jobs = self._empty_queue(broken=err)
+        jobs = self._queue.drain(broken=err)
         if jobs is None:
             return
-        jobs += [s.job for s in self._slots if s.job is not None]
         for s in self._slots:
-            s.job = None
+            jobs, s.jobs = jobs + s.jobs, []
         logger.error("%s", err)
         for job in jobs:
             try:
@@ -375,7 +366,7 @@ class ProcessRewardService:
         if slot.gen:  # not the first process of this slot
             self._ledger.add("restarts")
         slot.proc = WorkerProcess(self._ctx, self.spec, self.fallback, slot.track)
-        slot.gen, slot.loaded, slot.job = slot.gen + 1, False, None
+        slot.gen, slot.loaded, slot.jobs = slot.gen + 1, False, []
         slot.deadline = time.monotonic() + self.load_timeout_s
 
     def _stop_all(self) -> None:
@@ -391,9 +382,9 @@ class ProcessRewardService:
     def _stop(self, slot: _Slot) -> int | None:
         """End the process in ``slot`` (killed if it still runs); its exit code."""
         proc = slot.proc
-        slot.proc, slot.loaded, slot.job, slot.deadline = None, False, None, math.inf
+        slot.proc, slot.loaded, slot.jobs, slot.deadline = None, False, [], math.inf
         return proc.end() if proc is not None else None
 
-    def _resolve(self, job: _Job, reward: float, info: dict, elapsed: float) -> None:
+    def _resolve(self, job: Job, reward: float, info: dict, elapsed: float) -> None:
         job.future.set_result(rewarded(job.traj, reward, info, elapsed))
 

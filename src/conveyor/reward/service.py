@@ -40,9 +40,8 @@ from typing import Any, Callable
 
 from conveyor.observe import timeline
 from conveyor.reward.api import BatchReward, reward_name
-from conveyor.reward.batching import BatchResultError, Gathering, call_batch
-from conveyor.reward.calls import (COUNTERS, Ledger, Outcome, check_result, check_settings, raised, rewarded,
-                                   settle)
+from conveyor.reward.batching import Gathering, call_checked
+from conveyor.reward.calls import COUNTERS, Ledger, Outcome, call_reward, check_settings, rewarded, settle
 from conveyor.types import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -220,29 +219,19 @@ class RewardService:
             if wait <= 0:
                 break
             self._cond.wait(min(wait, _POLL_S))
-        n = min(len(self._queue), self.gathering.max_batch)
-        taken = [self._queue.popleft() for _ in range(n)]
+        taken = self.gathering.take(self._queue)
         return [j for j in taken if j.future.set_running_or_notify_cancel()]  # drop what callers cancelled
 
     def _call(self, trajs: list[Trajectory]) -> list[Outcome]:
-        """Run the reward once on ``trajs`` (one, or a batch); what each trajectory gets."""
-        try:
-            outs = call_batch(self.fn, trajs) if self.batched else [self.fn(trajs[0])]
-        except BatchResultError as e:
-            self._ledger.log_once("count", "reward %r: %s; using fallback %s for the whole batch", self.name, e,
-                                  self.fallback)
-            return [Outcome(self.fallback, {"reward_error": "wrong count"}, "failures")] * len(trajs)
-        except BaseException as e:  # noqa: BLE001 - a verifier must never take down a worker
-            outs = [raised(e, trajs[0], self.name, self.fallback)] * len(trajs)
-            self._ledger.report(outs[0].problem)
-            return outs
-        return [self._check(out, traj) for out, traj in zip(outs, trajs)]
-
-    def _check(self, out: Any, traj: Trajectory) -> Outcome:
-        """One result of the reward, checked (``calls.check_result``) and its problem logged once."""
-        checked = check_result(out, traj, self.name, self.fallback)
-        self._ledger.report(checked.problem)
-        return checked
+        """Run the reward once on ``trajs`` (one, or a batch); what each trajectory gets, its
+        problems logged once (``calls.Ledger.report``)."""
+        if self.batched:
+            outs = call_checked(self.fn, trajs, self.name, self.fallback)
+        else:
+            outs = [call_reward(self.fn, trajs[0], self.name, self.fallback)]
+        for out in outs:
+            self._ledger.report(out.problem)
+        return outs
 
     def _resolve(self, job: _Job, reward: float, info: dict[str, Any], elapsed: float) -> None:
         job.future.set_result(rewarded(job.traj, reward, info, elapsed))

@@ -6,11 +6,13 @@ to kill it with its process group and reap it, returning its exit code;
 ``exit_text(code)`` says it in words). ``worker_main(spec, conn, parent_pid,
 fallback)`` is the main of that process. It loads the reward
 from ``spec`` (``factory.RewardSpec.load``) and answers ``RewardLoaded``
-(with a one-line ``error`` if it cannot, or if the reward is a
-``BatchReward``, which this executor does not run); then, for each
-``ScoreRequest`` received on ``conn``, it calls the reward on its main thread
-(``calls.call_reward``: checked, never raising) and answers ``ScoreReply``,
-until it receives ``None`` or the pipe closes. It leads a process group of
+(with a one-line ``error`` if it cannot; with its ``max_batch`` if it is a
+``BatchReward``, such as a reward model the worker builds on its own device);
+then, for each ``ScoreRequest`` received on ``conn``, it calls the reward on
+its main thread (``calls.call_reward`` on the one trajectory, or
+``batching.call_checked`` on the batch: checked, never raising) and answers
+``ScoreReply``, until it receives ``None`` or the pipe closes; then it closes
+a batched reward. It leads a process group of
 its own (a kill at a deadline takes what the reward started with it),
 ignores SIGINT (its parent decides when it stops), and exits when its parent
 process is gone: the kernel's parent-death signal (Linux) and a thread that
@@ -20,6 +22,7 @@ It knows nothing of deadlines, queues or counters: ``processes.py`` owns them.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.plugins import PluginError
 from conveyor.reward.api import BatchReward, reward_name
+from conveyor.reward.batching import call_checked
 from conveyor.reward.calls import Outcome, Problem, call_reward
 from conveyor.transport.messages import RewardLoaded, ScoreReply
 
@@ -95,17 +99,28 @@ def worker_main(spec: RewardSpec, conn, parent_pid: int, fallback: float) -> Non
         os.setpgid(0, 0)  # lead a group of its own, so a kill at the deadline takes what the reward started
     except OSError:
         pass
+    if "torch" in sys.modules:  # one intra-op thread per worker: the pool is the parallelism (a
+        sys.modules["torch"].set_num_threads(1)  # model's batch on 2 threads per worker ran 50x slower)
     try:
         fn = spec.load()
-        if isinstance(fn, BatchReward):
-            raise PluginError(f"reward {spec.fn!r} scores batches (a reward model, judge or remote server); "
-                              "reward.executor=process runs one trajectory per call: use reward.executor=thread")
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(1)
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         conn.send(RewardLoaded(os.getpid(), error=msg if isinstance(e, PluginError) else f"{type(e).__name__}: {msg}"))
         return
-    name = reward_name(fn)
-    conn.send(RewardLoaded(os.getpid(), name))
+    batched = isinstance(fn, BatchReward)
+    name = fn.name if batched else reward_name(fn)
+    conn.send(RewardLoaded(os.getpid(), name, max_batch=fn.max_batch if batched else 0))
+    try:
+        _serve(fn, batched, name, conn, fallback)
+    finally:
+        if batched:
+            with contextlib.suppress(Exception):  # the process ends next: nothing to tell
+                fn.close()
+
+
+def _serve(fn, batched: bool, name: str, conn, fallback: float) -> None:
     while True:
         try:
             req = conn.recv()
@@ -114,18 +129,20 @@ def worker_main(spec: RewardSpec, conn, parent_pid: int, fallback: float) -> Non
         if req is None:
             return
         start = time.time()
-        out = call_reward(fn, req.traj, name, fallback)
-        if out.problem is not None:
-            out = dataclasses.replace(out, problem=out.problem.portable())
+        if batched:
+            outs = call_checked(fn, req.trajs, name, fallback)
+        else:
+            outs = [call_reward(fn, req.trajs[0], name, fallback)]
+        outs = tuple(dataclasses.replace(o, problem=o.problem.portable()) if o.problem else o for o in outs)
         try:
-            conn.send(ScoreReply(req.seq, out, start, time.time()))
+            conn.send(ScoreReply(req.seq, outs, start, time.time()))
         except (OSError, EOFError):
             return
         except Exception as e:  # noqa: BLE001 - the reward's info did not pickle
-            conn.send(ScoreReply(req.seq, Outcome(fallback, {"reward_error": "unpicklable result"}, "failures", Problem(
+            out = Outcome(fallback, {"reward_error": "unpicklable result"}, "failures", Problem(
                 "unpicklable", f"reward {name!r} returned a result that cannot be sent to the controller "
-                f"({type(e).__name__}: {e}); keep its dict to numbers and strings; using fallback {fallback}")),
-                start, time.time()))
+                f"({type(e).__name__}: {e}); keep its dict to numbers and strings; using fallback {fallback}"))
+            conn.send(ScoreReply(req.seq, (out,) * len(outs), start, time.time()))
 
 
 def _die_with_parent(parent_pid: int) -> None:

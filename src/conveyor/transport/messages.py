@@ -159,24 +159,28 @@ class Answer:
 @dataclass(frozen=True)
 class RewardLoaded:
     """A reward worker process loaded its reward (``error`` empty) or could not (``error``: one
-    line saying why); ``name`` is the reward's name for logs."""
+    line saying why); ``name`` is the reward's name for logs; ``max_batch`` is a batched reward's
+    (``reward.api.BatchReward``) most trajectories per call, 0 for a per-trajectory reward."""
     pid: int
     name: str = ""
     error: str = ""
+    max_batch: int = 0
 
 
 @dataclass(frozen=True)
 class ScoreRequest:
-    """Score ``traj``; ``seq`` identifies the call in the answer."""
+    """Score ``trajs`` in one call (one trajectory for a per-trajectory reward); ``seq``
+    identifies the call in the answer."""
     seq: int
-    traj: Trajectory
+    trajs: tuple[Trajectory, ...]
 
 
 @dataclass(frozen=True)
 class ScoreReply:
-    """The ``outcome`` of request ``seq`` (``reward.calls.Outcome``, its problem without the
-    exception object), and when the call started and ended (``time.time()``)."""
+    """The ``outcomes`` of request ``seq``, one per trajectory in order (``reward.calls.Outcome``,
+    each problem without the exception object), and when the call started and ended
+    (``time.time()``)."""
     seq: int
-    outcome: Outcome
+    outcomes: tuple[Outcome, ...]
     started_at: float
     ended_at: float

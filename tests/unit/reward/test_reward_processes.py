@@ -253,8 +253,6 @@ def test_a_reward_that_cannot_load_in_a_worker_is_one_line_before_the_run(tmp_pa
     with pytest.raises(PluginError, match=r"^reward 'parent_only:fn' cannot be loaded in a reward worker process: "
                                           r".*needs what the controller set up[^\n]*$"):
         pool("parent_only:fn", workers=2)
-    with pytest.raises(PluginError, match="scores batches .* use reward.executor=thread"):
-        pool("Batched")
     assert reward_workers() == []
 
 

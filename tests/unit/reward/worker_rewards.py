@@ -62,7 +62,7 @@ def spin(traj: Trajectory, iterations: int = 200_000) -> float:
 
 
 class Batched:
-    """A ``BatchReward`` (scores lists of trajectories), which the process executor does not run."""
+    """A ``BatchReward`` (scores lists of trajectories) that gives every trajectory 1.0."""
     name = "batched"
     max_batch = 4
 
@@ -83,3 +83,27 @@ def flaky(traj: Trajectory, share: float = 0.1) -> float:
     if u < 2 * share:
         os.kill(os.getpid(), signal.SIGKILL)
     return len(traj.text) / 10
+
+
+class SlowBatches:
+    """A ``BatchReward`` whose calls can hang or kill their process: each trajectory gets its text's
+    length, with the size of the batch it was scored in and the scoring pid. A batch holding a
+    text with ``hang`` sleeps ``sleep_s`` first (past any deadline a test sets); one holding a text
+    with ``die`` SIGKILLs its process, as the OOM killer would, the first ``dies`` times (``marker``,
+    a file, records the dead pids, one a line)."""
+    name = "slow-batches"
+
+    def __init__(self, max_batch: int = 4, sleep_s: float = 60.0, marker: str = "", dies: int = 1) -> None:
+        self.max_batch, self.sleep_s, self.marker, self.dies = max_batch, sleep_s, marker, dies
+
+    def score_batch(self, trajs):
+        if any("hang" in t.text for t in trajs):
+            time.sleep(self.sleep_s)
+        dead = Path(self.marker).read_text().split() if self.marker and Path(self.marker).exists() else []
+        if self.marker and any("die" in t.text for t in trajs) and len(dead) < self.dies:
+            Path(self.marker).write_text("\n".join([*dead, str(os.getpid())]))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return [{"reward": float(len(t.text)), "batch": len(trajs), "pid": os.getpid()} for t in trajs]
+
+    def close(self) -> None:
+        pass
