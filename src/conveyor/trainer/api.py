@@ -101,9 +101,10 @@ class Trainer(Protocol):
         (the engines', when all agree) lets a trainer hand tensors already in it."""
         ...
 
-    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
-        """Write a resumable checkpoint; ``extra`` (JSON) comes back from ``load``. A trainer may
-        write its files after returning (``trainer.async_checkpoint``): ``wait_saved`` waits for them."""
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None, wait: bool = True) -> None:
+        """Write a resumable checkpoint; ``extra`` (JSON) comes back from ``load``. With ``wait=False``
+        a trainer may write its files after returning (``trainer.async_checkpoint``): ``wait_saved``
+        waits for them."""
         ...
 
     def wait_saved(self) -> None:

@@ -503,7 +503,7 @@ class FSDPTrainer(LocalTrainer):
     def wait_saved(self) -> None:
         """Sharded checkpoints are complete when ``save`` returns."""
 
-    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None, wait: bool = True) -> None:
         try:
             text = json.dumps(extra or {}, indent=2, sort_keys=True)
         except TypeError as e:

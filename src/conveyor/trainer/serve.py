@@ -93,7 +93,7 @@ class TrainerHost:
         return self.trainer.step
 
     def save_checkpoint(self, path, extra) -> None:
-        self.trainer.save(path, extra)
+        self.trainer.save(path, extra, wait=False)  # written while training goes on, where the trainer can
 
     def load_checkpoint(self, path) -> dict:
         return self.trainer.load(path)

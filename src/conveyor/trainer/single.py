@@ -538,11 +538,11 @@ class LocalTrainer:
             self.critic_scheduler.load_state_dict(state["critic_scheduler"])
         self._step = int(state["step"])
 
-    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
-        """A checkpoint; with ``trainer.async_checkpoint`` its files are written while training goes on
-        (the next save, load or export waits for them)."""
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None, wait: bool = True) -> None:
+        """A checkpoint. ``wait=False`` with ``trainer.async_checkpoint``: its files are written while
+        training goes on (the next save, load or export, or ``wait_saved``, waits for them)."""
         self.wait_saved()
-        if self.cfg.async_checkpoint:
+        if self.cfg.async_checkpoint and not wait:
             self._saving = checkpoint.save_checkpoint_async(self, path, extra or {})
         else:
             checkpoint.save_checkpoint(self, path, extra or {})

@@ -90,7 +90,7 @@ def test_async_checkpoint_holds_the_state_of_its_call_while_training_goes_on(tin
     first = LocalTrainer(tiny_dir, cfg, total_steps=5)
     first.train(batches[0], pg_loss)
     at_save = {k: v.clone() for k, v in first.model.state_dict().items()}
-    first.save(tmp_path / "ckpt", extra={"step": 1})
+    first.save(tmp_path / "ckpt", extra={"step": 1}, wait=False)
     m_first = first.train(batches[1], pg_loss)  # the optimizer steps while the files are written
     first.wait_saved()
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # renamed into place
