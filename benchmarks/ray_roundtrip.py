@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` when run as a script
 
 
 def measure(launcher_cls, cfg, run_dir: Path, n: int, warmup: int, tokens: int) -> dict:
@@ -86,6 +89,11 @@ def main() -> None:
     print(f"Generate -> Done, 1 prompt, {args.tokens} new token(s), n={args.n}:")
     print(f"  local process queues: median {local['median_ms']:.2f} ms, p90 {local['p90_ms']:.2f} ms")
     print(f"  Ray actor calls:      median {remote['median_ms']:.2f} ms, p90 {remote['p90_ms']:.2f} ms")
+    from benchmarks.harness import append_record
+    out = append_record("ray_roundtrip", {"local_median_ms": local["median_ms"], "local_p90_ms": local["p90_ms"],
+                                          "ray_median_ms": remote["median_ms"], "ray_p90_ms": remote["p90_ms"]},
+                        config={"n": args.n, "tokens": args.tokens, "address": args.address or "local"}, gpu=False)
+    print(f"appended to {out}")
 
 
 if __name__ == "__main__":
