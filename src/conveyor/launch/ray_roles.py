@@ -242,27 +242,9 @@ class TrainerRankActor:
     def __init__(self, spec: dict, writers: list):
         import torch
 
-        from conveyor.config import TrainerConfig
-        from conveyor.launch.procs import bind_device
-        from conveyor.trainer.serve import TrainerHost
+        from conveyor.trainer.serve import TrainerHost, build_rank
         torch.set_num_threads(max(1, spec["threads"]))
-        bind_device(spec["device"])
-        cfg = TrainerConfig.model_validate(spec["trainer"])
-        kwargs = {k: spec[k] for k in ("total_steps", "temperature", "pad_token_id")}
-        if spec["world"] == 1:
-            from conveyor.trainer.single import LocalTrainer
-            trainer = LocalTrainer(spec["path"], cfg, **kwargs)
-        else:
-            from datetime import timedelta
-
-            import torch.distributed as dist
-
-            from conveyor.trainer.fsdp import FSDPTrainer
-            backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{spec['master']}", rank=spec["rank"],
-                                    world_size=spec["world"],
-                                    timeout=timedelta(seconds=spec["collective_timeout_s"]))
-            trainer = FSDPTrainer(spec["path"], cfg, **kwargs)
+        trainer = build_rank(spec, f"tcp://{spec['master']}")
         self._host = TrainerHost(trainer, writers, spec["publish_dtype"], rank=spec["rank"])
 
     def where(self) -> Place:

@@ -108,27 +108,33 @@ class TrainerHost:
                 w.close()
 
 
-def trainer_process(spec: dict, conn, writers: list[WeightWriter]) -> None:
-    """Main of a trainer rank's process: bind the device, join the ranks, build, serve."""
+def build_rank(spec: dict, init_method: str):
+    """One trainer rank from its spec: bind the device; one rank is a ``LocalTrainer``, several join
+    a process group at ``init_method`` (nccl on GPUs, gloo on CPU) and are ``FSDPTrainer`` ranks."""
     from datetime import timedelta
 
     from conveyor.config import TrainerConfig
-    from conveyor.launch.procs import bind_device, serve_rpc
-    from conveyor.transport.messages import Answer
+    from conveyor.launch.procs import bind_device
     bind_device(spec["device"])
     cfg = TrainerConfig.model_validate(spec["trainer"])
     kwargs = {k: spec[k] for k in ("total_steps", "temperature", "pad_token_id")}
     if spec["world"] == 1:
         from conveyor.trainer.single import LocalTrainer
-        trainer = LocalTrainer(spec["path"], cfg, **kwargs)
-    else:
-        import torch.distributed as dist
+        return LocalTrainer(spec["path"], cfg, **kwargs)
+    import torch.distributed as dist
 
-        from conveyor.trainer.fsdp import FSDPTrainer
-        backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{spec['port']}", rank=spec["rank"],
-                                world_size=spec["world"], timeout=timedelta(seconds=spec["collective_timeout_s"]))
-        trainer = FSDPTrainer(spec["path"], cfg, **kwargs)
+    from conveyor.trainer.fsdp import FSDPTrainer
+    backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=spec["rank"], world_size=spec["world"],
+                            timeout=timedelta(seconds=spec["collective_timeout_s"]))
+    return FSDPTrainer(spec["path"], cfg, **kwargs)
+
+
+def trainer_process(spec: dict, conn, writers: list[WeightWriter]) -> None:
+    """Main of a trainer rank's process: bind the device, join the ranks, build, serve."""
+    from conveyor.launch.procs import serve_rpc
+    from conveyor.transport.messages import Answer
+    trainer = build_rank(spec, f"tcp://127.0.0.1:{spec['port']}")
     conn.send(Answer(True, "ready"))
     host = TrainerHost(trainer, writers, spec["publish_dtype"], rank=spec.get("rank", 0))
     serve_rpc(host, conn)
