@@ -39,7 +39,6 @@ import dataclasses
 import json
 import os
 import queue
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +63,8 @@ from conveyor.launch.ray_roles import (
     TrainerRankActor,
     WarmWeights,
 )
-from conveyor.launch.roles import make_trainer, stop_engines, trainer_kwargs
+from conveyor.launch.roles import await_ready, make_trainer, stop_engines, trainer_kwargs
 from conveyor.trainer.api import TrainerHandle
-from conveyor.transport.messages import Failed, Ready
 
 __all__ = ["RayLauncher", "run_ray"]
 
@@ -188,7 +186,7 @@ class RayLauncher:
         try:
             for w in workers:
                 self._record(f"engine{w.engine_id}", w.locate(la.timeout_s))
-            context_limit, label = _await_ready(workers, outbox, la.timeout_s)
+            context_limit, label = await_ready(workers, outbox, la.timeout_s)
         except BaseException:
             stop_engines(workers)
             raise
@@ -234,27 +232,6 @@ class RayLauncher:
             remove_placement_group(self.pg)
             self.pg = None
         self._store = None
-
-
-def _await_ready(workers: list[RayWorker], outbox: queue.Queue, timeout_s: float) -> tuple[int, str]:
-    context_limit, label, ready = 0, "", set()
-    deadline = time.monotonic() + timeout_s
-    while len(ready) < len(workers):
-        for w in workers:
-            w.check()
-        try:
-            msg = outbox.get(timeout=0.2)
-        except queue.Empty:
-            if time.monotonic() > deadline:
-                raise RoleError(f"engines did not start within {timeout_s:.0f}s ({len(ready)}/{len(workers)} "
-                                "ready)") from None
-            continue
-        if isinstance(msg, Failed):
-            raise RoleError(f"engine {msg.engine_id} failed while starting:\n{msg.traceback}")
-        if isinstance(msg, Ready):
-            ready.add(msg.engine_id)
-            context_limit, label = msg.context_limit, msg.label
-    return context_limit, label
 
 
 def connect(cfg: RunConfig) -> bool:

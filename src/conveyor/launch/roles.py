@@ -240,8 +240,15 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
             return RoleProcess(f"engine{i}", engine_process, (spec, inbox, own, routes.readers[i], i, partial),
                                run_dir / "logs", ctx, threads=cfg.launch.engine_threads)
         workers.append(ProcessWorker(i, start, ctx, outbox, restartable=placement.sync != "broadcast"))
-    context_limit, label, ready = None, "", set()
-    deadline = time.monotonic() + cfg.launch.timeout_s
+    context_limit, label = await_ready(workers, outbox, cfg.launch.timeout_s)
+    return workers, outbox, context_limit, f"{label} x {len(workers)}" if len(workers) > 1 else label
+
+
+def await_ready(workers: list[EngineWorker], outbox: queue.Queue, timeout_s: float) -> tuple[int, str]:
+    """Wait for every engine's ``Ready`` on ``outbox`` (a worker that dies or fails while starting
+    is named); returns the engines' context limit and label."""
+    context_limit, label, ready = 0, "", set()
+    deadline = time.monotonic() + timeout_s
     while len(ready) < len(workers):
         for w in workers:
             w.check()
@@ -249,15 +256,15 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
             msg = outbox.get(timeout=0.2)
         except queue.Empty:
             if time.monotonic() > deadline:
-                raise RoleError(f"engines did not start within {cfg.launch.timeout_s:.0f}s "
-                                f"({len(ready)}/{len(workers)} ready)") from None
+                raise RoleError(f"engines did not start within {timeout_s:.0f}s ({len(ready)}/{len(workers)} "
+                                "ready)") from None
             continue
         if isinstance(msg, Failed):
             raise RoleError(f"engine {msg.engine_id} failed while starting:\n{msg.traceback}")
         if isinstance(msg, Ready):
             ready.add(msg.engine_id)
             context_limit, label = msg.context_limit, msg.label
-    return workers, outbox, context_limit, f"{label} x {len(workers)}" if len(workers) > 1 else label
+    return context_limit, label
 
 
 def _await(ready, proc: RoleProcess, timeout: float, what: str, peers=()) -> None:
