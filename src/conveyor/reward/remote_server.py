@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from conveyor.net import listen
 from conveyor.reward.api import BatchReward, RewardError, load_reward, reward_name
 from conveyor.reward.remote import WIRE_VERSION, WireError, WireTrajectory
 from conveyor.types import Trajectory
@@ -272,15 +273,10 @@ def _parse_request(body: bytes, max_items: int) -> list[Trajectory]:
 def _bind(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (port 0: the system picks a free one)."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
+        return listen(host, port)
     except OSError as e:
         raise RewardError(f"the reward server cannot listen on {host}:{port} ({e}); choose a free --host / "
                           "--port (--port 0: any free port)") from None
-    sock.setblocking(False)
-    return sock
 
 
 def serve(spec: str, kwargs: Mapping[str, Any] | None, settings: ServeSettings,

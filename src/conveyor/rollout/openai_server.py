@@ -52,6 +52,7 @@ from typing import Any, Callable, Sequence
 
 from conveyor.env.api import Tool, ToolError
 from conveyor.env.pool import EnvFailure
+from conveyor.net import listen
 from conveyor.rollout import openai_api as api
 from conveyor.rollout.api import Completion, SamplingParams
 from conveyor.rollout.multi_turn import EpisodeLimits, TurnEngine
@@ -400,12 +401,7 @@ class Endpoint:
 def _bind(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (port 0: the system picks a free one)."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(addr)
+        return listen(host, port)
     except OSError as e:
         raise RuntimeError(f"the OpenAI-compatible endpoint cannot listen on {host}:{port} ({e}); set "
                            "env.endpoint.host / env.endpoint.port to a free local address (port 0: any)") from None
-    sock.setblocking(False)
-    return sock
