@@ -131,6 +131,28 @@ def _settle(outcome: dict, run_dir: Path) -> dict:
     return outcome
 
 
+
+def run_peer_module(module: str, spec: dict, deadline_s: float) -> dict:
+    """One configuration of a workload module's own (W3, W4) in a subprocess ``python -m <module>
+    --peer SPEC.json``, in a run directory started clean; returns and writes its outcome."""
+    run_dir = Path(spec["run_dir"])
+    shutil.rmtree(run_dir, ignore_errors=True)  # a re-run starts clean: the logs are appended to
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2) + "\n")
+    outcome = _settle(run_subprocess([sys.executable, "-m", module, "--peer", str(spec_path)],
+                                     run_dir, deadline_s, spec.get("cpu_threads")), run_dir)
+    (run_dir / "outcome.json").write_text(json.dumps(outcome, indent=2) + "\n")
+    return outcome
+
+
+def conveyor_peer_main(workload_config: Callable[[dict], object], spec_path: str) -> int:
+    """The subprocess of such a configuration: ``peers/conveyor_peer.py`` on the workload's RunConfig."""
+    from benchmarks.peers import conveyor_peer
+    conveyor_peer.run_config = workload_config
+    sys.argv = [sys.argv[0], spec_path]
+    return conveyor_peer.main()
+
 def recollect(out_dir: Path, threshold: float | None = None) -> list[dict]:
     """Rebuild every record under ``out_dir`` from the run directories' files, in run order.
 

@@ -46,7 +46,6 @@ import datetime as _dt
 import json
 import math
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -95,23 +94,11 @@ H.run_config = run_config
 
 def peer_main(spec_path: str) -> int:
     """The subprocess of one configuration: ``peers/conveyor_peer.py`` on W3's RunConfig."""
-    from benchmarks.peers import conveyor_peer
-    conveyor_peer.run_config = run_config
-    sys.argv = [sys.argv[0], spec_path]
-    return conveyor_peer.main()
+    return H.conveyor_peer_main(run_config, spec_path)
 
 
 def run_peer(spec: dict, deadline_s: float) -> dict:
-    """``harness.run_peer`` with this module's peer entry point."""
-    run_dir = Path(spec["run_dir"])
-    shutil.rmtree(run_dir, ignore_errors=True)  # a re-run starts clean: the logs are appended to
-    run_dir.mkdir(parents=True, exist_ok=True)
-    spec_path = run_dir / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2) + "\n")
-    outcome = H._settle(H.run_subprocess([sys.executable, "-m", "benchmarks.w3_agentic", "--peer", str(spec_path)],
-                                         run_dir, deadline_s, spec.get("cpu_threads")), run_dir)
-    (run_dir / "outcome.json").write_text(json.dumps(outcome, indent=2) + "\n")
-    return outcome
+    return H.run_peer_module("benchmarks.w3_agentic", spec, deadline_s)
 
 
 # ----- W3's metrics on top of W1's ---------------------------------------------------------------
