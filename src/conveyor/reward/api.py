@@ -84,6 +84,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "math": "conveyor.reward.verifiers:math_reward",
     "exact": "conveyor.reward.verifiers:exact_match",
     "format": "conveyor.reward.verifiers:format_reward",
+    "digits": "conveyor.reward.verifiers:number_digits",
     "env": "conveyor.reward.verifiers:env_return",
     "code": "conveyor.reward.code:CodeReward",
 }

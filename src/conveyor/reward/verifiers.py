@@ -112,3 +112,18 @@ def env_return(traj: Trajectory) -> dict:
              if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "reward"}
     return {**given, "reward": traj.env_return, "turns": float(traj.turns), "tool_calls": float(calls),
             "env_errors": float(sum(1 for t in traj.turn_records if t.error))}
+
+
+def number_digits(traj: Trajectory) -> dict:
+    """Digit credit for an integer answer: the last integer in the completion against the gold,
+    right-aligned, the share of positions that agree (a carry slip in one digit of three earns
+    2/3, a missing digit costs its position). ``{"reward", "digits_exact"}``; no integer: 0.
+    Meant as a dense companion of ``math`` in ``reward.components``, not alone."""
+    gold = gold_answer(traj.task.answer or "").strip().replace(",", "")
+    found = re.findall(r"-?\d+", traj.text.replace(",", ""))
+    if not found or not re.fullmatch(r"-?\d+", gold):
+        return {"reward": 0.0, "digits_exact": 0.0}
+    pred = found[-1]
+    n = max(len(pred), len(gold))
+    score = sum(a == b for a, b in zip(pred.rjust(n), gold.rjust(n))) / n
+    return {"reward": score, "digits_exact": float(pred == gold)}

@@ -65,7 +65,7 @@ def test_format_reward_uses_search_with_dotall():
 
 
 def test_load_reward_builtins_and_kwargs():
-    assert set(BUILTIN_REWARDS) == {"math", "exact", "format", "env", "code"}
+    assert set(BUILTIN_REWARDS) == {"math", "exact", "format", "env", "code", "digits"}
     assert load_reward("math", {}) is math_reward
     fn = load_reward("exact", {"case_sensitive": False})
     assert fn(traj("PARIS", "paris")) == 1.0
@@ -86,3 +86,16 @@ def test_math_reward_alarm_on_the_main_thread_and_whole_seconds_only():
     assert math_reward(traj("\\boxed{9^{9^{9}}}"), verify_timeout_s=1) == {"reward": 0.0, "parsed": 1.0}
     with pytest.raises(ValueError, match="verify_timeout_s=1.5 must be a whole number of seconds"):
         math_reward(traj("\\boxed{42}"), verify_timeout_s=1.5)
+
+
+def test_digit_credit_scores_the_last_integer_digit_by_digit():
+    from conveyor.reward.verifiers import number_digits
+
+    def score(text, answer="130"):
+        return number_digits(traj(text, answer))
+    assert score("48 + 82 = 130") == {"reward": 1.0, "digits_exact": 1.0}
+    assert score("48 + 82 = 120")["reward"] == pytest.approx(2 / 3)  # one carry slip
+    assert score("the answer is 30")["reward"] == pytest.approx(2 / 3)  # a missing digit costs its place
+    assert score("1,130")["reward"] == pytest.approx(3 / 4)
+    assert score("no number") == {"reward": 0.0, "digits_exact": 0.0}
+    assert score("12", answer="#### 12")["digits_exact"] == 1.0
