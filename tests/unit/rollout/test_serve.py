@@ -319,7 +319,9 @@ def test_running_rows_decode_on_while_a_chunk_waits_for_its_version(model, tok, 
     inbox, outbox, t = serve(eng, weights, timeout_s=5.0)
     inbox.put(Generate(0, [long], params, 0))
     log = read(outbox, Done, 2)
-    assert [what(m) for m in log] == [("weights", 1), ("done", 0), ("done", 1)]
+    if not any(isinstance(m, WeightSwap) for m in log):  # the watcher thread stamps the swap: it may
+        log += read(outbox, WeightSwap, 1)                 # report after the chunks' answers
+    assert sorted(what(m) for m in log) == [("done", 0), ("done", 1), ("weights", 1)]
     done = {m.chunk_id: m.completions[0][0] for m in log if isinstance(m, Done)}
     # Chunk 0 decoded on version 0 from before chunk 1 arrived (step 3) until the publish (step 12).
     first_new = done[0].versions.index(1)
