@@ -53,20 +53,15 @@ from benchmarks.bounds import SHAPES
 def w4_config(spec: dict):
     """W1's RunConfig (model, prompts, EOS bias, optimizer, loss) with the judge as the reward and
     every trajectory traced."""
-    from conveyor.config import load_config
     judge = {"model": spec["judge"]["model_path"], "device": spec["judge"]["device"],
              "max_new_tokens": int(spec["judge"]["max_new_tokens"]), "samples": int(spec["judge"]["samples"]),
              "temperature": 1.0, "chat_template": False, "fallback": "hash"}
-    fixed = W._fixed(spec) + [
-        W._kv("data.path", spec["prompts_path"]), W._kv("rollout.eos_bias", float(spec.get("eos_bias", 0.0))),
+    return W.w1_based(spec, [
         W._kv("reward.fn", "judge"), *[W._kv(f"reward.judge.{k}", v) for k, v in judge.items()],
         W._kv("reward.workers", 1), W._kv("reward.timeout_s", float(spec["judge"]["timeout_s"])),
         W._kv("reward.max_batch", int(spec["judge"]["max_batch"])),
         W._kv("observe.traces_per_step", int(spec["samples_per_step"])), W._kv("observe.traces_max_mb", 4096),
-    ]
-    base = json.loads(json.dumps(W.W1_BASE))
-    base["name"] = "w4"
-    return load_config(None, list(spec.get("overrides", [])) + fixed, base=base)
+    ], name="w4")
 
 
 def run_config(spec: dict):

@@ -67,19 +67,14 @@ DRAWS = "env_draws.jsonl"  # the env's log of its latency draws, in each run dir
 def w3_config(spec: dict):
     """W1's RunConfig (model, prompts, EOS bias, optimizer, loss) with W3's environment as the episodes
     and its return (the hash of the actions at the last turn) as the recorded reward."""
-    from conveyor.config import load_config
     run_dir = Path(spec["run_dir"])
     env_kwargs = {**spec["env"], "tokenizer": spec["model_path"], "reward_seed": int(spec.get("reward_seed", 0)),
                   "log_path": str(run_dir / DRAWS)}
-    fixed = W._fixed(spec) + [
-        W._kv("data.path", spec["prompts_path"]), W._kv("rollout.eos_bias", float(spec.get("eos_bias", 0.0))),
+    return W.w1_based(spec, [
         W._kv("env.name", ENV), W._kv("env.kwargs", env_kwargs),
         W._kv("reward.fn", "benchmarks.w3_env:conveyor_env_return"),
         W._kv("reward.kwargs", {"log_path": str(run_dir / W.TRAJECTORIES)}),
-    ]
-    base = json.loads(json.dumps(W.W1_BASE))
-    base["name"] = "w3"
-    return load_config(None, list(spec.get("overrides", [])) + fixed, base=base)
+    ], name="w3")
 
 
 def run_config(spec: dict):

@@ -64,14 +64,21 @@ W1_BASE = {
 }
 
 
+def w1_based(spec: dict, extra: list[str], name: str | None = None) -> RunConfig:
+    """W1's RunConfig (model, prompts, EOS bias, optimizer, loss) with ``extra`` overrides on top:
+    what W1 scores with, or what another workload built on W1 (W3, W4) changes; ``name`` renames it."""
+    base = json.loads(json.dumps(W1_BASE))
+    if name:
+        base["name"] = name
+    fixed = _fixed(spec) + [
+        _kv("data.path", spec["prompts_path"]), _kv("rollout.eos_bias", float(spec.get("eos_bias", 0.0))), *extra]
+    return load_config(None, list(spec.get("overrides", [])) + fixed, base=base)
+
+
 def w1_config(spec: dict) -> RunConfig:
     log = str(Path(spec["run_dir"]) / TRAJECTORIES)
-    fixed = _fixed(spec) + [
-        _kv("data.path", spec["prompts_path"]), _kv("rollout.eos_bias", float(spec.get("eos_bias", 0.0))),
-        _kv("reward.fn", "benchmarks.rewards:conveyor_hash"),
-        _kv("reward.kwargs", {"log_path": log, "seed": int(spec.get("reward_seed", 0))}),
-    ]
-    return load_config(None, list(spec.get("overrides", [])) + fixed, base=json.loads(json.dumps(W1_BASE)))
+    return w1_based(spec, [_kv("reward.fn", "benchmarks.rewards:conveyor_hash"),
+                           _kv("reward.kwargs", {"log_path": log, "seed": int(spec.get("reward_seed", 0))})])
 
 
 def run_config(spec: dict) -> RunConfig:
