@@ -10,7 +10,8 @@ for the model, ``eff(T)`` the FSDP scaling efficiency, and the shared paths
 are the ones every sample or step crosses once: the weight broadcast (one
 per step, overlapped with the next step up to the trainer's step time), the
 batch sent to every trainer rank from the controller, and the controller's
-messages (a Generate and a Done per chunk). Calibrated on the two-GPU
+messages (a Generate and a Done per chunk, at the driver CPU per message
+measured by ``benchmarks/ray_channels.py``). Calibrated on the two-GPU
 streaming row of docs/benchmarks.md (H100, 0.5B shape, s=2: 246 samples/s,
 engine and trainer both busy), checked against the other measured rows
 (1, 2 and 4 GPUs; printed with the error), then projected to 8-1024 GPUs
@@ -33,10 +34,22 @@ FSDP_TOK_S_PER_GPU = {1: 96_585, 2: 108_483 / 2, 3: 128_426 / 3}  # 4-GPU table:
 PUBLISH_GATHER_S_PER_GB = 0.0385 / 0.99    # FSDP ranks' bucketed gather at publish: 36-41 ms at 0.99 GB
 NVLINK_BCAST_GBS = 332.0                   # NCCL broadcast GPU to GPU, 512 MiB buckets (p2p table)
 
+# ---- measured on this code's Ray path (benchmarks/ray_channels.py, docs/cluster.md) ----------
+# The controller's CPU per message, every thread of the driver process (Ray's own included), on
+# the engines' direct TCP channel (launch/ray_channel.py): one Generate of a group sent, one Done
+# of its 8 completions received (its cost grows with the completion tokens: 0.50 ms for 8 x 896).
+# AMD EPYC, 2 cores, a two-node loopback cluster, under the CPU lock (docs/cluster.md).
+DRIVER_CPU_S_PER_TASK = 0.033e-3
+DRIVER_CPU_S_PER_ANSWER_TOKEN = 0.499e-3 / (8 * 896)
+# The same by actor calls (a call per Generate, Dones returned by pulls of 16): what the launcher
+# did before the channel.
+CALL_CPU_S_PER_TASK = 0.285e-3
+CALL_CPU_S_PER_ANSWER_TOKEN = 0.975e-3 / (8 * 896)
+DRIVER_OTHER_S_PER_SAMPLE = 0.0  # the producer's own work per sample (groups, reward submit): not measured
+
 # ---- assumed hardware (not measured here) ---------------------------------------------------
 NET_GBS = 45.0            # one 400 Gb/s InfiniBand/RoCE NIC per GPU, effective
 DRIVER_NET_GBS = 10.0     # the controller's host NIC share for the batch
-DRIVER_MSGS_PER_S = 5_000  # Ray actor calls + answers one Python controller handles
 GPUS_PER_NODE = 8
 BATCH_BYTES_PER_TOKEN = 24  # ids int64 + loss mask + behaviour logprob + advantage (+ version)
 CHUNK = 8                 # samples per Generate (one task's group)
@@ -63,6 +76,20 @@ def eff(ranks: int) -> float:
     return FSDP_TOK_S_PER_GPU[min(ranks, 3)] / FSDP_TOK_S_PER_GPU[1]
 
 
+def controller_s(batch: int, calls: bool = False) -> float:
+    """The controller's seconds of CPU per step for its messages: a Generate and a Done per chunk
+    (``calls``: by actor calls instead of the channel). One Python driver does them one at a time
+    (the GIL), so they cannot overlap each other."""
+    task, token = (CALL_CPU_S_PER_TASK, CALL_CPU_S_PER_ANSWER_TOKEN) if calls else \
+        (DRIVER_CPU_S_PER_TASK, DRIVER_CPU_S_PER_ANSWER_TOKEN)
+    return (batch / CHUNK) * (task + CHUNK * COMPLETION_TOKENS * token) + batch * DRIVER_OTHER_S_PER_SAMPLE
+
+
+def controller_limit(calls: bool = False) -> float:
+    """The samples/s at which the controller's messages take all of one core."""
+    return 1.0 / controller_s(1, calls)
+
+
 def streaming(trainers: int, engines: int, m: Model = Model("0.5B", 0.494), batch: int = SAMPLES_PER_STEP) -> dict:
     engine = engines * m.per_gpu(E_05B)
     trainer = trainers * m.per_gpu(T_05B) * eff(trainers)
@@ -74,7 +101,7 @@ def streaming(trainers: int, engines: int, m: Model = Model("0.5B", 0.494), batc
     bcast_s = m.weight_gb / bw + (nodes - 1) * BUCKET_GB / bw + (m.weight_gb * PUBLISH_GATHER_S_PER_GB
                                                                   if trainers > 1 else 0.0)
     batch_s = trainers * batch * TOKENS_PER_SAMPLE * BATCH_BYTES_PER_TOKEN / 1e9 / DRIVER_NET_GBS
-    msgs_s = 2 * (batch / CHUNK) / DRIVER_MSGS_PER_S
+    msgs_s = controller_s(batch)
     limits = {"engines": step_s if engine <= trainer else batch / engine,
               "trainer": batch / trainer, "weight broadcast": bcast_s,
               "batch to ranks": batch_s, "controller messages": msgs_s}
@@ -99,9 +126,12 @@ def check() -> None:
 
 
 def project() -> None:
+    cap = controller_limit()
     print(f"\nprojection, streaming s>=2, {SAMPLES_PER_STEP} samples/step per 2 GPUs "
           f"({GPUS_PER_NODE} GPUs/node, NIC {NET_GBS:.0f} GB/s, controller NIC {DRIVER_NET_GBS:.0f} GB/s, "
-          f"{DRIVER_MSGS_PER_S} msgs/s):")
+          f"controller {1e3 * controller_s(CHUNK):.2f} ms CPU per chunk of {CHUNK} samples of "
+          f"{COMPLETION_TOKENS:.0f} completion tokens: at most {cap:,.0f} samples/s; by actor calls "
+          f"{1e3 * controller_s(CHUNK, calls=True):.2f} ms, {controller_limit(calls=True):,.0f} samples/s):")
     for m in (Model("0.5B", 0.494), Model("7B", 7.0), Model("70B", 70.0)):
         for gpus in (8, 64, 512, 1024):
             # Split the GPUs so engines and trainer ranks are equally fast (streaming's best split).
@@ -113,6 +143,10 @@ def project() -> None:
             print(f"  {m.name:4s} {gpus:5d} GPUs ({trainers} trainer + {gpus - trainers} engine, {r['nodes']} nodes): "
                   f"{r['samples_s']:9.0f} samples/s, step {r['step_s']:.3g}s, first limit: {r['first']}\n"
                   f"        [{lim}]")
+        # samples/s per GPU that the roles' compute allows at the balanced split (the last row's)
+        rate = batch / max(r["limits"]["engines"], r["limits"]["trainer"]) / gpus
+        print(f"        the controller's messages take a whole core at about {cap / rate:,.0f} GPUs "
+              f"({cap:,.0f} samples/s) for {m.name}; by actor calls at {controller_limit(True) / rate:,.0f}")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Sends one ``Generate`` of a small chunk (one prompt, ``--tokens`` new tokens,
 greedy) at a time to engine 0 and times until its ``Done`` is on the
 outbox, ``--n`` times after ``--warmup``, for the local launcher's engine
 process (``launch.placement=disaggregated``: multiprocessing queues and a
-relay thread) and for the Ray launcher's engine actor (a call per send, a
-long-poll ``pull`` per answer batch). Prints the median and p90 of each; both
+relay thread) and for the Ray launcher's engine actor (messages and answers
+over its direct TCP channel, ``launch/ray_channel.py``). Prints the median and p90 of each; both
 include the engine's own time for the chunk (the same engine and model).
 
     python benchmarks/ray_roundtrip.py [--address HOST:PORT] [--n 200] [--tokens 1]
@@ -88,7 +88,7 @@ def main() -> None:
                 la.close()
     print(f"Generate -> Done, 1 prompt, {args.tokens} new token(s), n={args.n}:")
     print(f"  local process queues: median {local['median_ms']:.2f} ms, p90 {local['p90_ms']:.2f} ms")
-    print(f"  Ray actor calls:      median {remote['median_ms']:.2f} ms, p90 {remote['p90_ms']:.2f} ms")
+    print(f"  Ray engine actor:     median {remote['median_ms']:.2f} ms, p90 {remote['p90_ms']:.2f} ms")
     from benchmarks.harness import append_record
     out = append_record("ray_roundtrip", {"local_median_ms": local["median_ms"], "local_p90_ms": local["p90_ms"],
                                           "ray_median_ms": remote["median_ms"], "ray_p90_ms": remote["p90_ms"]},

@@ -1,7 +1,8 @@
 """conveyor as a benchmark peer: ``python -m benchmarks.peers.conveyor_peer SPEC.json``.
 
 Contract: runs conveyor's public entry point ``run_local`` (the same code
-``conveyor train`` runs) under ``workloads.run_config(spec)`` until
+``conveyor train`` runs; ``run_ray`` when the overrides set
+``launch.backend=ray``) under ``workloads.run_config(spec)`` until
 ``loop.steps`` or ``loop.time_limit_s``, then, for W2, evaluates the final
 checkpoint with ``benchmarks.evaluate`` (the evaluator TRL's checkpoints
 get too). conveyor's own ``summary.json`` (with its in-process evaluations)
@@ -35,7 +36,11 @@ def main() -> int:
     run_dir = Path(spec["run_dir"])
     cfg = run_config(spec)
     result: dict = {"system": "conveyor", "machine": describe_machine()}
-    summary = run_local(cfg, run_dir)
+    if cfg.launch.backend == "ray":
+        from conveyor.launch.ray import run_ray
+        summary = run_ray(cfg, run_dir)
+    else:
+        summary = run_local(cfg, run_dir)
     last = _last_train_time(run_dir)
     result.update({"steps": summary["steps"], "rl_seconds": summary["rl_seconds"],
                    "rl_start_unix": last - summary["rl_seconds"] if last else None,

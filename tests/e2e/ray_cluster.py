@@ -6,8 +6,10 @@ counts, no dashboard and a 200 MB object store each. ``stop()`` ends every
 process of this cluster — those whose command line names its temp dirs or its
 GCS port, and their descendants — by pid (no `ray stop`, which would stop
 every Ray instance of the machine) and returns the pids still alive (none).
-Ray 2.60 on loopback needs ``RAY_AUTH_MODE`` (token) in the head's, the
-node's and the driver's environment: ``env`` is that environment.
+Ray 2.60 on loopback needs ``RAY_AUTH_MODE`` (``auth``: token, or disabled)
+in the head's, the node's and the driver's environment: ``env`` is that
+environment. Ray reads it when first imported, so a driver that imported Ray
+before setting it runs as "disabled" (the default).
 """
 from __future__ import annotations
 
@@ -40,8 +42,10 @@ class RayCluster:
         return f"127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, root: Path, cpus: int = 3) -> RayCluster:
-        env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+    def start(cls, root: Path, cpus: int = 3, auth: str = "token") -> RayCluster:
+        # The repository root on the workers' path: tests load their rewards there by module name.
+        path = os.pathsep.join(p for p in (str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "RAY_AUTH_MODE": auth, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": path}
         c = cls(root, _free_port(), env)
         common = [f"--num-cpus={cpus}", "--object-store-memory=200000000", "--node-ip-address=127.0.0.1",
                   "--disable-usage-stats"]

@@ -5,8 +5,8 @@ The cluster (``ray_cluster.RayCluster``) has a head node with the custom
 resource ``node_a`` and a second node with ``node_b``; the runs pin the
 trainer to node_a and the engine to node_b through
 ``launch.ray_trainer_resources`` / ``ray_engine_resources`` and the tests
-check where each role ran (``ray_placement.json``). The cluster is stopped
-after the module and no process of it may be left.
+check where each role ran (``ray_placement.json``). The cluster is the
+session's (``conftest.py``): stopped at the end, and no process of it may be left.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -34,23 +33,6 @@ TINY = ["loop.batch_size=4", "rollout.n=4", "data.eval_size=8", "model.tiny.hidd
         "model.tiny.num_layers=1", "model.tiny.intermediate_size=64", "loop.time_limit_s=null",
         "loop.eval_every=0", "observe.tensorboard=false", "observe.progress=false", "launch.timeout_s=120",
         "launch.placement=disaggregated"]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    root = Path("/tmp") / f"cvray-{uuid.uuid4().hex[:6]}"  # short: Ray's socket paths must fit 107 bytes
-    saved = os.environ.get("RAY_AUTH_MODE")
-    c = RayCluster.start(root)
-    os.environ["RAY_AUTH_MODE"] = c.env["RAY_AUTH_MODE"]  # the driver (this process) needs it too
-    try:
-        yield c
-    finally:
-        left = c.stop()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
-        assert not left, f"Ray processes left after stopping the cluster: {sorted(left)}"
 
 
 def on_ray(c: RayCluster, pinned: bool = True) -> list[str]:

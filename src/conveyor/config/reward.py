@@ -100,14 +100,15 @@ class RewardConfig(_Section):
         "deadline of one reward call; for a batched reward (reward model, judge) of one call on a whole batch"))
     fallback: float = Field(0.0, description="reward used when the verifier raises or times out")
     workers: int = Field(2, ge=1, description="reward calls run in parallel")
-    executor: Literal["thread", "process"] = Field("thread", description=(
+    executor: Literal["thread", "process", "ray"] = Field("thread", description=(
         "what runs reward calls: thread = worker threads of the controller (a call past timeout_s is "
         "abandoned, its thread runs on); process = worker processes, each loading the reward itself (calls "
         "run in parallel without the GIL, a call past timeout_s is killed with its process, a crashed worker "
         "is replaced); per-trajectory rewards, and reward models (reward.fn=rm: each worker loads its own copy "
-        "on reward.device and scores whole batches)"))
+        "on reward.device and scores whole batches); ray = those workers as Ray actors on the cluster (needs "
+        "launch.backend=ray; placed by launch.ray_reward_resources and launch.ray_reward_strategy)"))
     max_restarts: int = Field(16, ge=0, description=(
-        "executor=process: worker deaths in a row (no call answered in between) survived by starting a "
+        "executor=process or ray: worker deaths in a row (no call answered in between) survived by starting a "
         "replacement; one more stops the run naming the reward. Timeouts do not count"))
     components: list[RewardComponentConfig] = Field(default_factory=list, description=(
         "several rewards as one: [{fn, kwargs, weight, gate, name}, ...] run in order, total = sum of weight * "
@@ -150,9 +151,9 @@ class RewardConfig(_Section):
 
     @model_validator(mode="after")
     def _executor_and_components(self) -> "RewardConfig":
-        if self.executor == "process" and (self.fn == "judge" or self.fn.startswith(("http://", "https://"))):
+        if self.executor in ("process", "ray") and (self.fn == "judge" or self.fn.startswith(("http://", "https://"))):
             held = "an inference engine" if self.fn == "judge" else "a connection to its server"
-            raise ValueError(f"reward.executor=process: reward.fn={self.fn} scores with {held} that the controller "
+            raise ValueError(f"reward.executor={self.executor}: reward.fn={self.fn} scores with {held} that the controller "
                              "holds and a worker process cannot rebuild from the config; use reward.executor=thread")
         if not self.components:
             return self

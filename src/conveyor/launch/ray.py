@@ -160,6 +160,10 @@ class RayLauncher:
         state = StoreState(driver, self._store.port, f"conveyor-weights-{uuid.uuid4().hex[:8]}",
                            la.collective_timeout_s)
         specs = weight_specs(path, self.cfg.model.trust_remote_code, dedupe_tied=self.cfg.rollout.engine == "native")
+        lo = self.cfg.trainer.lora
+        if lo.enabled and lo.publish == "adapter":  # only the adapters travel
+            from conveyor.transport.adapter import adapter_specs
+            specs = adapter_specs(path, lo.target_modules, lo.rank, self.cfg.model.trust_remote_code)
         dtype = engine_dtype(self.cfg, path, "cuda:0" if self.gpu else "cpu")
         bw = BroadcastWeights([(n, s, dtype) for n, s, _ in specs], state, engines=la.engines,
                               backend="nccl" if self.gpu else "gloo", dtype=dtype, port=bport,
@@ -248,9 +252,10 @@ def connect(cfg: RunConfig) -> bool:
 
 def cpus_needed(cfg: RunConfig) -> int:
     la = cfg.launch
+    rewards = cfg.reward.workers if cfg.reward.executor == "ray" else 0  # one CPU each
     if la.placement == "colocated":
-        return max(la.trainer_ranks, la.engines) * (la.trainer_threads + la.engine_threads)
-    return la.trainer_ranks * la.trainer_threads + la.engines * la.engine_threads
+        return max(la.trainer_ranks, la.engines) * (la.trainer_threads + la.engine_threads) + rewards
+    return la.trainer_ranks * la.trainer_threads + la.engines * la.engine_threads + rewards
 
 
 def run_ray(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:

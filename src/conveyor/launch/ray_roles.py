@@ -3,14 +3,15 @@
 Contract
 - ``EngineActor(spec, reader, engine_id, partial)`` builds one engine (in a
   thread, so the actor answers while it loads) and serves it with
-  ``rollout.serve.engine_loop`` over in-actor queues. ``send(seq, message)``
-  queues a ``Generate`` / ``Stop`` (``seq`` restores the controller's order,
-  which a threaded actor does not keep); ``pull(wait_s)`` is a long poll: it
-  returns every answer queued within ``wait_s`` (at least one if any comes).
+  ``rollout.serve.engine_loop`` over in-actor queues, which
+  ``channel(authkey)`` connects to the controller by a direct TCP channel
+  (``ray_channel``: ``Generate`` / ``Stop`` in, answers out, in order; a
+  message costs the driver a twentieth of an actor call's CPU, docs/cluster.md).
 - ``RayWorker`` is the ``EngineWorker`` (``rollout/api.py``) over one such
-  actor: a driver thread pulls its answers into the shared outbox; ``check``
-  raises ``RoleError`` naming the engine, its node and pid and Ray's error
-  once the actor is dead (the pull fails within ``pull_s`` of the death).
+  actor: ``locate`` opens the channel, a driver thread moves its answers into
+  the shared outbox; ``check`` raises ``RoleError`` naming the engine, its
+  node and pid and Ray's error once the actor is dead (its channel closes
+  when its process goes).
   ``restartable`` is False: engines fed by a weight broadcast group cannot be
   replaced (the group cannot take a new member), so an engine death stops
   the run with that error.
@@ -86,7 +87,6 @@ class EngineActor:
         reader = Fanin([self._warm, reader])
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
-        self._next, self._early, self._order = 0, {}, threading.Lock()
         self._thread = threading.Thread(target=self._serve, args=(spec, reader, engine_id, partial),
                                         name=f"engine{engine_id}", daemon=True)
         self._thread.start()
@@ -112,23 +112,10 @@ class EngineActor:
     def warm(self, named: dict, version: int) -> None:
         self._warm.take(named, version)
 
-    def send(self, seq: int, message) -> None:
-        with self._order:
-            self._early[seq] = message
-            while self._next in self._early:
-                self._inbox.put(self._early.pop(self._next))
-                self._next += 1
-
-    def pull(self, wait_s: float) -> list:
-        try:
-            out = [self._outbox.get(timeout=wait_s)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                out.append(self._outbox.get_nowait())
-            except queue.Empty:
-                return out
+    def channel(self, authkey: bytes) -> tuple[str, int]:
+        """Open the controller's channel: messages in, answers out (``ray_channel.serve``)."""
+        from conveyor.launch.ray_channel import serve
+        return serve(self._inbox, self._outbox, authkey, ray.util.get_node_ip_address())
 
     def join(self, timeout: float) -> bool:
         self._thread.join(timeout)
@@ -191,35 +178,46 @@ class RayWorker:
 
     restartable = False  # a broadcast group cannot take a new member
 
-    def __init__(self, engine_id: int, actor, outbox: queue.Queue, pull_s: float = 0.5):
-        self.engine_id, self.actor, self._outbox, self._pull_s = engine_id, actor, outbox, pull_s
-        self._seq = 0
-        self._send_lock = threading.Lock()
+    def __init__(self, engine_id: int, actor, outbox: queue.Queue):
+        self.engine_id, self.actor, self._outbox = engine_id, actor, outbox
+        self._channel = None
         self._error: str | None = None
         self.place = UNKNOWN
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._relay, name=f"engine{engine_id}-ray-relay", daemon=True)
-        self._thread.start()
 
     def locate(self, timeout: float) -> Place:
+        """Where the actor runs; opens its channel and starts relaying its answers."""
+        from conveyor.launch.ray_channel import connect
         self.place = ray.get(self.actor.where.remote(), timeout=timeout)
+        key = os.urandom(32)
+        self._channel = connect(ray.get(self.actor.channel.remote(key), timeout=timeout), key)
+        self._thread.start()
         return self.place
 
     def _relay(self) -> None:
         while not self._stop.is_set():
             try:
-                messages = ray.get(self.actor.pull.remote(self._pull_s), timeout=self._pull_s + 60)
-            except Exception as e:  # noqa: BLE001 - the actor died or its node went away: check() says so
+                message = self._channel.recv()
+            except (EOFError, OSError) as e:  # the actor's end closed: its process or node is gone
                 if not self._stop.is_set():
-                    self._error = f"{type(e).__name__}: {str(e).strip()[:2000]}"
+                    self._error = self._death(e)
                 return
-            for m in messages:
-                self._outbox.put(m)
+            self._outbox.put(message)
+
+    def _death(self, e: BaseException) -> str:
+        """Ray's word on the actor once its channel closed (it says why the actor died)."""
+        try:
+            ray.get(self.actor.where.remote(), timeout=30)
+        except Exception as d:  # noqa: BLE001 - the actor died: Ray's reason is the message
+            return f"{type(d).__name__}: {str(d).strip()[:2000]}"
+        return f"its channel closed ({type(e).__name__}: {e}) while the actor still answers"
 
     def send(self, message) -> None:
-        with self._send_lock:
-            seq, self._seq = self._seq, self._seq + 1
-            self.actor.send.remote(seq, message)
+        try:
+            self._channel.send(message)
+        except OSError:  # the actor is gone: check() says so once the relay saw it
+            pass
 
     def check(self) -> None:
         if self._error is not None:
@@ -234,7 +232,10 @@ class RayWorker:
             ray.get(self.actor.join.remote(timeout), timeout=timeout + 5)
         self._stop.set()
         ray.kill(self.actor)
-        self._thread.join(self._pull_s + 5)
+        if self._channel is not None:
+            self._channel.close()
+        if self._thread.is_alive():
+            self._thread.join(5)
 
 
 @ray.remote(max_concurrency=2)

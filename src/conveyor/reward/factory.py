@@ -18,7 +18,9 @@ Contract
   ``processes.ProcessRewardService(spec)``, whose workers load the reward
   themselves (a ``BatchReward``, such as a reward model, scores batches
   there) and report a reward that cannot load as ``PluginError`` before the
-  run starts. Both are an ``api.RewardHandle``.
+  run starts; ``ray`` -> ``ray_actors.RayRewardService``: those workers as
+  Ray actors placed by ``launch`` (``launch.ray_reward_resources`` /
+  ``ray_reward_strategy``). All are an ``api.RewardHandle``.
 
 It knows nothing of how a reward computes, nor of the run that uses it.
 """
@@ -32,7 +34,7 @@ from conveyor.reward.api import RewardFn, RewardHandle, load_reward
 from conveyor.reward.compose import Composite, Part, composite_name, part_name, parts_of
 
 if TYPE_CHECKING:  # pragma: no cover
-    from conveyor.config import RewardConfig
+    from conveyor.config import LaunchConfig, RewardConfig
 
 
 MODEL_REWARD = "conveyor.reward.model:RewardModel"  # a class: load_reward constructs it with the kwargs
@@ -64,7 +66,16 @@ def model_spec(cfg: RewardConfig, device: str) -> RewardSpec:
                                      "normalize": cfg.normalize})
 
 
-def reward_service(cfg: RewardConfig, spec: RewardSpec, reward: Any = None) -> RewardHandle:
+def reward_service(cfg: RewardConfig, spec: RewardSpec, reward: Any = None,
+                   launch: LaunchConfig | None = None) -> RewardHandle:
+    if cfg.executor == "ray":  # worker processes as Ray actors, placed by launch.ray_reward_*
+        from conveyor.config import LaunchConfig as _Launch
+        from conveyor.reward.ray_actors import RayRewardService, RewardPlacement
+        la = launch or _Launch()
+        return RayRewardService(spec, RewardPlacement(dict(la.ray_reward_resources), la.ray_reward_strategy,
+                                                      la.timeout_s),
+                                timeout_s=cfg.timeout_s, fallback=cfg.fallback, workers=cfg.workers,
+                                max_restarts=cfg.max_restarts, batch_wait_s=cfg.batch_wait_ms / 1e3)
     if cfg.executor == "process":
         from conveyor.reward.processes import ProcessRewardService
         return ProcessRewardService(spec, timeout_s=cfg.timeout_s, fallback=cfg.fallback, workers=cfg.workers,

@@ -41,6 +41,10 @@ Contract
   kernel's parent-death signal, and a thread watching the parent's pid).
 - ``close()`` cancels queued trajectories, lets running calls end or time
   out, then asks the workers to exit and kills those that do not.
+- A worker is made by ``_worker(index, track)``: a ``worker.WorkerProcess``
+  here, a Ray actor behind the same face in ``ray_actors.RayRewardService``
+  (whose ``end()`` says in words how it ended, where a process gives its
+  exit code).
 
 It knows nothing of what a reward computes.
 """
@@ -318,7 +322,7 @@ class ProcessRewardService:
         """The process in ``slot`` is gone (or could not load the reward): count, rescore, replace."""
         jobs = slot.jobs
         code = self._stop(slot)
-        why = why or f"exited with {exit_text(code)}"
+        why = why or (code if isinstance(code, str) else f"exited with {exit_text(code)}")  # str: a Ray actor's
         if not self._started.is_set():
             self._start_error = f"reward {self.spec.fn!r} cannot be loaded in a reward worker process: {why}"
             return
@@ -365,9 +369,13 @@ class ProcessRewardService:
     def _start(self, slot: _Slot) -> None:
         if slot.gen:  # not the first process of this slot
             self._ledger.add("restarts")
-        slot.proc = WorkerProcess(self._ctx, self.spec, self.fallback, slot.track)
+        slot.proc = self._worker(self._slots.index(slot), slot.track)
         slot.gen, slot.loaded, slot.jobs = slot.gen + 1, False, []
         slot.deadline = time.monotonic() + self.load_timeout_s
+
+    def _worker(self, index: int, track: str) -> WorkerProcess:
+        """A new worker for slot ``index`` (``ray_actors.RayRewardService``: a Ray actor instead)."""
+        return WorkerProcess(self._ctx, self.spec, self.fallback, track)
 
     def _stop_all(self) -> None:
         """Ask every worker to exit, give them ``_STOP_GRACE_S`` together, kill the rest."""

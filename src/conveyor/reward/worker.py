@@ -18,6 +18,10 @@ ignores SIGINT (its parent decides when it stops), and exits when its parent
 process is gone: the kernel's parent-death signal (Linux) and a thread that
 watches its parent's pid.
 
+``load(spec)``, ``answer(fn, batched, name, request, fallback)`` and
+``unpicklable(reply, name, fallback, error)`` are that loading and scoring,
+shared with the reward workers that run as Ray actors (``ray_actors.py``).
+
 It knows nothing of deadlines, queues or counters: ``processes.py`` owns them.
 """
 from __future__ import annotations
@@ -101,23 +105,51 @@ def worker_main(spec: RewardSpec, conn, parent_pid: int, fallback: float) -> Non
         pass
     if "torch" in sys.modules:  # one intra-op thread per worker: the pool is the parallelism (a
         sys.modules["torch"].set_num_threads(1)  # model's batch on 2 threads per worker ran 50x slower)
+    fn, loaded = load(spec)
+    conn.send(loaded)
+    if fn is None:
+        return
+    batched = isinstance(fn, BatchReward)
+    try:
+        _serve(fn, batched, loaded.name, conn, fallback)
+    finally:
+        if batched:
+            with contextlib.suppress(Exception):  # the process ends next: nothing to tell
+                fn.close()
+
+
+def load(spec: RewardSpec):
+    """The reward of ``spec`` and its ``RewardLoaded`` report (the reward is None, the report's
+    ``error`` one line, when it cannot load)."""
     try:
         fn = spec.load()
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(1)
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        conn.send(RewardLoaded(os.getpid(), error=msg if isinstance(e, PluginError) else f"{type(e).__name__}: {msg}"))
-        return
+        return None, RewardLoaded(os.getpid(), error=msg if isinstance(e, PluginError) else f"{type(e).__name__}: {msg}")
     batched = isinstance(fn, BatchReward)
     name = fn.name if batched else reward_name(fn)
-    conn.send(RewardLoaded(os.getpid(), name, max_batch=fn.max_batch if batched else 0))
-    try:
-        _serve(fn, batched, name, conn, fallback)
-    finally:
-        if batched:
-            with contextlib.suppress(Exception):  # the process ends next: nothing to tell
-                fn.close()
+    return fn, RewardLoaded(os.getpid(), name, max_batch=fn.max_batch if batched else 0)
+
+
+def answer(fn, batched: bool, name: str, req, fallback: float) -> ScoreReply:
+    """Score one ``ScoreRequest`` (checked: never raising) into its ``ScoreReply``."""
+    start = time.time()
+    if batched:
+        outs = call_checked(fn, req.trajs, name, fallback)
+    else:
+        outs = [call_reward(fn, req.trajs[0], name, fallback)]
+    outs = tuple(dataclasses.replace(o, problem=o.problem.portable()) if o.problem else o for o in outs)
+    return ScoreReply(req.seq, outs, start, time.time())
+
+
+def unpicklable(reply: ScoreReply, name: str, fallback: float, e: Exception) -> ScoreReply:
+    """``reply`` with every outcome the fallback, for a result that cannot be sent to the controller."""
+    out = Outcome(fallback, {"reward_error": "unpicklable result"}, "failures", Problem(
+        "unpicklable", f"reward {name!r} returned a result that cannot be sent to the controller "
+        f"({type(e).__name__}: {e}); keep its dict to numbers and strings; using fallback {fallback}"))
+    return dataclasses.replace(reply, outcomes=(out,) * len(reply.outcomes), ended_at=time.time())
 
 
 def _serve(fn, batched: bool, name: str, conn, fallback: float) -> None:
@@ -128,21 +160,13 @@ def _serve(fn, batched: bool, name: str, conn, fallback: float) -> None:
             return
         if req is None:
             return
-        start = time.time()
-        if batched:
-            outs = call_checked(fn, req.trajs, name, fallback)
-        else:
-            outs = [call_reward(fn, req.trajs[0], name, fallback)]
-        outs = tuple(dataclasses.replace(o, problem=o.problem.portable()) if o.problem else o for o in outs)
+        reply = answer(fn, batched, name, req, fallback)
         try:
-            conn.send(ScoreReply(req.seq, outs, start, time.time()))
+            conn.send(reply)
         except (OSError, EOFError):
             return
         except Exception as e:  # noqa: BLE001 - the reward's info did not pickle
-            out = Outcome(fallback, {"reward_error": "unpicklable result"}, "failures", Problem(
-                "unpicklable", f"reward {name!r} returned a result that cannot be sent to the controller "
-                f"({type(e).__name__}: {e}); keep its dict to numbers and strings; using fallback {fallback}"))
-            conn.send(ScoreReply(req.seq, (out,) * len(outs), start, time.time()))
+            conn.send(unpicklable(reply, name, fallback, e))
 
 
 def _die_with_parent(parent_pid: int) -> None:
