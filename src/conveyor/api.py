@@ -13,8 +13,9 @@ Contract
 - ``evaluate(run_dir, overrides=(), checkpoint=None) -> EvalResult``: held-out
   reward of that model with the run's reward and eval set, greedy and sampled.
 - ``model_dir(run_dir, checkpoint=None)``: where a run's model is (``final/``,
-  or a checkpoint directory); ``export(run_dir, out, checkpoint=None)`` writes
-  it as a plain HF directory, from any of them (sharded FSDP checkpoints too).
+  or a checkpoint directory); ``export(run_dir, out, checkpoint=None, form)`` writes
+  it as a plain HF directory, from any of them (sharded FSDP checkpoints too);
+  a LoRA run's ``form="adapter"`` writes its adapter alone (peft's format).
 
 It knows the run directory's layout and nothing of the loop's internals.
 """
@@ -148,9 +149,24 @@ def checkpoint_dir(run_dir: Path, checkpoint: str | Path) -> Path:
     return ckpt
 
 
-def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None) -> Path:
+def _lora_of(run_dir: str | Path):
+    """The run's ``trainer.lora`` section, read alone from its config.yaml (off without one), so that
+    exporting does not depend on the rest of an older run's config still validating."""
+    import yaml
+
+    from conveyor.config.lora import LoraConfig
+    path = Path(run_dir) / "config.yaml"
+    saved = yaml.safe_load(path.read_text()) if path.is_file() else None
+    section = ((saved or {}).get("trainer") or {}).get("lora") or {}
+    return LoraConfig.model_validate(section)
+
+
+def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None = None,
+           form: str = "merged") -> Path:
     """Write the run's model (``final/`` or a checkpoint, sharded FSDP ones included) to ``out``
-    as a plain Hugging Face directory with the tokenizer; returns where it came from."""
+    as a plain Hugging Face directory with the tokenizer; returns where it came from. A LoRA run
+    (``trainer.lora``) exports merged weights, or with ``form="adapter"`` the adapter alone in
+    peft's format (docs/lora.md)."""
     import shutil
     import warnings
 
@@ -158,7 +174,19 @@ def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None =
     src, out = model_dir(run_dir, checkpoint), Path(out)
     if out.exists():
         raise ConfigError(f"{out} already exists; give a new directory to export to")
-    if (src / "policy").is_dir():  # a checkpoint: policy/ (or, sharded, dcp/ + policy/'s config)
+    lo = _lora_of(run_dir)
+    if form not in ("merged", "adapter") or (form == "adapter" and not lo.enabled):
+        raise ConfigError(f"--form {form}: {run_dir} has no LoRA adapter (trainer.lora.enabled is false); "
+                          "export the whole model with --form merged" if form == "adapter" else
+                          f"--form {form}: use merged or adapter")
+    if lo.enabled and (src / "policy").is_dir():  # peft's names in the checkpoint: merge or extract
+        from conveyor.trainer.lora import export_checkpoint
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            export_checkpoint(src, out, lo, form)
+    elif form == "adapter":
+        shutil.copytree(src / "adapter", out)  # final/ keeps the adapter beside the merged weights
+    elif (src / "policy").is_dir():  # a checkpoint: policy/ (or, sharded, dcp/ + policy/'s config)
         with warnings.catch_warnings():  # dcp's single-process read warns that no process group exists
             warnings.simplefilter("ignore", UserWarning)
             export_hf(src, out)
@@ -170,12 +198,13 @@ def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None =
 @contextlib.contextmanager
 def _plain_model(run_dir: str | Path, checkpoint: str | Path | None) -> Iterator[Path]:
     """A plain HF directory of the run's model for the length of the block (a sharded checkpoint
-    is exported into a temporary directory)."""
+    or a LoRA run's checkpoint is exported into a temporary directory)."""
     import tempfile
 
     from conveyor.trainer.checkpoint import SHARDED_MARKER
     src = model_dir(run_dir, checkpoint)
-    if not (src / SHARDED_MARKER).is_file():
+    adapted = _lora_of(run_dir).enabled and (src / "policy").is_dir()  # peft's names: merged first
+    if not (src / SHARDED_MARKER).is_file() and not adapted:
         yield src / "policy" if (src / "policy").is_dir() else src
         return
     with tempfile.TemporaryDirectory(prefix="conveyor-model-") as tmp:

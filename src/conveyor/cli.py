@@ -148,7 +148,7 @@ def _eval(ns) -> int:
 
 def _export(ns) -> int:
     from conveyor import api
-    src = api.export(ns.run_dir, ns.out, ns.checkpoint)
+    src = api.export(ns.run_dir, ns.out, ns.checkpoint, ns.form)
     print(f"wrote {ns.out} from {src}")
     return 0
 
@@ -308,6 +308,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir", metavar="RUN_DIR")
     sp.add_argument("out", metavar="OUT")
     _add_checkpoint(sp)
+    sp.add_argument("--form", choices=("merged", "adapter"), default="merged", help=(
+        "a LoRA run (trainer.lora): merged = base + adapter as one HF checkpoint (default); "
+        "adapter = the adapter alone in peft's format (adapter_config.json + adapter_model.safetensors)"))
     sp.set_defaults(fn=_export)
     desc = "print what the model wrote at a step of a run (its traces.jsonl: best, worst and random samples)"
     sp = sub.add_parser("samples", help=desc, description=desc, formatter_class=fmt, epilog=(

@@ -12,7 +12,8 @@ only while ``staleness.admissible`` allows for the version published here;
 with ``max_staleness = 0`` nothing of step v+1 starts before version v+1 is
 published: synchronous on-policy RL is this same loop. Each step waits (with
 a deadline) for ``batch_size`` scored groups, trains on them in admission
-order (the new weights leave as the step ends, ``train_and_publish``), tells
+order (with ``loop.replay``, plus groups replayed from ``controller.replay``'s
+store; the new weights leave as the step ends, ``train_and_publish``), tells
 the producer the new version, and logs metrics; evaluation and checkpoints
 run when due. The loop knows no formulas (``controller.objective``), no model
 internals and not where the roles run.
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from conveyor.config import RunConfig
 from conveyor.controller import objective
 from conveyor.controller.producer import Producer
+from conveyor.controller.replay import ReplayStore
 from conveyor.controller.step_batch import prepare, train_and_prepare_next
 from conveyor.controller.step_stats import engine_stats, rollout_stats, sync_stats
 from conveyor.launch import watchdog
@@ -61,6 +63,7 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
     t_start = time.perf_counter()
     rollouts.start_admitting()  # admission is driven by the version published below
     ahead = None  # the next step's batch, prepared while this step trained
+    replay = ReplayStore(lc.replay, lc.batch_size, lc.seed) if lc.replay.fraction > 0 else None
     for step in range(start_step, lc.steps):
         if lc.time_limit_s and time.perf_counter() - t_start > lc.time_limit_s:
             logger.message(f"time limit {lc.time_limit_s:.0f}s reached after {step - start_step} steps")
@@ -70,13 +73,14 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
             with timer.phase("wait"), stalled(f"the wait for step {step + 1}'s {lc.batch_size} scored groups"):
                 items = buffer.get(lc.batch_size, timeout=timeout)  # the trainer's idle time
             with timer.phase("prepare"):
-                groups, batch, stats, extra = prepare(trainer, cfg.algo, items, need)
+                groups, batch, stats, extra = prepare(trainer, cfg.algo, items, need, replay, step)
         else:  # built while the last step trained; what is not ready yet, the trainer waits for
             with timer.phase("wait"), stalled(f"the wait for step {step + 1}'s batch"):
                 groups, batch, stats, extra = ahead.take(timeout)
         with timer.phase("train"):  # the trainer publishes version step + 1 as its step ends
             trained, ahead = train_and_prepare_next(trainer, buffer, lc, cfg.algo, batch, loss_fn, need,
-                                                    version=step + 1, timeout_s=timeout, last=step + 1 == lc.steps)
+                                                    version=step + 1, timeout_s=timeout, last=step + 1 == lc.steps,
+                                                    replay=replay)
         deadlines.observe("groups", time.monotonic() - t_wait)  # a step's wait and train: what a wait may take
         published_at[step + 1] = trained.step_ended
         rollouts.published(step + 1)
@@ -84,7 +88,8 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
         counters = counted_before(running_counts(rewards, now))
         metrics = {**stats, **trained.metrics, **rollout_stats(groups, step),
                    "weight_publish_ms": trained.publish_s * 1e3,
-                   "buffer_depth": len(buffer), **sync_stats(rollouts.take_swaps(), published_at, swaps, upto=step),
+                   "buffer_depth": len(buffer), **rollouts.filter_stats(),  # dynamic sampling's drops
+                   **sync_stats(rollouts.take_swaps(), published_at, swaps, upto=step),
                    **engine_stats(now.clocks, clocks), **counters, **timer.lap()}
         if "proximal_logprobs" in extra:
             metrics["logprob_diff_max"] = max(

@@ -11,7 +11,12 @@ Contract
   rollouts); their logprob is 0.0 and version -1. ``logprobs`` are the
   behaviour policy's log-probabilities of the sampled tokens, taken from the
   same logits the tokens were sampled from. ``versions[i]`` is the policy
-  version whose weights produced token i.
+  version whose weights produced token i. ``routed_experts`` (mixture-of-experts
+  models, when the engine records them; else None): an integer numpy array
+  ``[positions, moe_layers, top_k]``, the experts the engine's routers chose for
+  each token it fed through the model, prompt tokens then completion tokens (the
+  last completion token is never fed, so ``positions`` is usually
+  ``num_tokens - 1``); the trainer replays them (``algo.routing_replay``).
 - ``TurnRecord``: one model turn of a multi-turn episode: the policy's tokens
   of the turn are ``completion_ids[start:end]``; the environment's answer
   follows them (loss-masked) up to the next turn's ``start``. ``reward`` is
@@ -19,7 +24,8 @@ Contract
 - ``Group``: the n samples of one task, explicit (never a positional reshape).
 - ``Batch``: what the trainer consumes: token ids plus per-token float fields,
   aligned with the ids (position t of a field belongs to token t; fields are
-  0 where ``loss_mask`` is 0, and position 0 is never a target).
+  0 where ``loss_mask`` is 0, and position 0 is never a target), and for routing
+  replay the recorded experts per sample.
 
 These types know nothing of torch except ``Batch``, whose tensors are built
 by the loop just before training.
@@ -32,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy
     import torch
 
 
@@ -71,6 +78,7 @@ class Trajectory:
     turns: int = 1
     timings: Mapping[str, float] = field(default_factory=dict)
     turn_records: tuple[TurnRecord, ...] = ()
+    routed_experts: "numpy.ndarray | None" = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -133,15 +141,21 @@ class Batch:
                   behaviour logprobs); the trainer passes them through to the loss.
     num_tokens / num_seqs: totals over the WHOLE batch, so a loss can normalise
                   identically however the batch is split into micro-batches.
+    routes[i]:    None, or a long tensor [P_i, moe_layers, top_k] with P_i <= len(input_ids[i]):
+                  the experts to use at position t (routing replay); a row with a negative
+                  entry, and positions from P_i on, use the trainer's own router.
     """
 
     input_ids: list["torch.Tensor"]
     loss_mask: list["torch.Tensor"]
     fields: dict[str, list["torch.Tensor"]] = field(default_factory=dict)
+    routes: list["torch.Tensor"] | None = None
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):
             raise ValueError("Batch: input_ids and loss_mask must have one entry per sample")
+        if self.routes is not None and len(self.routes) != len(self.input_ids):
+            raise ValueError(f"Batch: routes has {len(self.routes)} samples, expected {len(self.input_ids)}")
         for name, vals in self.fields.items():
             if len(vals) != len(self.input_ids):
                 raise ValueError(f"Batch field {name!r} has {len(vals)} samples, expected {len(self.input_ids)}")
@@ -163,4 +177,5 @@ class Batch:
             [self.input_ids[i] for i in idx],
             [self.loss_mask[i] for i in idx],
             {k: [v[i] for i in idx] for k, v in self.fields.items()},
+            None if self.routes is None else [self.routes[i] for i in idx],
         )

@@ -7,6 +7,8 @@ from pydantic import Field, field_validator, model_validator
 
 from conveyor import staleness
 from conveyor.config.base import ConfigError, _Section, did_you_mean
+from conveyor.config.replay import ReplayConfig
+from conveyor.config.lora import LoraConfig
 from conveyor.config.reward import JudgeConfig, RewardComponentConfig, RewardConfig
 
 __all__ = ["AlgoConfig", "ConfigError", "DataConfig", "EndpointConfig", "EnvConfig", "JudgeConfig", "LaunchConfig",
@@ -22,6 +24,18 @@ class TinyModelConfig(_Section):
     num_kv_heads: int = Field(2, gt=0, description="key/value heads (grouped-query attention)")
     intermediate_size: int = Field(384, gt=0, description="MLP width")
     max_position_embeddings: int = Field(256, gt=0, description="context length in tokens (prompt + completion)")
+    num_experts: int = Field(0, ge=0, description=(
+        "0 = dense; > 0 builds a Qwen3-MoE model instead, every layer's MLP this many experts "
+        "(docs/algorithms.md, Mixture of experts)"))
+    experts_per_token: int = Field(2, ge=1, description="MoE: experts each token is routed to (top-k)")
+    moe_intermediate_size: int = Field(128, gt=0, description="MoE: width of each expert's MLP")
+
+    @model_validator(mode="after")
+    def _experts_fit(self) -> "TinyModelConfig":
+        if self.num_experts and self.experts_per_token > self.num_experts:
+            raise ValueError(f"model.tiny.experts_per_token ({self.experts_per_token}) exceeds model.tiny.num_experts "
+                             f"({self.num_experts}); lower it or add experts")
+        return self
 
 
 class ModelConfig(_Section):
@@ -76,6 +90,11 @@ class RolloutConfig(_Section):
         "multi-turn episode's next turn). version: only KV of the weights being served; stale: also across "
         "weight swaps, as partial rollouts keep a running generation's KV; auto: stale with env.name, partial "
         "rollouts and max_staleness > 0, version with env.name otherwise, else off"))
+    quantization: Literal["none", "fp8", "int8"] = Field("none", description=(
+        "native engine, fast runner: decode from 8-bit copies of the linear layers' weights, re-quantised at "
+        "every weight update (per-output-channel scales; embeddings, norms and the LM head stay in rollout.dtype). "
+        "fp8: e4m3 weights and per-token activations, FP8 GEMMs (CPU, or a GPU of compute capability 8.9+); "
+        "int8: weight-only. Turns algo.importance_sampling to truncated unless it is set (docs/quantized-rollouts.md)"))
     vllm_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
         "extra vllm.LLM arguments (gpu_memory_utilization, tensor_parallel_size, enable_sleep_mode, ...)"))
     vllm_weight_sync: Literal["reload", "nccl", "ipc"] = Field("reload", description=(
@@ -85,11 +104,19 @@ class RolloutConfig(_Section):
     remote_weight_sync: Literal["vllm_reload", "vllm_nccl", "sglang_disk", "none"] = Field("none",
         description="how a remote server receives new weights; none = never")
     remote_timeout_s: float = Field(600.0, gt=0, description="deadline of one HTTP request")
+    record_experts: bool = Field(False, description=(
+        "native engine, mixture-of-experts models: record each token's routed experts in its trajectory "
+        "(turned on by algo.routing_replay)"))
 
     @model_validator(mode="after")
     def _remote_needs_url(self) -> "RolloutConfig":
         if self.engine == "remote" and not self.remote_url:
             raise ValueError("rollout.engine=remote needs rollout.remote_url=http://host:port")
+        if self.quantization != "none" and (self.engine != "native" or self.runner == "hf"):
+            which = f"rollout.engine={self.engine}" if self.engine != "native" else "rollout.runner=hf"
+            raise ValueError(f"rollout.quantization={self.quantization} is done by the native engine's fast runner, "
+                             f"not {which}; set rollout.engine=native and rollout.runner=fast (or auto), or "
+                             "rollout.quantization=none")
         return self
 
 
@@ -140,6 +167,8 @@ class TrainerConfig(_Section):
     reference: bool = Field(False, description="keep a frozen reference model (needed for a KL term)")
     critic: bool = Field(False, description="train a value head (needed for GAE / PPO with a critic)")
     critic_lr: float = Field(1e-5, gt=0, description="learning rate of the value head")
+    lora: LoraConfig = Field(LoraConfig(), description=(
+        "low-rank adapters (LoRA) instead of full fine-tuning; off by default (docs/lora.md)"))
     ppo_epochs: int = Field(1, ge=1, description="passes over each batch")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per pass")
     profile_steps: list[int] = Field(default_factory=list, description=(
@@ -159,7 +188,7 @@ class AlgoConfig(_Section):
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce++", "gae"] = Field("grpo",
         description="advantage estimator")
     loss: Literal["auto", "ppo", "gspo", "decoupled_ppo"] = Field("auto", description=(
-        "auto: decoupled_ppo when loop.max_staleness > 0 (the ratio against the policy being trained, "
+        "auto: decoupled_ppo when loop.max_staleness > 0 or loop.replay is on (the ratio against the policy being trained, "
         "stale behaviour weights truncated at is_cap), else ppo"))
     clip_low: float | None = Field(None, ge=0, description="default 0.2 (ppo) or 3e-4 (gspo)")
     clip_high: float | None = Field(None, ge=0, description="default 0.2 (ppo) or 4e-4 (gspo); > clip_low = clip-higher")
@@ -172,8 +201,9 @@ class AlgoConfig(_Section):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (k3: unbiased, non-negative)")
     kl_in_reward: bool = Field(False, description="subtract the KL from the reward instead of adding it to the loss")
     entropy_coef: float = Field(0.0, description="entropy bonus weight")
-    importance_sampling: Literal["none", "truncated", "masked"] = Field("none",
-        description="correct engine/trainer mismatch: truncated or masked weights")
+    importance_sampling: Literal["none", "truncated", "masked"] = Field("none", description=(
+        "correct engine/trainer mismatch: truncated or masked weights; left unset, truncated when "
+        "rollout.quantization is fp8 or int8, else none"))
     is_level: Literal["token", "sequence"] = Field("token",
         description="importance weights per token or per sequence")
     is_cap: float = Field(2.0, gt=0, description="cap of the importance weights")
@@ -187,6 +217,23 @@ class AlgoConfig(_Section):
         "discounted return over the remaining turns (docs/algorithms.md)"))
     turn_gamma: float = Field(1.0, ge=0, le=1, description="discount per turn (turn_credit=discounted)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+    routing_replay: bool = Field(False, description=(
+        "mixture-of-experts models: the trainer's forward uses the experts the engine's routers chose for "
+        "each token (recorded in the trajectory) instead of its own router's top-k; needs the native "
+        "engine's Hugging Face runner and single-turn rollouts (docs/algorithms.md, routing replay)"))
+    dynamic_sampling: bool = Field(False, description=(
+        "DAPO's dynamic sampling: a group whose samples all score alike (no learning signal) is dropped and "
+        "its slot given a new task, so every trained group carries signal (docs/algorithms.md, DAPO)"))
+    max_draws_per_step: int = Field(8, ge=1, description=(
+        "dynamic sampling: groups one training step may draw, as a multiple of loop.batch_size; a step that "
+        "needs more stops the run (the task is solved or too hard); at least 2"))
+    overlong_filter: bool = Field(False, description=(
+        "DAPO's overlong filtering: a sample that hit rollout.max_new_tokens without ending gets loss mask 0 "
+        "(its reward still counts in its group's baseline)"))
+    overlong_buffer: int = Field(0, ge=0, description=(
+        "DAPO's soft overlong penalty: the last this many tokens before rollout.max_new_tokens cost reward "
+        "linearly, up to overlong_penalty at the budget; 0 = off"))
+    overlong_penalty: float = Field(1.0, ge=0, description="the soft overlong penalty's factor (its size at the budget)")
 
     @model_validator(mode="after")
     def _clip_defaults(self) -> "AlgoConfig":
@@ -234,6 +281,8 @@ class LoopConfig(_Section):
     partial_rollouts: bool = Field(True, description=(
         "new weights interrupt running generations (tokens record their version); "
         "false: engines take new weights only between requests"))
+    replay: ReplayConfig = Field(ReplayConfig(), description=(
+        "reuse of recent high-signal groups beside each step's fresh ones (docs/algorithms.md, Trajectory reuse)"))
 
     @model_validator(mode="after")
     def _fits(self) -> "LoopConfig":
@@ -244,6 +293,9 @@ class LoopConfig(_Section):
         if self.concurrency is not None and self.concurrency > cap:
             raise ValueError(f"loop.concurrency ({self.concurrency}) exceeds what the staleness rule can ever "
                              f"admit (batch_size * (max_staleness + 1) = {cap}); lower it or raise max_staleness")
+        if self.replay.fraction > 0 and self.replay.per_step(self.batch_size) == 0:
+            raise ValueError(f"loop.replay.fraction ({self.replay.fraction}) x loop.batch_size ({self.batch_size}) "
+                             "is under one group, so nothing is replayed; raise loop.replay.fraction or set it to 0")
         return self
 
 
@@ -334,6 +386,12 @@ class LaunchConfig(_Section):
         "ranks to nodes started with --resources='{\"node_a\": 1}')"))
     ray_engine_resources: dict[str, float] = Field(default_factory=dict, description=(
         "backend=ray: extra Ray resources each engine's bundle asks for (placement=disaggregated)"))
+    ray_reward_resources: dict[str, float] = Field(default_factory=dict, description=(
+        "reward.executor=ray: extra Ray resources each reward worker's bundle (1 CPU) asks for, e.g. "
+        "{node_b: 0.1} to put them on a node, {GPU: 1} for a reward model on a GPU of its own"))
+    ray_reward_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
+        "reward.executor=ray: the placement group strategy of the reward workers' bundles (SPREAD: over "
+        "the nodes)"))
 
     @property
     def in_process(self) -> bool:
@@ -402,22 +460,79 @@ class RunConfig(_Section):
     launch: LaunchConfig = Field(LaunchConfig(), description="where the roles run (devices, processes, weight sync)")
 
     @model_validator(mode="after")
+    def _algo_fits(self) -> "RunConfig":
+        a, n, budget = self.algo, self.rollout.n, self.rollout.max_new_tokens
+        if a.kl_in_reward and a.kl_coef == 0:
+            raise ValueError("algo.kl_in_reward=true subtracts nothing with algo.kl_coef=0; set algo.kl_coef > 0 "
+                             "(and trainer.reference=true), or algo.kl_in_reward=false")
+        if a.dynamic_sampling and n < 2:
+            raise ValueError("algo.dynamic_sampling with rollout.n=1 can never fill a batch (a group of one sample "
+                             "always scores alike and is dropped); raise rollout.n to 2 or more, or set "
+                             "algo.dynamic_sampling=false")
+        if a.dynamic_sampling and a.max_draws_per_step < 2:
+            raise ValueError(f"algo.max_draws_per_step={a.max_draws_per_step} leaves no draw to replace a dropped "
+                             "group (algo.dynamic_sampling); set it to 2 or more")
+        if a.overlong_buffer >= budget:
+            raise ValueError(f"algo.overlong_buffer ({a.overlong_buffer}) must be below rollout.max_new_tokens "
+                             f"({budget}), or every completion is penalised; lower it")
+        if a.overlong_buffer > 0 and self.env.name:
+            raise ValueError("algo.overlong_buffer measures single-turn completions against rollout.max_new_tokens; "
+                             "with env.name set it to 0 (algo.overlong_filter works with episodes)")
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
+        if self.rollout.quantization != "none" and "importance_sampling" not in self.algo.model_fields_set:
+            # 8-bit rollouts widen the engine/trainer gap; the ratio corrects it (docs/quantized-rollouts.md).
+            self.algo.importance_sampling = "truncated"
         if self.algo.loss == "auto":
             # Stale samples clipped against their behaviour policy stop teaching; decoupled PPO
             # clips against the proximal policy instead, and with one update per batch it costs
             # no extra pass (docs/architecture.md, "Choices measured").
-            self.algo.loss = "decoupled_ppo" if self.loop.max_staleness > 0 else "ppo"
+            stale = self.loop.max_staleness > 0 or self.loop.replay.enabled  # replayed groups are stale too
+            self.algo.loss = "decoupled_ppo" if stale else "ppo"
+        if self.loop.replay.enabled and self.algo.loss != "decoupled_ppo" and self.algo.importance_sampling == "none":
+            raise ValueError(f"loop.replay needs an importance-corrected loss, not algo.loss={self.algo.loss} without "
+                             "importance sampling: set algo.loss=decoupled_ppo (or auto), or algo.importance_sampling="
+                             "truncated")
         if self.rollout.prefix_cache == "auto":
             streaming = self.loop.partial_rollouts and self.loop.max_staleness > 0
             self.rollout.prefix_cache = ("stale" if streaming else "version") if self.env.name else "off"
+        if self.algo.routing_replay:
+            self._check_routing_replay()
         if self.algo.kl_coef > 0 and not self.trainer.reference:
             raise ValueError("algo.kl_coef > 0 needs a reference model: set trainer.reference=true")
         if self.algo.advantage == "gae" and not self.trainer.critic:
             raise ValueError("algo.advantage=gae needs a value model: set trainer.critic=true")
+        lo = self.trainer.lora
+        if lo.enabled and lo.publish == "adapter" and self.rollout.engine != "native":
+            raise ValueError(f"trainer.lora.publish=adapter needs rollout.engine=native ({self.rollout.engine} "
+                             "takes full weights only); set trainer.lora.publish=merged")
+        if lo.enabled and lo.publish == "adapter" and self.sft.steps > 0:
+            raise ValueError("trainer.lora.publish=adapter cannot carry the warm start's full weights; "
+                             "set trainer.lora.publish=merged or sft.steps=0")
         la = self.launch
+        if self.reward.executor == "ray" and la.backend != "ray":
+            raise ValueError("reward.executor=ray runs the reward workers as Ray actors and needs "
+                             "launch.backend=ray; or use reward.executor=process")
         if la.placement == "colocated" and not la.in_process and la.engines != la.trainer_ranks:
             raise ValueError(f"launch.placement=colocated puts engine i beside trainer rank i, so launch.engines "
                              f"({la.engines}) must equal launch.trainer_ranks ({la.trainer_ranks}); "
                              "or use launch.placement=disaggregated")
         return self
+
+    def _check_routing_replay(self) -> None:
+        """algo.routing_replay: what can record experts, before the run (a model.path's own config is
+        checked when the run starts, controller/run.py)."""
+        if self.model.path is None and self.model.tiny.num_experts == 0:
+            raise ValueError("algo.routing_replay needs a mixture-of-experts model, and the tiny model is dense: "
+                             "set model.tiny.num_experts (e.g. 8), or give an MoE model.path")
+        r = self.rollout
+        if r.engine != "native" or r.runner == "fast" or r.quantization != "none":
+            raise ValueError("algo.routing_replay needs experts recorded by the native engine's Hugging Face "
+                             "runner: set rollout.engine=native, rollout.runner=auto or hf and rollout.quantization="
+                             f"none (got {r.engine}, runner {r.runner}, quantization {r.quantization})")
+        if self.env.name:
+            raise ValueError("algo.routing_replay covers single-turn rollouts; multi-turn episodes (env.name="
+                             f"{self.env.name}) carry no recorded experts: set algo.routing_replay=false")
+        self.rollout.record_experts = True

@@ -7,9 +7,12 @@ Contract
   mini-batch) the proximal policy IS the policy of the training forward, so
   the loss takes its detached logprobs and nothing is recomputed.
 - ``make_batch(groups, cfg, extra)`` builds the Batch: ids = prompt +
-  completion, loss mask over the policy's own tokens, per-token fields
+  completion, loss mask over the policy's own tokens (0 on a sample cut at
+  the token budget under ``algo.overlong_filter``), per-token fields
   ``advantages``, ``behaviour_logprobs`` (engine), and where computed
-  ``proximal_logprobs`` / ``ref_logprobs`` / ``returns``.
+  ``proximal_logprobs`` / ``ref_logprobs`` / ``returns``; ``routes`` are the engine's
+  recorded experts when trajectories carry them (routing replay; a sample without
+  any is routed by the trainer's own routers).
 - ``make_loss(cfg)`` returns a LossFn for ``Trainer.train``: the policy loss
   chosen in AlgoConfig, with optional importance-sampling correction, KL
   term, entropy bonus and value loss, aggregated with global normalisers.
@@ -26,6 +29,7 @@ import torch
 
 from conveyor import algo
 from conveyor.config import AlgoConfig
+from conveyor.controller.group_filter import mask_overlong
 from conveyor.types import Batch, Group, Trajectory
 
 
@@ -69,7 +73,17 @@ def base_batch(trajs: list[Trajectory]) -> Batch:
         ids.append(_tensor("q", t.prompt_ids + t.completion_ids, torch.long))
         masks.append(torch.cat([head, _tensor("f", t.loss_mask, torch.float32)]))
         behaviour.append(torch.cat([head, _tensor("f", t.logprobs, torch.float32)]))
-    return Batch(ids, masks, {"behaviour_logprobs": behaviour})
+    return Batch(ids, masks, {"behaviour_logprobs": behaviour}, _routes(trajs))
+
+
+def _routes(trajs: list[Trajectory]) -> list[torch.Tensor] | None:
+    """The engine's recorded experts (routing replay); a sample without them (none recorded)
+    gets none, so the trainer's own router serves it."""
+    shapes = [t.routed_experts.shape[1:] for t in trajs if t.routed_experts is not None]
+    if not shapes:
+        return None
+    return [torch.zeros((0, *shapes[0]), dtype=torch.long) if t.routed_experts is None
+            else torch.from_numpy(t.routed_experts).long() for t in trajs]
 
 
 def make_batch(groups: list[Group], cfg: AlgoConfig, extra: dict[str, list[torch.Tensor]] | None = None,
@@ -78,6 +92,8 @@ def make_batch(groups: list[Group], cfg: AlgoConfig, extra: dict[str, list[torch
     (proximal_logprobs, ref_logprobs, values); KL-in-reward and GAE need them."""
     trajs = [t for g in groups for t in g.trajectories]
     base = base or base_batch(trajs)
+    if cfg.overlong_filter:  # DAPO: samples cut at the token budget teach nothing
+        base = mask_overlong(base, trajs)
     extra = dict(extra or {})
     mask = _pad(base.loss_mask)                                     # [B, T]
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)  # [B]
@@ -111,11 +127,22 @@ def make_batch(groups: list[Group], cfg: AlgoConfig, extra: dict[str, list[torch
         "reward": float(rewards.mean()),
         "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
         "adv_abs_mean": float((adv.abs() * mask).sum() / mask.sum().clamp(min=1)),
+        **_token_moments(adv, mask),
         "groups_without_signal": float(sum(len(set(g.rewards)) == 1 for g in groups) / max(len(groups), 1)),
     }
     if kl_tok is not None:
         stats["kl_reward"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
-    return Batch(base.input_ids, base.loss_mask, fields), stats
+    return Batch(base.input_ids, base.loss_mask, fields, base.routes), stats
+
+
+def _token_moments(adv: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and population std of the advantages over the loss tokens (REINFORCE++ whitens
+    them to 0 and 1; group estimators centre each group's sequences, not its tokens)."""
+    m = mask.bool()
+    vals = adv[m].double()
+    if vals.numel() == 0:
+        return {"adv_mean": 0.0, "adv_std": 0.0}
+    return {"adv_mean": float(vals.mean()), "adv_std": float(vals.std(unbiased=False))}
 
 
 def _turn_credit(groups: list[Group], cfg: AlgoConfig, mask: torch.Tensor) -> torch.Tensor:
@@ -181,7 +208,7 @@ class PolicyLoss:
         if c.kl_coef > 0 and not c.kl_in_reward:
             kl = algo.kl_estimate(lp, mb["ref_logprobs"], c.kl_estimator, mask=mask)
             tok = tok + c.kl_coef * kl
-            m["kl"] = algo.masked_mean(kl, mask)
+            m["kl"] = algo.masked_mean(kl.detach(), mask)  # a metric: no graph kept
         if self.needs_entropy:
             tok = tok - c.entropy_coef * out["entropy"]
             m["entropy"] = algo.masked_mean(out["entropy"], mask)

@@ -8,7 +8,9 @@ told by the loop through ``published(v)``), sends each admitted chunk as a
 ``messages.Generate`` to the engine worker with the fewest groups in flight,
 turns ``Done`` completions into groups, has every trajectory scored by the
 reward service (off this thread) and puts each complete group into the
-buffer as ``Scored``. Chunks never straddle a training step and their
+buffer as ``Scored``; with a ``group_filter`` (DAPO, ``controller.group_filter``)
+a group it drops gives its slot a new task instead (``filter_stats()``: the
+counts since the last call). Chunks never straddle a training step and their
 sampling seed is their place in the schedule. ``snapshot()`` (engine clocks,
 skipped prompts) and ``take_swaps()`` (weight swaps since the last call) are
 what the loop reads of it. What the engines report of their work (the spans
@@ -99,7 +101,7 @@ class Producer:
     def __init__(self, workers: list[EngineWorker], outbox, *, loop: LoopConfig, timeout_s: float,
                  prompting: Prompting, cursor, train_size: int, rewards, buffer, start_issued: int = 0,
                  version: int = 0, sampling=None, episodes=None, max_failed_groups: int = 64,
-                 max_restarts: int = 0, start_timeout_s: float | None = None):
+                 max_restarts: int = 0, start_timeout_s: float | None = None, group_filter=None):
         self.workers, self.outbox = tuple(workers), outbox
         self.prompting, self.cursor, self.train_size = prompting, cursor, train_size
         self.rewards, self.buffer = rewards, buffer
@@ -107,6 +109,9 @@ class Producer:
         # Multi-turn episodes (controller.episodes.EpisodeRunner), or None for single-turn chunks.
         self.episodes = episodes
         self.max_failed_groups = max_failed_groups
+        # DAPO's shaping and dynamic sampling (controller.group_filter.GroupFilter), or None.
+        self.group_filter = group_filter
+        self._next_refill = 2**48  # chunk ids of refilled slots: above every place in the schedule
         self._failed_in_a_row = 0
         self._redraws = 0
         self.batch_size, self.max_staleness, self.seed = loop.batch_size, loop.max_staleness, loop.seed
@@ -170,6 +175,11 @@ class Producer:
         with self._shared.lock:
             swaps, self._shared.swaps = self._shared.swaps, []
         return swaps
+
+    def filter_stats(self) -> dict[str, float]:
+        """Dynamic sampling's groups kept and dropped since the last call (empty without it)."""
+        g = self.group_filter
+        return g.take_stats().metrics() if g is not None and g.dynamic_sampling else {}
 
     def request(self, prompts: list[list[int]], params: SamplingParams, engine_id: int = 0) -> Future:
         """Generate outside the schedule (evaluation); the future holds the completions."""
@@ -298,7 +308,7 @@ class Producer:
                                [msg.completions[j] for j in fresh], time.perf_counter() - chunk.sent_at)
             for a, g in zip(at, groups):
                 futures = [self.rewards.submit(t) for t in g.trajectories]
-                self._pending.append(_Pending(msg.chunk_id + a, futures, g.task, chunk.engine_id))
+                self._pending.append(_Pending(chunk.first_index + a, futures, g.task, chunk.engine_id))
             chunk.reported.update(at)
         if len(chunk.reported) >= len(chunk.tasks):
             del self._chunks[msg.chunk_id]
@@ -366,11 +376,34 @@ class Producer:
         for p in [p for p in self._pending if all(f.done() for f in p.futures)]:
             self._pending.remove(p)
             group = Group(p.task, tuple(f.result() for f in p.futures))
+            if self.group_filter is not None:
+                group = self.group_filter.review(p.index, group)
+                if group is None:  # no learning signal: the slot is drawn again, still in flight
+                    self._refill(p)
+                    continue
             if p.engine_id in self._inflight:  # -1: an episode group, routed turn by turn
                 self._inflight[p.engine_id] -= 1
             self.inflight -= 1
             self.buffer.put(Scored(p.index, group), timeout=self.timeout)
             self._count_groups()
+
+    def _refill(self, p: _Pending) -> None:
+        """A new task for the slot of a dropped group (dynamic sampling): the slot keeps its place
+        in the schedule, so admission and staleness go on as if the group had been kept."""
+        self._redraws += 1
+        if self.episodes is not None:
+            self.episodes.start_group(p.index, self.cursor.next_batch(1)[0], self._group_seed(p.index))
+            return
+        tasks, prompts = self._take(1)
+        worker = min(self.workers, key=lambda w: self._inflight[w.engine_id])
+        self._inflight[p.engine_id] -= 1
+        self._inflight[worker.engine_id] += 1
+        # A stream of its own for each redraw; above 2**32 no first draw's seed can reach it.
+        seed = self.seed * 2**40 + p.index + (1 + self._redraws % 255) * 2**32
+        chunk_id, self._next_refill = self._next_refill, self._next_refill + 1
+        msg = Generate(chunk_id, [list(prompts[0])], self.sampling(seed), self._version)
+        self._chunks[chunk_id] = _Chunk(p.index, tasks, prompts, worker.engine_id, time.perf_counter(), msg)
+        worker.send(msg)
 
     def _count_groups(self) -> None:
         timeline.count("controller", "groups", {"in flight": self.inflight, "buffered": len(self.buffer)})

@@ -26,6 +26,7 @@ from conveyor import loop
 from conveyor.config import RunConfig, save_config
 from conveyor.controller import checkpoints
 from conveyor.controller.evaluate import Evaluator
+from conveyor.controller.group_filter import GroupFilter
 from conveyor.controller.producer import Producer, Prompting
 from conveyor.data.api import TaskCursor, TaskSource, prompt_special_tokens
 from conveyor.launch.api import Launcher
@@ -99,6 +100,9 @@ class Session:
         self.warm = engines.warm
         cfg = self.cfg
         self.logger.message(f"rollouts: {engines.label}")
+        if cfg.rollout.quantization != "none":
+            self.logger.message(f"rollout.quantization={cfg.rollout.quantization}: algo.importance_sampling="
+                                f"{cfg.algo.importance_sampling} (is_cap={cfg.algo.is_cap}; truncated unless set)")
         prompting = Prompting(self.tokenizer, max(1, engines.context_limit - 1), self.add_special_tokens)
         runner = None
         if cfg.env.name:
@@ -111,7 +115,7 @@ class Session:
                                  start_issued=start_step * cfg.loop.batch_size, version=start_step,
                                  sampling=lambda seed: SamplingParams.from_config(cfg.rollout, seed=seed),
                                  episodes=runner, max_failed_groups=cfg.env.max_failed_groups,
-                                 max_restarts=cfg.launch.max_restarts)
+                                 max_restarts=cfg.launch.max_restarts, group_filter=GroupFilter.from_config(cfg))
         self.rollouts.start()
         self.evaluator = Evaluator(cfg, self.eval_tasks, prompting, self.rollouts, self.rewards, self.logger,
                                    episodes=runner)
@@ -133,7 +137,9 @@ def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
             from conveyor.data.tiny import build_tiny
             t = cfg.model.tiny
             build_tiny(out, t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads,
-                       t.intermediate_size, t.max_position_embeddings, seed=cfg.loop.seed)
+                       t.intermediate_size, t.max_position_embeddings, seed=cfg.loop.seed,
+                       num_experts=t.num_experts, experts_per_token=t.experts_per_token,
+                       moe_intermediate_size=t.moe_intermediate_size)
         return str(out)
     p = cfg.model.path
     from conveyor.data.gguf import GGUFError, is_gguf_spec, resolve_gguf
@@ -147,6 +153,15 @@ def resolve_model_path(cfg: RunConfig, run_dir: Path) -> str:
         raise SetupError(f"model.path {p!r} is not a Hugging Face checkpoint directory (no config.json); "
                          "give a directory written by save_pretrained, a .gguf file, pkg:<package> or a hub id like org/name")
     return str(Path(p).expanduser()) if looks_local else p
+
+
+def _check_moe(path: str) -> None:
+    from transformers import AutoConfig
+
+    from conveyor.routing import config_moe_shape
+    if config_moe_shape(AutoConfig.from_pretrained(path)) is None:
+        raise SetupError(f"algo.routing_replay needs a mixture-of-experts model, and model.path {path!r} is dense; "
+                         "set algo.routing_replay=false")
 
 
 def load_sources(cfg: RunConfig, tokenizer):
@@ -205,10 +220,10 @@ def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher, purge_st
     spec = reward_spec(cfg.reward, "env" if cfg.env.name else train_src.default_reward)
     # Threads or worker processes (reward.executor); a reward model or judge is built here, once
     # (a reward model under executor=process: by each worker process, from its spec).
-    if spec.fn == "rm" and cfg.reward.executor == "process":
+    if spec.fn == "rm" and cfg.reward.executor in ("process", "ray"):
         spec = reward_model_spec(cfg)
     reward = reward_model(cfg) if spec.fn == "rm" else judge(cfg, run_dir) if spec.fn == "judge" else None
-    rewards = reward_service(cfg.reward, spec, reward)
+    rewards = reward_service(cfg.reward, spec, reward, cfg.launch)
     lc = cfg.loop
     return Session(
         cfg=cfg, run_dir=run_dir, launcher=launcher, tokenizer=tokenizer, rewards=rewards,
@@ -261,6 +276,15 @@ def judge(cfg: RunConfig, run_dir: Path):
         raise SetupError(str(e)) from None
 
 
+def check_lora(cfg: RunConfig, path: str) -> None:
+    """``trainer.lora`` targets that the model lacks stop the run before anything starts."""
+    from conveyor.trainer.lora import LoraSetupError, check_checkpoint
+    try:
+        check_checkpoint(path, cfg.trainer.lora, cfg.model.trust_remote_code)
+    except LoraSetupError as e:
+        raise SetupError(str(e)) from None
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     return checkpoints.latest(run_dir)
 
@@ -278,6 +302,9 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool, launcher: Callable[[RunConf
     if resume and ckpt is None:
         raise SetupError(f"--resume {run_dir}: no checkpoints/step_* inside; nothing to resume")
     base = resolve_model_path(cfg, run_dir)
+    check_lora(cfg, base)
+    if cfg.algo.routing_replay:
+        _check_moe(base)
     warm = run_dir / "warmstart"
     # A resumed run rebuilds its RL starting point (and so its reference model) from warmstart/.
     start_path = str(warm) if ckpt is not None and (warm / "config.json").exists() else base
@@ -390,7 +417,9 @@ def warm_start_phase(s: Session, base: str) -> str:
     cfg, sc = s.cfg, s.cfg.sft
     sft_cfg = cfg.trainer.model_copy(update={"lr": sc.lr, "reference": False, "critic": False,
                                              "warmup_steps": 0, "lr_schedule": "constant",
-                                             "ppo_epochs": 1, "mini_batches": 1, "profile_steps": []})
+                                             "ppo_epochs": 1, "mini_batches": 1, "profile_steps": [],
+                                             "lora": cfg.trainer.lora.model_copy(update={"enabled": False})})
+    # trainer.lora is for RL: the warm start trains every weight, the RL trainer's adapters sit on its result.
     sft_trainer = s.launcher.warm_start_trainer(cfg.model_copy(update={"trainer": sft_cfg}), base, s.tokenizer)
     held: set[int] = set()
     check = None

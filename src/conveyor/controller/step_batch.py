@@ -12,7 +12,10 @@ the loop builds it itself: on the
 last step, when preparing needs a trainer call, or with ``max_staleness`` 0
 and the groups not yet buffered (they cannot arrive before the new version
 is published). ``Prefetch.take(timeout)`` returns the ``prepare`` result
-once it is built, or raises what building it raised. It knows nothing of
+once it is built, or raises what building it raised. With a ``replay``
+store (``controller/replay.py``) the batch also holds the replayed groups the
+store gives the step (``prepare``'s ``step``); the groups returned stay the
+fresh ones, and the stats gain the replay metrics. It knows nothing of
 engines, rewards or where the trainer runs.
 """
 from __future__ import annotations
@@ -21,16 +24,20 @@ import threading
 
 from conveyor.config import AlgoConfig, LoopConfig
 from conveyor.controller import objective
+from conveyor.controller.replay import ReplayStore
 from conveyor.observe import timeline
 from conveyor.trainer.api import LossFn, TrainerHandle
 from conveyor.transport.buffer import TrajectoryBuffer
 from conveyor.transport.messages import Scored, Trained
 
 
-def prepare(trainer: TrainerHandle, algo: AlgoConfig, items: list[Scored], need: objective.Needs):
+def prepare(trainer: TrainerHandle, algo: AlgoConfig, items: list[Scored], need: objective.Needs,
+            replay: ReplayStore | None = None, step: int = 0):
     """Scored groups (in admission order) -> (groups, batch, stats, trainer extras)."""
     groups = [s.group for s in sorted(items, key=lambda s: s.index)]
-    base = objective.base_batch([t for g in groups for t in g.trajectories])
+    mix = replay.mix(groups, step) if replay is not None else None
+    trained = mix.groups if mix is not None else groups  # fresh, then replayed
+    base = objective.base_batch([t for g in trained for t in g.trajectories])
     extra = {}
     if need.proximal:
         extra["proximal_logprobs"] = trainer.logprobs(base)
@@ -38,7 +45,9 @@ def prepare(trainer: TrainerHandle, algo: AlgoConfig, items: list[Scored], need:
         extra["ref_logprobs"] = trainer.ref_logprobs(base)
     if need.values:
         extra["values"] = trainer.values(base)
-    batch, stats = objective.make_batch(groups, algo, extra, base)
+    batch, stats = objective.make_batch(trained, algo, extra, base)
+    if mix is not None:
+        stats.update(mix.metrics())
     return groups, batch, stats, extra
 
 
@@ -49,15 +58,15 @@ class Prefetch:
     next step would take anyway: only timing changes."""
 
     def __init__(self, trainer: TrainerHandle, buffer: TrajectoryBuffer, algo: AlgoConfig, batch_size: int,
-                 need: objective.Needs, timeout_s: float):
+                 need: objective.Needs, timeout_s: float, replay: ReplayStore | None = None, step: int = 0):
         self._out = {}
-        self._thread = threading.Thread(target=self._build, args=(trainer, buffer, algo, batch_size, need, timeout_s),
-                                        name="prepare-next", daemon=True)
+        self._thread = threading.Thread(target=self._build, args=(trainer, buffer, algo, batch_size, need, timeout_s,
+                                                                  replay, step), name="prepare-next", daemon=True)
         self._thread.start()
 
-    def _build(self, trainer, buffer, algo, batch_size, need, timeout_s) -> None:
+    def _build(self, trainer, buffer, algo, batch_size, need, timeout_s, replay, step) -> None:
         try:
-            self._out["ahead"] = prepare(trainer, algo, buffer.get(batch_size, timeout=timeout_s), need)
+            self._out["ahead"] = prepare(trainer, algo, buffer.get(batch_size, timeout=timeout_s), need, replay, step)
         except BaseException as e:  # noqa: BLE001 - raised by take(), in the loop's thread
             self._out["error"] = e
 
@@ -73,13 +82,13 @@ class Prefetch:
 
 def train_and_prepare_next(trainer: TrainerHandle, buffer: TrajectoryBuffer, loop: LoopConfig, algo: AlgoConfig,
                            batch, loss_fn: LossFn, need: objective.Needs, version: int, timeout_s: float,
-                           last: bool = False) -> tuple[Trained, Prefetch | None]:
+                           last: bool = False, replay: ReplayStore | None = None) -> tuple[Trained, Prefetch | None]:
     """Train on ``batch``; meanwhile build the next step's batch (``Prefetch``) when that asks
-    nothing of the trainer and its groups can arrive during training."""
+    nothing of the trainer and its groups can arrive during training (the next step is ``version``)."""
     ahead = None
     can_arrive = loop.max_staleness > 0 or len(buffer) >= loop.batch_size
     if not (last or need.proximal or need.reference or need.values) and can_arrive:
-        ahead = Prefetch(trainer, buffer, algo, loop.batch_size, need, timeout_s)
+        ahead = Prefetch(trainer, buffer, algo, loop.batch_size, need, timeout_s, replay, step=version)
     trained = trainer.train_and_publish(batch, loss_fn, version)
     timeline.record_spans("trainer", trained.spans)  # every rank's train and publish, for the timeline
     return trained, ahead

@@ -130,6 +130,10 @@ def make_routes(cfg: RunConfig, p: Placement, path: str, ctx) -> Routes:
     from conveyor.transport.weights import Fanin, StagedWeights, weight_specs
     # vLLM keeps its own lm_head copy after a reload: send it every name.
     specs = weight_specs(path, cfg.model.trust_remote_code, dedupe_tied=cfg.rollout.engine == "native")
+    lo = cfg.trainer.lora
+    if lo.enabled and lo.publish == "adapter":  # only the adapters travel
+        from conveyor.transport.adapter import adapter_specs
+        specs = adapter_specs(path, lo.target_modules, lo.rank, cfg.model.trust_remote_code)
     if p.sync == "inprocess":
         w = StagedWeights(specs, None, device=p.trainer_devices[0])
         return Routes(w, {0: [w]}, {0: w})

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
+    import numpy
     import torch
 
     from conveyor.config import RolloutConfig
@@ -110,13 +111,16 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    """One sampled completion; ``token_ids``, ``logprobs`` and ``versions`` align."""
+    """One sampled completion; ``token_ids``, ``logprobs`` and ``versions`` align.
+    ``routed_experts``: what ``Trajectory.routed_experts`` describes, from an engine that
+    records experts (mixture-of-experts models), else None."""
 
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
     finish_reason: FinishReason
     text: str = ""
+    routed_experts: "numpy.ndarray | None" = None
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,9 @@ def make_engine(cfg_rollout: "RolloutConfig", model_path: str, tokenizer: Any = 
                                             runner=cfg_rollout.runner, kv_fraction=cfg_rollout.kv_fraction,
                                             kv_blocks=cfg_rollout.kv_blocks, block_size=cfg_rollout.block_size,
                                             cuda_graphs=cfg_rollout.cuda_graphs,
-                                            prefix_cache=cfg_rollout.prefix_cache)
+                                            prefix_cache=cfg_rollout.prefix_cache,
+                                            quantization=getattr(cfg_rollout, "quantization", "none"),
+                                            record_experts=getattr(cfg_rollout, "record_experts", False))
     if name == "vllm":
         from conveyor.rollout.vllm import VLLMEngine
         return VLLMEngine.from_config(cfg_rollout, model_path, tokenizer)

@@ -47,6 +47,7 @@ def to_groups(tokenizer, tasks: list[Task], prompts: list[tuple[int, ...]], outs
                 loss_mask=(1,) * len(c.token_ids),
                 text=tokenizer.decode(c.token_ids, skip_special_tokens=True),
                 finish_reason=c.finish_reason, timings={"generate_batch_s": elapsed},
+                routed_experts=c.routed_experts,
             )
             for c in comps
         )

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from conveyor.config import TrainerConfig
-from conveyor.trainer import checkpoint
+from conveyor.trainer import checkpoint, lora
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.single import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
                                     _load_policy, compile_layers, decoder_layers, fuse_layers,
@@ -183,6 +183,8 @@ class FSDPTrainer(LocalTrainer):
         # Copies are taken before training or sharding touches the weights.
         reference = copy.deepcopy(model).requires_grad_(False) if cfg.reference else None
         critic = ValueModel(copy.deepcopy(model.base_model), model.config.hidden_size) if cfg.critic else None
+        if cfg.lora.enabled:  # after the copies: the reference and the critic stay plain
+            model = lora.attach(model, cfg.lora)
         if cfg.gradient_checkpointing:
             _enable_checkpointing(model)
             if critic is not None:
@@ -418,14 +420,24 @@ class FSDPTrainer(LocalTrainer):
     # ----------------------------------------------------- weights and files
     def named_weights(self, dtype: torch.dtype | None = None,
                       bucket_mb: float = 256.0) -> Iterator[tuple[str, torch.Tensor]]:
+        """``_full_weights``; with ``trainer.lora`` the merged weights (from float32 gathers) or
+        only the adapters, gathered alone (``lora.published``). COLLECTIVE."""
+        lo = self.cfg.lora
+        if lo.enabled:
+            only = lora.is_adapter if lo.publish == "adapter" else None
+            return lora.published(self._full_weights(None, bucket_mb, only), lo)
+        return self._full_weights(dtype, bucket_mb)
+
+    def _full_weights(self, dtype: torch.dtype | None = None, bucket_mb: float = 256.0,
+                      select: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Full policy tensors (float32, or ``dtype``) named as in ``state_dict()``; COLLECTIVE.
 
         Shards are cast before gathering (bf16 halves the bytes) and gathered ``bucket_mb``
         MiB of shards at a time in one all-gather (not one collective per tensor, each with its
         own launch and latency). A tensor tied to an earlier one (output = input
-        embedding) is gathered once and yielded under both names."""
+        embedding) is gathered once and yielded under both names. ``select``: only these names."""
         dtype = dtype or torch.float32
-        items = list(self.model.state_dict(keep_vars=True).items())
+        items = [(n, t) for n, t in self.model.state_dict(keep_vars=True).items() if select is None or select(n)]
         unique = list({id(t): t for _, t in items}.values())
         last = {id(t): i for i, (_, t) in enumerate(items)}  # where each tensor's last name is
         full: dict[int, torch.Tensor] = {}
@@ -560,7 +572,7 @@ class FSDPTrainer(LocalTrainer):
 
     def export_hf(self, path: str | Path) -> None:
         state = {}
-        for name, t in self.named_weights():
+        for name, t in self._full_weights() if self.cfg.lora.enabled else self.named_weights():
             if self.rank == 0:
                 state[name] = t.cpu()
 
@@ -568,6 +580,9 @@ class FSDPTrainer(LocalTrainer):
             if self.rank == 0:
                 with checkpoint._atomic_dir(path) as tmp:
                     self._write_config(tmp)
-                    checkpoint.save_hf_weights(state, tmp)
+                    if self.cfg.lora.enabled:  # merged, the adapter in path/adapter
+                        lora.write_export(state, self.cfg.lora, tmp, "merged")
+                    else:
+                        checkpoint.save_hf_weights(state, tmp)
 
         self._agree(write, f"exporting {path}")

@@ -18,7 +18,9 @@ Contract
   distinct shapes let per-shape work — attention plans, allocator blocks —
   be reused from step to step): ``input_ids`` (pad ``pad_id``), ``attention_mask``
   (1 on real tokens), ``loss_mask`` (float, 0 on padding) and every
-  ``Batch.fields`` entry under its own name (0 on padding, dtype kept).
+  ``Batch.fields`` entry under its own name (0 on padding, dtype kept), and with
+  ``Batch.routes`` ``routes`` ``[b, L, layers, k]`` (-1, "the router's own choice",
+  wherever a sample recorded none: padding, positions past its record).
 
 This module does not know what the tensors are for, which device they go to
 or how a loss normalises; it only groups and pads.
@@ -96,6 +98,18 @@ def collate(batch: "Batch", idx: list[int], pad_id: int, multiple: int = 1) -> d
         if name in out:
             raise ValueError(f"Batch field {name!r} clashes with a collated tensor; rename the field")
         out[name] = _pad([values[i].reshape(-1) for i in idx], length, 0)
+    if batch.routes is not None:
+        out["routes"] = _pad_routes([batch.routes[i] for i in idx], length)
+    return out
+
+
+def _pad_routes(routes: list[torch.Tensor], length: int) -> torch.Tensor:
+    out = torch.full((len(routes), length, *routes[0].shape[1:]), -1, dtype=torch.long)
+    for row, r in enumerate(routes):
+        if r.shape[0] > length:
+            raise ValueError(f"Batch routes: {r.shape[0]} recorded positions for a sample of at most {length} "
+                             "tokens; routes must not run past the sample")
+        out[row, : r.shape[0]] = r
     return out
 
 

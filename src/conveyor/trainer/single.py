@@ -11,6 +11,8 @@ Contract (``trainer/api.py`` for the loss function and output alignment)
   chunk's loss tokens, floored at 1. The LR schedule counts ``train`` calls.
 - A non-finite loss or gradient norm raises ``NonFiniteLossError`` naming
   where; that mini-batch takes no step.
+- A batch with ``routes`` (routing replay) runs the policy and reference forwards
+  with those experts (``conveyor.routing``); the critic routes on its own.
 - Optional frozen reference and critic (its own AdamW). ``streams_publish``:
   ``train(publish=...)`` runs the last optimizer step while weights leave
   (``streamed.py``). Details: docs/architecture.md ("Module contracts in detail").
@@ -32,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor import routing
 from conveyor.config import TrainerConfig
-from conveyor.trainer import checkpoint
+from conveyor.trainer import checkpoint, lora
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.logprobs import kernel_available, token_logprobs
 from conveyor.trainer.microbatch import collate, plan_microbatches, split_even
@@ -247,6 +250,9 @@ class LocalTrainer:
         if cfg.critic:
             backbone = copy.deepcopy(self.model.base_model)
             self.critic = ValueModel(backbone, self.model.config.hidden_size).to(self.device)
+        if cfg.lora.enabled:  # after the copies: the reference and the critic stay plain
+            self.model = lora.attach(self.model, cfg.lora)
+            self.streams_publish = False  # a merge needs a layer's stepped adapters: publish after the step
         self.model.to(self.device)
         self._dtype = compute_dtype(cfg, self.device)
         # self.model holds the float32 master weights (optimizer, checkpoints, publishing);
@@ -323,6 +329,8 @@ class LocalTrainer:
         ids, am = mb["input_ids"], mb["attention_mask"]
         start = start if _keeps_logits(type(model)) else 0
         keep = {"logits_to_keep": ids.shape[1] - start} if start else {}
+        # Routing replay: the engine's recorded experts, kept set for a checkpointed backward.
+        routing.set_replay(model, mb.get("routes"))
         with self._autocast():
             logits = model(**model_inputs(mb, self.cfg.attention_mask), use_cache=False, **keep).logits
         lp, ent = self._token_logprobs(logits, ids[:, start:], am[:, start:], self.temperature, with_entropy)
@@ -404,6 +412,9 @@ class LocalTrainer:
             metrics["critic_grad_norm"] = totals["critic_grad_norm"] / updates
         for key, value in means.result().items():
             metrics[f"loss_fn/{key}" if key in metrics else key] = value
+        differs = routing.replay_differs(self.compute)  # routing replay: how often it overrode the router
+        if differs is not None:
+            metrics["routing_replay_differs"] = differs
         # The step (time_s, the loop's weight-sync clock) ends with its optimizer kernels; a streamed
         # publish times that on the device (a device-wide synchronize would wait for its sends).
         stepped, self._stepped = self._stepped, None
@@ -508,7 +519,11 @@ class LocalTrainer:
         With ``dtype`` equal to the compute copy's (bf16 engines), the copy's linear weights (the
         masters rounded the same way, no cast at publish time) and the other float32 masters
         as they are: transports cast while they copy. The list is made once (the tensors are
-        updated in place), so a publish costs no state_dict walk, cast or allocation."""
+        updated in place), so a publish costs no state_dict walk, cast or allocation.
+        With ``trainer.lora`` the merged weights or the adapters alone (``lora.published``)."""
+        if self.cfg.lora.enabled:
+            yield from lora.published(self.model.state_dict().items(), self.cfg.lora)
+            return
         if not self._copies or dtype != self._dtype:
             yield from self.model.state_dict().items()
             return
@@ -560,4 +575,7 @@ class LocalTrainer:
 
     def export_hf(self, path: str | Path) -> None:
         self.wait_saved()
+        if self.cfg.lora.enabled:  # the merged model, its adapter in path/adapter
+            lora.export_model(self.model, self.cfg.lora, path, self.source_dir)
+            return
         checkpoint.export_policy(self, path)

@@ -13,6 +13,11 @@ Contract
   fused into one matrix each: the fused tensor is built once and the model's
   parameters are re-pointed at slices of it (``param.data = fused[a:b]``), so the
   model and the fast forward share one copy of every weight.
+- ``quantization`` ``"fp8"`` / ``"int8"`` (``quant.py``) turns the q/k/v, o, gate/up
+  and down weights into ``QuantWeight``s that follow those engine-dtype tensors;
+  ``requantize(params)`` refreshes the ones holding any of the given model
+  parameters after an in-place update. Embeddings, norms and the LM head keep
+  the engine dtype.
 - ``forward(ids, pos, slots, kv, attend, ops)`` runs the decoder over ``T``
   tokens given as flat ``[T]`` tensors: token ids, positions and the KV-cache
   slot each token's keys and values are written to. ``kv(i)`` returns layer
@@ -32,6 +37,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from conveyor.rollout.native.quant import QuantWeight, linear
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 # Rope types whose tables depend on the position alone (dynamic NTK and LongRoPE
@@ -71,13 +78,13 @@ def unsupported_reason(model) -> str | None:
 class _Layer:
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv_w: torch.Tensor
+    qkv_w: torch.Tensor | QuantWeight  # a QuantWeight (o_w, gu_w, down_w too) with quantization on
     qkv_b: torch.Tensor | None
-    o_w: torch.Tensor
+    o_w: torch.Tensor | QuantWeight
     o_b: torch.Tensor | None
-    gu_w: torch.Tensor
+    gu_w: torch.Tensor | QuantWeight
     gu_b: torch.Tensor | None
-    down_w: torch.Tensor
+    down_w: torch.Tensor | QuantWeight
     down_b: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
@@ -107,7 +114,7 @@ def _bias(lin) -> torch.Tensor | None:
 class PagedDecoder:
     """Weights and forward of one supported decoder; see the module docstring."""
 
-    def __init__(self, model, max_positions: int):
+    def __init__(self, model, max_positions: int, quantization: str = "none"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"fast runner: {reason}")
@@ -133,6 +140,33 @@ class PagedDecoder:
         self.lm_head = model.lm_head.weight
         self.lm_bias = getattr(model.lm_head, "bias", None)
         self.cos, self.sin = self._rope_tables(inner.rotary_emb, max_positions)
+        self.quantization = quantization
+        self._quant_of: dict[int, QuantWeight] = {}  # id(model parameter) -> the 8-bit weight following it
+        if quantization != "none":
+            self._quantize(inner, quantization)
+
+    def _quantize(self, inner, kind: str) -> None:
+        for layer, src in zip(self.layers, inner.layers):
+            a, m = src.self_attn, src.mlp
+            if not hasattr(m, "gate_proj"):
+                raise ValueError(f"rollout.quantization={kind} quantises dense MLPs only, not {type(m).__name__}; "
+                                 "set rollout.quantization=none")
+            for attr, lins in (("qkv_w", (a.q_proj, a.k_proj, a.v_proj)), ("o_w", (a.o_proj,)),
+                               ("gu_w", (m.gate_proj, m.up_proj)), ("down_w", (m.down_proj,))):
+                qw = QuantWeight(getattr(layer, attr), kind)
+                setattr(layer, attr, qw)
+                self._quant_of.update({id(lin.weight): qw for lin in lins})
+
+    @property
+    def quant_weights(self) -> list[QuantWeight]:
+        """The 8-bit weights (none without quantization), each once."""
+        return list({id(qw): qw for qw in self._quant_of.values()}.values())
+
+    def requantize(self, params) -> None:
+        """Re-quantise the 8-bit weights that follow any of ``params`` (model parameters updated in place)."""
+        todo = {id(qw): qw for p in params if (qw := self._quant_of.get(id(p))) is not None}
+        for qw in todo.values():
+            qw.requantize()
 
     def _layer(self, layer) -> _Layer:
         a, m = layer.self_attn, layer.mlp
@@ -172,14 +206,14 @@ class PagedDecoder:
         residual = None
         for i, layer in enumerate(self.layers):
             normed, residual = ops.add_rmsnorm(x, residual, layer.in_norm, self.eps)
-            qkv = F.linear(normed, layer.qkv_w, layer.qkv_b)
+            qkv = linear(normed, layer.qkv_w, layer.qkv_b)
             if layer.q_norm is not None:
                 qkv = self._qk_norm(qkv, layer, ops)
             k_cache, v_cache = kv(i)
             q = ops.rope_store(qkv, pos, slots, self.cos, self.sin, k_cache, v_cache, self.nq, self.nkv)
-            o = F.linear(attend(i, q), layer.o_w, layer.o_b)
+            o = linear(attend(i, q), layer.o_w, layer.o_b)
             normed, residual = ops.add_rmsnorm(o, residual, layer.post_norm, self.eps)
-            x = F.linear(ops.silu_mul(F.linear(normed, layer.gu_w, layer.gu_b)), layer.down_w, layer.down_b)
+            x = linear(ops.silu_mul(linear(normed, layer.gu_w, layer.gu_b)), layer.down_w, layer.down_b)
         out, _ = ops.add_rmsnorm(x, residual, self.final_norm, self.eps)
         return out
 

@@ -6,6 +6,12 @@ Contract (``conveyor.rollout.api`` states what every engine promises)
   for supported models, ``"fast"`` forces it, also on the CPU) and the Hugging
   Face runner (``runner.py``; any causal LM; the logged fallback). Both keep the
   same promises: order, versions, logprobs, context rule, seeding.
+- ``quantization`` ``"fp8"`` / ``"int8"`` (fast runner only, ``quant.py``): the
+  linear layers decode from 8-bit copies of their weights, re-quantised by every
+  ``update_weights``; refused (``ValueError`` naming the setting) where the fast
+  runner cannot run the model or, for fp8, the GPU has no FP8 tensor cores.
+- ``record_experts`` (Hugging Face runner, mixture-of-experts models): every completion
+  carries ``routed_experts``, the experts each fed token was routed to (``conveyor.routing``).
 - ``generate(prompts, params)``: every (prompt, sample) is a request, admitted
   into the running batch by ``scheduler.py``; each prompt is prefilled once.
 - ``generate_stream(params, intake, on_done)`` (``streams`` is True: the paged
@@ -32,9 +38,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 import torch
 
 from conveyor.rollout.api import Completion, SamplingParams, StreamChunk, capped_budgets
+from conveyor.rollout.native.adapter import AdapterMerge, is_adapter_tensor
 from conveyor.rollout.native.decoder import unsupported_reason
 from conveyor.rollout.native.graph_runner import PagedGraphRunner
 from conveyor.rollout.native.paged_loop import PagedLoop, check_fits_pool
+from conveyor.rollout.native.quant import runner_for
 from conveyor.rollout.native.runner import HFModelRunner, KVBatch
 from conveyor.rollout.native.sampling import draw_seeds, request_key, sample
 from conveyor.rollout.native.scheduler import Request, Scheduler, StopRule
@@ -94,12 +102,14 @@ class NativeEngine:
                  dtype: str | torch.dtype | None = "auto", max_batch: int = 256,
                  refill: int | None = None, prefill_token_budget: int = 16384, version: int = 0,
                  runner: str = "auto", kv_fraction: float = 0.4, kv_blocks: int | None = None,
-                 block_size: int = 16, cuda_graphs: bool = True, prefix_cache: str = "off"):
+                 block_size: int = 16, cuda_graphs: bool = True, prefix_cache: str = "off",
+                 quantization: str = "none", record_experts: bool = False):
         if max_batch < 1:
             raise ValueError(f"NativeEngine max_batch must be >= 1, got {max_batch}")
         if runner not in RUNNERS:
             raise ValueError(f"NativeEngine runner {runner!r} is not one of {', '.join(RUNNERS)}")
         dev, dt = resolve_device(device), resolve_dtype(dtype)
+        runner = runner_for(quantization, runner, dev)
         if dev.type == "cuda":
             # Prefill shapes change with every call; cuDNN's attention would build a graph for
             # each (milliseconds of host time), flash and mem-efficient attention need none.
@@ -112,16 +122,25 @@ class NativeEngine:
         self.max_batch = max_batch
         self.refill = refill
         self.paged = _use_paged_runner(model, dev, runner)
+        if quantization != "none" and not self.paged:
+            raise ValueError(f"rollout.quantization={quantization} needs the fast runner, which cannot run this "
+                             f"model ({unsupported_reason(model)}); set rollout.quantization=none")
+        if self.paged and record_experts:
+            raise ValueError("recording routed experts (algo.routing_replay) needs the Hugging Face runner; "
+                             "set rollout.runner=hf")
         if self.paged:
             self.runner = PagedGraphRunner(model, max_batch=max_batch, block_size=block_size, kv_fraction=kv_fraction,
                                      kv_blocks=kv_blocks, cuda_graphs=cuda_graphs,
-                                     prefill_token_budget=prefill_token_budget, prefix_cache=prefix_cache)
+                                     prefill_token_budget=prefill_token_budget, prefix_cache=prefix_cache,
+                                     quantization=quantization)
         else:
-            self.runner = HFModelRunner(model, prefill_token_budget)
+            self.runner = HFModelRunner(model, prefill_token_budget, record_experts)
         self.eos_ids = _eos_ids(model, tokenizer)
         why = " (rollout.runner=auto uses it off the GPU, where it measured faster)" if runner == "auto" else ""
         self.label = (f"native engine, paged runner on {dev}" if self.paged
                       else f"native engine, Hugging Face runner on {dev}{why}")
+        if quantization != "none":
+            self.label += f", {quantization} linear weights (per-output-channel scales)"
         self._version = int(version)
         # Held for one step at a time, and by update_weights, so a weight swap from
         # another thread lands between decode steps, never inside one.
@@ -130,6 +149,7 @@ class NativeEngine:
         self._unpaused.set()
         self._aborted = False
         self._targets: dict[str, torch.Tensor] | None = None  # name -> parameter or buffer, for swaps
+        self._adapters: AdapterMerge | None = None  # adapter-only updates (their base copies), with _targets
         # Running totals of the paged loop's steps (decode steps, rows, seconds), read by workers.
         self.counters = {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "prefill_s": 0.0}
 
@@ -180,14 +200,20 @@ class NativeEngine:
         Parameters keep their storage (no reallocation), so views held elsewhere
         (CUDA graphs, IPC handles) stay valid. On an error the version is left
         unchanged and nothing is copied (every name and shape is checked first).
+        Adapter tensors (``X.lora_A`` / ``X.lora_B``, ``transport/adapter.py``) set ``X.weight``
+        to its base plus ``B @ A`` instead (``adapter.py``: each version's delta replaces the last).
         """
         self._check_open()
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         if self._targets is None:  # built once: a dict of ~300 entries per swap showed in the pause
             self._targets = dict(self.model.named_buffers())
             self._targets.update(self.model.named_parameters(remove_duplicate=False))
-        dst, src = [], []
+            self._adapters = AdapterMerge(self._targets)
+        dst, src, names, lora = [], [], [], []
         for name, tensor in items:
+            if is_adapter_tensor(name):
+                lora.append((name, tensor))
+                continue
             target = self._targets.get(name)
             if target is None:
                 raise ValueError(f"update_weights: unknown parameter {name!r}; names must match "
@@ -197,11 +223,21 @@ class NativeEngine:
                                  f"got {tuple(tensor.shape)}; send weights of the same architecture")
             dst.append(target)
             src.append(tensor)
+            names.append(name)
+        pairs = self._adapters.plan(lora) if lora else []
         with self._lock, torch.no_grad():
             # One foreach call instead of a copy (and a launch) per tensor: decoding pauses
             # for this copy. Checked first, so a bad name or shape copies nothing.
             if dst:
                 torch._foreach_copy_(dst, src)
+                if self.paged:
+                    self.runner.net.requantize(dst)
+                for name in names if self._adapters.base else ():
+                    self._adapters.rebase(name)  # a full tensor is the new base of its adapter
+            if pairs:
+                self._adapters.apply(pairs)
+                if self.paged:
+                    self.runner.net.requantize([self._targets[p.weight] for p in pairs])
             self._version = int(version)
 
     # ----- generation ---------------------------------------------------------------
@@ -277,8 +313,9 @@ class NativeEngine:
         out: list[list[Completion]] = [[None] * n for _ in range(num_prompts)]  # type: ignore[list-item]
         for r in requests:
             text = self.tokenizer.decode(r.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+            routed = torch.cat(r.routes).to(torch.int16).numpy() if r.routes else None
             out[r.prompt_index - first_index][r.sample_index] = Completion(r.token_ids, r.logprobs, r.versions,
-                                                                           r.finish_reason or "abort", text)
+                                                                           r.finish_reason or "abort", text, routed)
         return out
 
     # ----- memory and flow control ----------------------------------------------------
@@ -404,6 +441,10 @@ class _Step:
                     first_row[r.prompt_index] = len(unique)
                     unique.append(r.prompt_ids)
             new, logits = self.runner.prefill(unique)
+            if self.runner.last_routes is not None:  # each sample starts with its prompt's experts
+                prompt_routes = [x.cpu() for x in self.runner.last_routes]
+                for r in admitted:
+                    r.routes.append(prompt_routes[first_row[r.prompt_index]])
             rows = torch.tensor([first_row[r.prompt_index] for r in admitted], dtype=torch.long)
             if len(unique) < len(admitted):
                 new = self.runner.select(new, rows)
@@ -436,4 +477,7 @@ class _Step:
         with self.engine._lock:
             version = self.engine.version
             logits = self.runner.decode(batch)
+            if self.runner.last_routes is not None:  # the experts of the token each row just fed
+                for r, routes in zip(sched.running, self.runner.last_routes.cpu().split(1), strict=True):
+                    r.routes.append(routes)
             return self._sample_rows(batch, logits, 0, sched, version)

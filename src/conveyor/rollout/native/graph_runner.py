@@ -75,9 +75,9 @@ def _select_ops(device: torch.device):
 class PagedGraphRunner:
     def __init__(self, model, *, max_batch: int, block_size: int = 16, kv_fraction: float = 0.4,
                  kv_blocks: int | None = None, cuda_graphs: bool = True, prefill_token_budget: int = 16384,
-                 prefix_cache: str = "off"):
+                 prefix_cache: str = "off", quantization: str = "none"):
         self.context_limit = context_limit(model.config)
-        self.net = PagedDecoder(model, self.context_limit)
+        self.net = PagedDecoder(model, self.context_limit, quantization)
         self.device, self.dtype = self.net.device, self.net.dtype
         self.ops, graphable = _select_ops(self.device)
         self.use_graphs = bool(cuda_graphs and graphable)

@@ -9,6 +9,9 @@ Contract
   float32 next-token logits ``[U, V]`` of each prompt's last token.
 - ``decode(batch)`` feeds ``batch.last_tok`` at ``batch.next_pos``, grows the
   cache by one column and returns float32 logits ``[B, V]``.
+- ``record_experts`` (mixture-of-experts models): after each ``prefill`` /
+  ``decode``, ``last_routes`` holds the experts every fed token was routed to
+  (per prompt ``[len, layers, k]`` / per row ``[B, layers, k]``).
 - ``select(batch, rows)`` keeps (or repeats) rows by index and drops leading
   columns that became padding in every row, so finished sequences stop costing
   compute and memory. ``merge(a, b)`` left-pads the shorter batch and stacks the
@@ -32,6 +35,8 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+
+from conveyor.routing import RouterTaps
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
@@ -71,7 +76,7 @@ def context_limit(config) -> int:
 class HFModelRunner:
     """Runs prefill and decode forwards of one HF causal LM (eval mode, caller holds inference_mode)."""
 
-    def __init__(self, model, prefill_token_budget: int = 16384):
+    def __init__(self, model, prefill_token_budget: int = 16384, record_experts: bool = False):
         impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
         if impl not in SUPPORTED_ATTENTION:
             raise ValueError(f"NativeEngine: attention implementation {impl!r} is not supported; load the model "
@@ -84,6 +89,12 @@ class HFModelRunner:
         self._keep_last = "logits_to_keep" in params
         self.prefill_token_budget = prefill_token_budget
         self.context_limit = context_limit(model.config)
+        # Mixture of experts: the experts the last prefill (one [len, layers, k] per prompt, in
+        # order) or decode ([B, layers, k]) routed each fed token to; None when not recording.
+        self.taps = RouterTaps.of(model) if record_experts else None
+        if self.taps is not None:
+            self.taps.start_recording()
+        self.last_routes: list[torch.Tensor] | torch.Tensor | None = None
 
     # ----- forwards -------------------------------------------------------------
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -116,6 +127,10 @@ class HFModelRunner:
         eye = torch.eye(width, dtype=torch.bool, device=self.device)
         allowed = (causal[None] & mask[:, None, :]) | eye[None]  # [U, q, k]
         logits, cache = self._forward(ids, self._additive(allowed[:, None]), pos, None, keep_last=True)
+        if self.taps is not None:  # routed [U * width] tokens, left padding dropped
+            shape = self.taps.shape
+            routes = self.taps.take().view(len(prompts), width, shape.layers, shape.top_k)
+            self.last_routes = [routes[i, width - len(p):] for i, p in enumerate(prompts)]
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=self.device)
         return KVBatch(cache, mask, lens, torch.zeros_like(lens)), logits
 
@@ -130,11 +145,16 @@ class HFModelRunner:
                 cur = []
             cur.append(i)
         chunks.append(cur)
-        batch, logits = None, []
+        batch, logits, routes = None, [], [None] * len(prompts)
         for chunk in chunks:
             part, part_logits = self._prefill_chunk([prompts[i] for i in chunk])
             batch = part if batch is None else self.merge(batch, part)
             logits.append(part_logits)
+            if self.taps is not None:
+                for i, r in zip(chunk, self.last_routes, strict=True):
+                    routes[i] = r
+        if self.taps is not None:
+            self.last_routes = routes
         if len(chunks) > 1 or order != list(range(len(prompts))):
             back = torch.empty(len(prompts), dtype=torch.long)
             back[torch.tensor(order)] = torch.arange(len(prompts))
@@ -147,6 +167,8 @@ class HFModelRunner:
         mask = torch.cat([batch.mask, ones], dim=1)
         logits, batch.cache = self._forward(batch.last_tok[:, None], self._additive(mask[:, None, None, :]),
                                             batch.next_pos[:, None], batch.cache, keep_last=False)
+        if self.taps is not None:
+            self.last_routes = self.taps.take()
         batch.mask = mask
         batch.next_pos = batch.next_pos + 1
         return logits

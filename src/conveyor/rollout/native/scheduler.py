@@ -46,6 +46,7 @@ class Request:
     finish_reason: str | None = None
     key: int = 0  # its random stream (``sampling.request_key``): its draws depend on nothing else
     kv: Any = None  # the paged runner's per-sequence state (block ids), None while not in its cache
+    routes: list = field(default_factory=list)  # recorded experts, [positions, layers, k] pieces (MoE)
 
     @property
     def finished(self) -> bool:

@@ -126,6 +126,8 @@ def fusable(module: torch.nn.Module) -> bool:
     config = getattr(module, "config", None)
     return (type(module).__name__ in ATTENTIONS and not hasattr(module, "q_norm")
             and all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))
+            # a wrapped projection (a LoRA adapter's layer) is more than its weight: keep HF's forward
+            and all(type(getattr(module, p)) is torch.nn.Linear for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
             and _attention_function(getattr(config, "_attn_implementation", None)) is not None)
 
 

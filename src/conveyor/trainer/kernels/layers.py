@@ -7,10 +7,11 @@ output of one gate/up GEMM in place. A norm whose output feeds one GEMM
 writes it in autocast's dtype (the numbers the GEMM's cast would make).
 
 Contract: ``use_fused_layers(model) -> int`` swaps the forward of every
-supported norm, SiLU MLP and attention module of ``model`` (by class name)
-and returns how many; ``rms_norm(x, weight, eps, out_dtype=None)`` works on
-any ``[..., H]``, ``swiglu(gate, up)`` on two equal shapes and
-``swiglu(packed)`` on ``[..., 2 w]`` (gate then up in each row).
+supported norm, SiLU MLP and attention module of ``model`` (by class name;
+not a block whose projections are wrapped, as LoRA's are) and returns how
+many; ``rms_norm(x, weight, eps, out_dtype=None)`` works on any ``[..., H]``,
+``swiglu(gate, up)`` on two equal shapes and ``swiglu(packed)`` on
+``[..., 2 w]`` (gate then up in each row).
 ``TRITON_INTERPRET=1`` runs them on CPU tensors (tests do).
 Details: docs/architecture.md ("Module contracts in detail").
 """
@@ -192,6 +193,12 @@ def _mlp_forward(module, x: torch.Tensor) -> torch.Tensor:
     return module.down_proj(swiglu(F.linear(x, torch.cat([gate.weight, up.weight]), bias)))
 
 
+def plain_linears(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
+    """Whether these projections are plain ``nn.Linear``: a wrapped one (a LoRA adapter's layer)
+    computes more than its ``weight``, which a fused forward reading the weights would skip."""
+    return all(type(getattr(module, n, None)) is torch.nn.Linear for n in names)
+
+
 def use_fused_layers(model: torch.nn.Module) -> int:
     """Swap in the fused forwards; returns how many modules changed."""
     from conveyor.trainer.kernels.attention import fusable, fused_attention_forward
@@ -200,7 +207,8 @@ def use_fused_layers(model: torch.nn.Module) -> int:
         name = type(m).__name__
         if name in NORMS and hasattr(m, "variance_epsilon"):
             m.forward = types.MethodType(_norm_forward, m)
-        elif name in MLPS and getattr(getattr(m, "config", None), "hidden_act", None) in ("silu", "swish"):
+        elif name in MLPS and getattr(getattr(m, "config", None), "hidden_act", None) in ("silu", "swish") \
+                and plain_linears(m, ("gate_proj", "up_proj")):
             m.forward = types.MethodType(_mlp_forward, m)
         elif fusable(m):
             m.forward = types.MethodType(fused_attention_forward, m)
