@@ -90,6 +90,22 @@ def test_8bit_gemm_is_the_product_it_stands_for(kind, dtype):
     assert float((y - exact).abs().max()) > 0
 
 
+def test_fp8_emulation_is_the_scaled_mm_product():
+    """CPU builds whose _scaled_mm takes only per-tensor scales multiply the same e4m3 values in
+    float32; where the native GEMM runs (this torch), both give one product up to float32 sums."""
+    from conveyor.rollout.native.quant import _fp8_linear, fp8_method
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(5))
+    qw = QuantWeight(_weights(4), "fp8")
+    emulated = _fp8_linear(x, qw.q, qw.scale, torch.float32, native=False)
+    assert emulated.shape == (7, 48)
+    if fp8_method(qw.q) == "scaled_mm":
+        native = _fp8_linear(x, qw.q, qw.scale, torch.float32, native=True)
+        mags = (x.abs() @ dequantize(qw.q, qw.scale.reshape(-1)).abs().T) * (1 + 2.0 ** -4)
+        assert bool(((native - emulated).abs() <= 2 * 64 * EPS32 * mags).all())
+    else:
+        assert qw.method == "emulated"
+
+
 def test_requantize_follows_the_source_in_place():
     w = _weights(3)
     qw = QuantWeight(w, "fp8")

@@ -10,7 +10,8 @@ Contract
 - ``qw(x, bias)`` computes ``F.linear(x, src, bias)`` from the 8-bit weights:
   fp8 quantises each row of ``x`` to e4m3 with its own scale (dynamic, per token)
   and multiplies with ``torch._scaled_mm`` (row-wise scales; bf16 output on a GPU,
-  cast back to ``x``'s dtype); int8 keeps ``x`` as it is and dequantises inside the
+  cast back to ``x``'s dtype; ``fp8_method``: the same product in float32 where a
+  CPU build's ``_scaled_mm`` takes only per-tensor scales); int8 keeps ``x`` as it is and dequantises inside the
   product (``torch._weight_int8pack_mm`` where it runs for this device and dtype,
   else ``(x @ q.T) * scale``, see ``int8_method``).
 - ``quantize(w, kind)`` / ``dequantize(q, scale)`` are the per-channel round trip;
@@ -125,7 +126,7 @@ class QuantWeight:
         check_shape(src.shape, kind)
         self.src, self.kind = src, kind
         self.q, scale = quantize(src, kind)
-        self.method = "scaled_mm" if kind == "fp8" else int8_method(self.q, src.dtype)
+        self.method = fp8_method(self.q) if kind == "fp8" else int8_method(self.q, src.dtype)
         # Shapes the GEMMs take: _scaled_mm's row-wise scale of the weight is [1, N];
         # _weight_int8pack_mm wants [N] in the activation dtype.
         self.scale = scale[None, :].contiguous() if kind == "fp8" else scale.to(
@@ -145,7 +146,7 @@ class QuantWeight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kind == "fp8":
-            y = _fp8_linear(x, self.q, self.scale, self.out_dtype)
+            y = _fp8_linear(x, self.q, self.scale, self.out_dtype, self.method == "scaled_mm")
         elif self.method == "int8pack":
             y = torch._weight_int8pack_mm(x, self.q, self.scale)
         else:
@@ -155,13 +156,33 @@ class QuantWeight:
         return y if bias is None else y + bias
 
 
-def _fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``x`` ``[..., K]`` quantised per row to e4m3, times ``q.T`` with row-wise scales."""
+def fp8_method(q: torch.Tensor) -> str:
+    """``"scaled_mm"`` where ``torch._scaled_mm`` takes row-wise scales on this weight's device
+    (CUDA; the CPU from torch 2.13), else ``"emulated"``: the same e4m3 values and scales
+    multiplied in float32 (older CPU builds take only per-tensor scales). Tried once."""
+    if q.device.type == "cuda":
+        return "scaled_mm"
+    try:
+        x = torch.zeros(1, q.shape[1], device=q.device).to(FP8)
+        torch._scaled_mm(x, q.t(), scale_a=torch.ones(1, 1), scale_b=torch.ones(1, q.shape[0]),
+                         out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return "emulated"
+    return "scaled_mm"
+
+
+def _fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype,
+                native: bool = True) -> torch.Tensor:
+    """``x`` ``[..., K]`` quantised per row to e4m3, times ``q.T`` with row-wise scales
+    (``native=False``: the e4m3 values multiplied in float32, for a ``_scaled_mm`` without them)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float()
     sx = (x2.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=_TINY)
     xq = (x2 / sx).to(FP8)
-    y = torch._scaled_mm(xq, q.t(), scale_a=sx, scale_b=scale, out_dtype=out_dtype)
+    if native:
+        y = torch._scaled_mm(xq, q.t(), scale_a=sx, scale_b=scale, out_dtype=out_dtype)
+    else:
+        y = ((xq.float() @ q.float().t()) * sx * scale).to(out_dtype)
     return y.reshape(*lead, q.shape[0])
 
 
