@@ -211,7 +211,7 @@ class PolicyLoss:
             m["kl"] = algo.masked_mean(kl.detach(), mask)  # a metric: no graph kept
         if self.needs_entropy:
             tok = tok - c.entropy_coef * out["entropy"]
-            m["entropy"] = algo.masked_mean(out["entropy"], mask)
+            m["entropy"] = algo.masked_mean(out["entropy"].detach(), mask)  # a metric: no graph kept
         if self.needs.values:
             v_tok, vm = algo.value_loss(out["values"], mb["old_values"], mb["returns"], mask, c.value_clip)
             tok = tok + c.value_coef * v_tok
