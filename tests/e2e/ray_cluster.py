@@ -96,6 +96,15 @@ class RayCluster:
         return {p for p in self.processes() if _alive(p)}
 
 
+def wait_first_step(proc: subprocess.Popen, run: Path, deadline_s: float = 180.0) -> None:
+    """Wait until the run in ``run`` has logged a step; fail with its stderr if it ended first."""
+    deadline = time.monotonic() + deadline_s
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run did not reach its first step"
+        time.sleep(0.2)
+
+
 def _alive(pid: int) -> bool:
     """Running (a zombie counts as gone: its parent, not us, reaps it)."""
     try:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from conveyor.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ray_cluster import RayCluster
+from ray_cluster import RayCluster, wait_first_step
 
 pytestmark = pytest.mark.slow  # whole training runs on a Ray cluster
 
@@ -143,11 +143,7 @@ def test_killed_engine_actor_stops_the_run_with_its_name(cluster, tmp_path):
                              "loop.steps=100000", "loop.max_staleness=1", "sft.steps=0", *on_ray(cluster)],
                             env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the run did not reach its first step"
-            time.sleep(0.2)
+        wait_first_step(proc, run)
         engine = placed(run)["engine0"]
         os.kill(engine["pid"], signal.SIGKILL)
         t0 = time.monotonic()

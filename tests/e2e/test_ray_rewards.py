@@ -21,6 +21,9 @@ import pytest
 from conveyor.launch.procs import RoleError
 from conveyor.types import Task, Trajectory
 
+sys.path.insert(0, str(Path(__file__).parent))
+from ray_cluster import wait_first_step  # noqa: E402
+
 pytestmark = pytest.mark.slow  # a Ray cluster, and a whole training run
 
 W = "tests.unit.reward.worker_rewards:"
@@ -172,11 +175,7 @@ def test_a_run_scored_by_reward_actors_on_node_b_survives_a_killed_one(cluster, 
     proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run}", *args],
                             env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the run did not reach its first step"
-            time.sleep(0.2)
+        wait_first_step(proc, run)
         actors = reward_actor_pids(cluster)
         assert len(actors) == 2, actors
         engine = json.loads((run / "ray_placement.json").read_text())["engine0"]
