@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from conveyor.config import RunConfig
 from conveyor.controller import objective
+from conveyor.controller.accumulate import EngineMemory, accumulated_step
 from conveyor.controller.producer import Producer
 from conveyor.controller.replay import ReplayStore
 from conveyor.controller.step_batch import prepare, train_and_prepare_next
@@ -46,11 +47,13 @@ if TYPE_CHECKING:  # pragma: no cover
 def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffer: TrajectoryBuffer,
             rewards: RewardHandle, logger: MetricsLogger, timer: PhaseTimer,
             evaluate: Callable[[int], dict], checkpoint: Callable[[int, dict, dict | None], object],
-            start_step: int, counted_before: Callable[[dict], dict] = dict) -> dict[str, float]:
+            start_step: int, counted_before: Callable[[dict], dict] = dict,
+            memory: EngineMemory | None = None) -> dict[str, float]:
     """The RL loop from ``start_step`` to ``loop.steps``. ``checkpoint(step, counters, evaluation)``
     saves a step (``counters``: the running counts of the metrics; ``evaluation``: the held-out
     result of that step, if one ran); ``counted_before`` adds the counts of a run's earlier
-    parts to this part's (a resumed run reports the whole run's)."""
+    parts to this part's (a resumed run reports the whole run's); ``memory`` (launch.time_share):
+    the colocated engines' KV pools, released while a step trains and taken back before the next."""
     lc = cfg.loop
     deadlines = Deadlines(cfg.launch.timeout_s)  # the wait for a step's groups may grow with the steps seen
     one_update = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1
@@ -69,7 +72,11 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
             logger.message(f"time limit {lc.time_limit_s:.0f}s reached after {step - start_step} steps")
             break
         timeout, t_wait = deadlines.of("groups"), time.monotonic()
-        if ahead is None:
+        if lc.accumulate_groups:  # parts trained as they are scored, the step once all are in
+            with stalled(f"step {step + 1}'s groups, trained as they are scored"):
+                groups, batch, stats, extra, trained = accumulated_step(trainer, buffer, cfg, loss_fn, need,
+                                                                        step + 1, timeout, timer, memory)
+        elif ahead is None:
             with timer.phase("wait"), stalled(f"the wait for step {step + 1}'s {lc.batch_size} scored groups"):
                 items = buffer.get(lc.batch_size, timeout=timeout)  # the trainer's idle time
             with timer.phase("prepare"):
@@ -77,10 +84,17 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
         else:  # built while the last step trained; what is not ready yet, the trainer waits for
             with timer.phase("wait"), stalled(f"the wait for step {step + 1}'s batch"):
                 groups, batch, stats, extra = ahead.take(timeout)
-        with timer.phase("train"):  # the trainer publishes version step + 1 as its step ends
-            trained, ahead = train_and_prepare_next(trainer, buffer, lc, cfg.algo, batch, loss_fn, need,
-                                                    version=step + 1, timeout_s=timeout, last=step + 1 == lc.steps,
-                                                    replay=replay)
+        if not lc.accumulate_groups:
+            if memory is not None:  # the step's generation is over: the trainer may use the KV pool's memory
+                with timer.phase("release"):
+                    memory.release()
+            with timer.phase("train"):  # the trainer publishes version step + 1 as its step ends
+                trained, ahead = train_and_prepare_next(trainer, buffer, lc, cfg.algo, batch, loss_fn, need,
+                                                        version=step + 1, timeout_s=timeout,
+                                                        last=step + 1 == lc.steps, replay=replay)
+        if memory is not None:  # before the producer may admit the next step's chunks
+            with timer.phase("reacquire"):
+                memory.reacquire()
         deadlines.observe("groups", time.monotonic() - t_wait)  # a step's wait and train: what a wait may take
         published_at[step + 1] = trained.step_ended
         rollouts.published(step + 1)

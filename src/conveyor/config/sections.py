@@ -6,6 +6,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from conveyor import staleness
+from conveyor.config import overlap
 from conveyor.config.base import ConfigError, _Section, did_you_mean
 from conveyor.config.replay import ReplayConfig
 from conveyor.config.lora import LoraConfig
@@ -131,6 +132,9 @@ class TrainerConfig(_Section):
     total_steps: int | None = Field(None, description="for decaying schedules; defaults to loop.steps")
     max_grad_norm: float | None = Field(1.0, description="None disables clipping")
     micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch (padded)")
+    micro_batch_tokens_shared: int | None = Field(None, ge=1, description=(
+        "token budget of a micro-batch trained while a colocated engine still holds its KV pool (the parts "
+        "loop.accumulate_groups trains during generation); null = micro_batch_tokens"))
     pad_multiple: int = Field(1, ge=1, description=(
         "pad each micro-batch's length up to a multiple of this, so that steps repeat a few shapes "
         "(per-shape attention plans and allocator blocks are then reused); 1 = pad to the longest only"))
@@ -281,6 +285,10 @@ class LoopConfig(_Section):
     partial_rollouts: bool = Field(True, description=(
         "new weights interrupt running generations (tokens record their version); "
         "false: engines take new weights only between requests"))
+    accumulate_groups: int = Field(0, ge=0, description=(
+        "synchronous runs with one optimizer step per batch: the trainer runs forward and backward on every "
+        "this many scored groups as they arrive, while the engines finish the rest, and steps once the "
+        "batch is in (the same gradient, docs/algorithms.md); 0 = wait for the whole batch"))
     replay: ReplayConfig = Field(ReplayConfig(), description=(
         "reuse of recent high-signal groups beside each step's fresh ones (docs/algorithms.md, Trajectory reuse)"))
 
@@ -370,6 +378,10 @@ class LaunchConfig(_Section):
     max_restarts: int = Field(3, ge=0, description=(
         "engine processes that die are restarted, their work in flight sent again: at most this many "
         "restarts in the run, then the death stops the run (needs weight_sync shm or ipc)"))
+    time_share: Literal["auto", "on", "off"] = Field("auto", description=(
+        "synchronous runs with the engine on the trainer's GPU: the engine's KV pool is released while the "
+        "trainer trains and taken back before generation (the trainer may then use trainer.micro_batch_tokens "
+        "of that memory); auto = on for the native engine on a shared GPU, off on CPU"))
     collective_timeout_s: float = Field(120.0, gt=0, description=(
         "deadline of one collective (trainer ranks, weight broadcast): a dead rank stops the run after this"))
     backend: Literal["local", "ray"] = Field("local", description=(
@@ -392,6 +404,11 @@ class LaunchConfig(_Section):
     ray_reward_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description=(
         "reward.executor=ray: the placement group strategy of the reward workers' bundles (SPREAD: over "
         "the nodes)"))
+
+    @field_validator("time_share", mode="before")
+    @classmethod
+    def _on_off(cls, v: Any) -> Any:
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as booleans
 
     @property
     def in_process(self) -> bool:
@@ -511,6 +528,7 @@ class RunConfig(_Section):
         if lo.enabled and lo.publish == "adapter" and self.sft.steps > 0:
             raise ValueError("trainer.lora.publish=adapter cannot carry the warm start's full weights; "
                              "set trainer.lora.publish=merged or sft.steps=0")
+        overlap.check(self)
         la = self.launch
         if self.reward.executor == "ray" and la.backend != "ray":
             raise ValueError("reward.executor=ray runs the reward workers as Ray actors and needs "

@@ -185,6 +185,8 @@ class PolicyLoss:
         self.proximal_from_forward = uses_proximal(cfg) and one_update
         self.needs_entropy = cfg.entropy_coef != 0
         self.norm_len = norm_len
+        # Which batch total the loss divides by (a step accumulated part by part divides at the end).
+        self.normaliser = "tokens" if cfg.loss_agg == "token-mean" else "seqs"
 
     def __call__(self, out, mb, num_tokens, num_seqs):
         c = self.cfg

@@ -43,7 +43,8 @@ from conveyor.launch.procs import RoleError
 from conveyor.observe import timeline
 from conveyor.rollout.api import EngineWorker, SamplingParams
 from conveyor.rollout.single_turn import prepare_prompts, to_groups
-from conveyor.transport.messages import Done, EngineClock, Failed, Generate, Ready, Scored, WeightSwap
+from conveyor.controller.time_share import TimeShare
+from conveyor.transport.messages import Done, EngineClock, Failed, Generate, MemoryDone, Ready, Scored, WeightSwap
 from conveyor.types import Group, Task
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,8 @@ class Producer:
         self._pending: list[_Pending] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="producer", daemon=True)
+        # The engines' KV pools, released while a synchronous step trains (launch.time_share).
+        self.time_share = TimeShare(self.workers, timeout_s, lambda: self.error)
 
     # ----- what the loop calls ------------------------------------------------------
     def start(self) -> None:
@@ -276,6 +279,9 @@ class Producer:
             raise RoleError(f"engine {msg.engine_id} failed:\n{msg.traceback}")
         if isinstance(msg, Ready):  # a restarted engine is serving
             self._starting.pop(msg.engine_id, None)
+            return
+        if isinstance(msg, MemoryDone):
+            self.time_share.acknowledge(msg)
             return
         if isinstance(msg, WeightSwap):
             with self._shared.lock:

@@ -24,12 +24,15 @@ from typing import Any, Callable
 
 from conveyor import loop
 from conveyor.config import RunConfig, save_config
+from conveyor.config.overlap import time_share_on
 from conveyor.controller import checkpoints
 from conveyor.controller.evaluate import Evaluator
 from conveyor.controller.group_filter import GroupFilter
 from conveyor.controller.producer import Producer, Prompting
+from conveyor.controller.time_share import TimeShare
 from conveyor.data.api import TaskCursor, TaskSource, prompt_special_tokens
 from conveyor.launch.api import Launcher
+from conveyor.launch.placement import plan
 from conveyor.observe import timeline
 from conveyor.observe.metrics import MetricsLogger
 from conveyor.observe.progress import PhaseProgress
@@ -68,6 +71,7 @@ class Session:
     buffer: TrajectoryBuffer
     add_special_tokens: bool
     rollouts: Producer | None = None
+    memory: TimeShare | None = None  # the engines' KV pools, when time-shared with the trainer
     evaluator: Evaluator | None = None
     warm: Any = None  # where warm-start weights are published (Engines.warm)
     trainer: TrainerHandle | None = None
@@ -117,6 +121,9 @@ class Session:
                                  episodes=runner, max_failed_groups=cfg.env.max_failed_groups,
                                  max_restarts=cfg.launch.max_restarts, group_filter=GroupFilter.from_config(cfg))
         self.rollouts.start()
+        if time_share_on(cfg, "cuda" if cfg.launch.backend == "local" and plan(cfg).gpu else "cpu"):
+            self.memory = self.rollouts.time_share
+            self.logger.message("launch.time_share: the engines' KV pools are released while the trainer trains")
         self.evaluator = Evaluator(cfg, self.eval_tasks, prompting, self.rollouts, self.rewards, self.logger,
                                    episodes=runner)
 
@@ -376,7 +383,7 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
     last = loop.rl_loop(cfg, trainer=s.trainer, rollouts=s.rollouts, buffer=s.buffer, rewards=s.rewards,
                         logger=s.logger, timer=s.timer, evaluate=s.evaluator.evaluate,
                         checkpoint=lambda step, counters, evaluation: s.checkpoint(step, summary, counters, evaluation),
-                        start_step=start_step, counted_before=s.before.offset)
+                        start_step=start_step, counted_before=s.before.offset, memory=s.memory)
     # Training time (mid-run evaluations left out) and wall time of the whole run, resumed parts included.
     rl_seconds = s.before.rl_seconds + time.perf_counter() - t_rl - s.timer.outside_s
     steps_done = s.trainer.step()

@@ -78,6 +78,13 @@ class TrainerProxy:
         # Rank 0's answer, with every rank's spans: each rank is a row of the timeline.
         return dataclasses.replace(answers[0], spans=tuple(s for a in answers for s in a.spans))
 
+    def accumulate(self, part, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+        self._all("accumulate", part, loss_fn, micro_batch_tokens)
+
+    def finish_and_publish(self, version: int) -> Trained:
+        answers = self._call("finish_and_publish", version)
+        return dataclasses.replace(answers[0], spans=tuple(s for a in answers for s in a.spans))
+
     def publish(self, version: int) -> float:
         return self._all("publish", version)
 

@@ -13,7 +13,9 @@ streaming (``partial`` and ``engine.streams``): one ``generate_stream`` call
 that compatible chunks join between decode steps, each prompt reported as
 its samples end, weights swapped between steps; waves (otherwise): one
 ``generate`` per group of waiting chunks with equal sampling settings.
-``engine_process`` is the same loop as a child process's main. Each ``Done``
+``Memory`` (``launch.time_share``, sent only between a step's generation
+and the next) releases or takes back the engine's KV pool and is answered
+by ``MemoryDone``. ``engine_process`` is the same loop as a child process's main. Each ``Done``
 carries the ``Span``s of what the worker did since its previous one (generate
 calls, or a streaming call's stretch up to this report; waits for weights)
 for the run's timeline.
@@ -32,7 +34,8 @@ import traceback
 
 from conveyor.rollout.api import RolloutEngine, StreamChunk
 from conveyor.transport.api import WeightReader
-from conveyor.transport.messages import Done, EngineClock, Failed, Generate, Ready, Span, Stop, WeightSwap
+from conveyor.transport.messages import (Done, EngineClock, Failed, Generate, Memory, MemoryDone, Ready, Span, Stop,
+                                         WeightSwap)
 from conveyor.transport.weights import WeightSyncTimeout
 
 # With partial rollouts a watcher thread applies each version as it lands. Off, swaps happen
@@ -189,6 +192,17 @@ class _EngineServer:
         finally:
             self.idle_s += time.perf_counter() - t0
 
+    def switch_memory(self, hold: bool) -> None:
+        """Release or take back the engine's KV pool (``launch.time_share``), between calls."""
+        t0, wall0 = time.perf_counter(), time.time()
+        if hold:
+            self.engine.reacquire_memory()
+        else:
+            self.engine.release_memory()
+        seconds = time.perf_counter() - t0
+        self.spans.append(Span(self.track, "take memory" if hold else "release memory", wall0, wall0 + seconds))
+        self.outbox.put(MemoryDone(self.engine_id, hold, seconds))
+
     def report(self, chunk_id: int, completions, busy_s: float, offset: int = 0) -> None:
         clock = EngineClock(busy_s, self.idle_s, dict(self.engine.counters))
         spans, self.spans = tuple(self.spans), []
@@ -205,6 +219,9 @@ class _EngineServer:
                     continue
                 if isinstance(msg, Stop):
                     break
+                if isinstance(msg, Memory):
+                    self.switch_memory(msg.hold)
+                    continue
                 chunks, stop_after = _merge_waiting(msg, self.inbox)
                 # Weights published before these requests were admitted must be in place
                 # before they start: that is what bounds staleness by the admission rule.
@@ -231,6 +248,9 @@ class _EngineServer:
                     continue
                 if isinstance(msg, Stop):
                     break
+                if isinstance(msg, Memory):
+                    self.switch_memory(msg.hold)
+                    continue
                 self.stream_call(msg)
 
     def stream_call(self, first: Generate) -> None:

@@ -96,6 +96,15 @@ class Trainer(Protocol):
         """Update the weights on ``batch`` with ``loss_fn``; returns metrics."""
         ...
 
+    def accumulate(self, part: "Batch", loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+        """Forward and backward of one part of a step's batch; the gradients wait for
+        ``train_accumulated`` (one rank; ``trainer/accumulation.py``)."""
+        ...
+
+    def train_accumulated(self, publish=None, publish_dtype=None) -> dict[str, float]:
+        """The optimizer step over the accumulated parts (``publish`` as in ``train``); returns metrics."""
+        ...
+
     def named_weights(self, dtype: "torch.dtype | None" = None) -> Iterator[tuple[str, "torch.Tensor"]]:
         """Policy tensors named as in ``model.state_dict()``, for publishing to engines; ``dtype``
         (the engines', when all agree) lets a trainer hand tensors already in it."""
@@ -126,6 +135,16 @@ class TrainerHandle(Protocol):
 
     def train_and_publish(self, batch: "Batch", loss_fn: LossFn, version: int) -> "Trained":
         """One ``train`` call whose new weights leave as ``version`` as its optimizer step ends."""
+        ...
+
+    def accumulate(self, part: "Batch", loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+        """Forward and backward of one part of a step's batch, its gradients kept for
+        ``finish_and_publish`` (``trainer/accumulation.py``); ``micro_batch_tokens`` overrides
+        the trainer's budget for this part (None: ``trainer.micro_batch_tokens``)."""
+        ...
+
+    def finish_and_publish(self, version: int) -> "Trained":
+        """The optimizer step over the parts accumulated since the last step, published as ``version``."""
         ...
 
     def publish(self, version: int) -> float:

@@ -281,6 +281,10 @@ class FSDPTrainer(LocalTrainer):
         return result  # type: ignore[return-value]
 
     # ------------------------------------------------------------------- train
+    def accumulate(self, part: Batch, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+        raise NotImplementedError("FSDPTrainer: a step accumulated part by part runs on one trainer rank; "
+                                  "set loop.accumulate_groups=0 or launch.trainer_ranks=1")
+
     def train(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         metrics = super().train(batch, loss_fn)
         t = torch.tensor([metrics["time_s"]], dtype=torch.float64, device=self.device)

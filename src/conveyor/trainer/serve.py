@@ -11,7 +11,9 @@ Contract
   from this process, not after a round trip through the controller; a
   trainer that ``streams_publish`` runs its last optimizer step group by
   group inside the publish. Neither waits for the engines' receives: each
-  engine waits for the version its chunks were admitted for. Its answer's
+  engine waits for the version its chunks were admitted for. ``accumulate(part,
+  loss_fn, micro_batch_tokens)`` and ``finish_and_publish(version)`` are the
+  same step taken part by part as a step's groups arrive (one rank). Its answer's
   ``spans`` are this rank's train and publish spans (wall time), after those
   of the forward-only calls (``logprobs``, ``ref_logprobs``, ``values``)
   since the previous train call, for the run's timeline.
@@ -42,10 +44,26 @@ class TrainerHost:
         self._spans: list[Span] = []  # forward-only calls since the last train call, sent with its answer
 
     def train_and_publish(self, batch, loss_fn: LossFn, version: int) -> Trained:
+        return self._step_and_publish(version, lambda **kw: self.trainer.train(batch, loss_fn, **kw))
+
+    def accumulate(self, part, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+        """Forward and backward of one part of the step's batch (``trainer/accumulation.py``)."""
+        start = time.time()
+        try:
+            self.trainer.accumulate(part, loss_fn, micro_batch_tokens)
+        finally:
+            self._spans.append(Span(self.track, "accumulate", start, time.time(), {"samples": len(part)}))
+
+    def finish_and_publish(self, version: int) -> Trained:
+        """The optimizer step over the accumulated parts; its weights leave as ``version``."""
+        return self._step_and_publish(version, self.trainer.train_accumulated)
+
+    def _step_and_publish(self, version: int, step) -> Trained:
+        """``step(**publish_kwargs)`` runs the optimizer work; the new weights leave as ``version``."""
         before, self._spans = tuple(self._spans), []
         start = time.time()
         if not self.trainer.streams_publish:
-            metrics = self.trainer.train(batch, loss_fn)
+            metrics = step()
             trained = time.time()
             publish_s = self.publish(version)
             spans = (*before, Span(self.track, "train", start, trained, {"version": version}),
@@ -60,7 +78,7 @@ class TrainerHost:
             finally:
                 spent.append(time.perf_counter() - t0)
                 parts.append(Span(self.track, "publish", wall0, wall0 + spent[-1], {"version": version}))
-        metrics = self.trainer.train(batch, loss_fn, publish=publish, publish_dtype=self.publish_dtype)
+        metrics = step(publish=publish, publish_dtype=self.publish_dtype)
         # The publish parts ran inside the train call (its last optimizer step, group by group).
         spans = (*before, Span(self.track, "train", start, time.time(), {"version": version}), *parts)
         return Trained(metrics, self.trainer.step_ended, sum(spent), spans)

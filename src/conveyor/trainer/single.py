@@ -37,6 +37,7 @@ from torch import nn
 from conveyor import routing
 from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint, lora
+from conveyor.trainer.accumulation import Accumulation
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.logprobs import kernel_available, token_logprobs
 from conveyor.trainer.microbatch import collate, plan_microbatches, split_even
@@ -261,6 +262,7 @@ class LocalTrainer:
         self.compute, self._copies = self.model, []
         self._publish_list: list | None = None  # named_weights(bf16), listed on first use
         self._plans: dict = {}  # publish dtype -> StreamPlan
+        self._acc: Accumulation | None = None  # a step's parts accumulated so far (``accumulate``)
         if self.reference is not None:
             self.reference.to(self.device).eval().requires_grad_(False)
         if self._dtype != torch.float32:
@@ -398,14 +400,19 @@ class LocalTrainer:
             # a colocated engine can use the memory.
             self._zero_grad()
             self.compute.eval()
+        updates = self.cfg.ppo_epochs * len(chunks)
+        return self._end_step(start, lr, means, totals, updates, batch.num_tokens, len(batch))
+
+    def _end_step(self, start: float, lr: float, means: MetricMean, totals: dict, updates: int,
+                  num_tokens: int, num_seqs: int) -> dict[str, float]:
+        """After a step's optimizer work: schedulers and step count, then the step's metrics."""
         self.scheduler.step()
         if self.critic_scheduler is not None:
             self.critic_scheduler.step()
         self._step += 1
-        updates = self.cfg.ppo_epochs * len(chunks)
         metrics = {
             "loss": totals["loss"] / updates, "grad_norm": totals["grad_norm"] / updates, "lr": lr,
-            "num_tokens": float(batch.num_tokens), "num_seqs": float(len(batch)),
+            "num_tokens": float(num_tokens), "num_seqs": float(num_seqs),
             "microbatches": float(totals["microbatches"]),
         }
         if self.critic is not None:
@@ -443,10 +450,15 @@ class LocalTrainer:
     def _update(self, mini: Batch, loss_fn: LossFn, means: MetricMean, totals: dict, where: str) -> None:
         """One optimizer step on one mini-batch: accumulate micro-batch gradients, clip, step."""
         self._zero_grad()
-        num_tokens = max(float(mini.num_tokens), 1.0)
+        self._backward(mini, loss_fn, max(float(mini.num_tokens), 1.0), len(mini), self.cfg.micro_batch_tokens,
+                       means, totals, where)
+        self._step_optimizers(totals, where)
+
+    def _backward(self, mini: Batch, loss_fn: LossFn, num_tokens: float, num_seqs: int, budget: int,
+                  means: MetricMean, totals: dict, where: str) -> None:
+        """Forward and backward of ``mini`` in micro-batches of ``budget`` tokens, gradients summed."""
         needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-        plan = plan_microbatches([int(x.numel()) for x in mini.input_ids], self.cfg.micro_batch_tokens,
-                                 self.cfg.pad_multiple)
+        plan = plan_microbatches([int(x.numel()) for x in mini.input_ids], budget, self.cfg.pad_multiple)
         pending = []  # per micro-batch: loss, metrics, loss tokens, still on the device
         for j, idx in enumerate(plan):
             cpu_mb = collate(mini, idx, self.pad_token_id, self.cfg.pad_multiple)
@@ -454,7 +466,7 @@ class LocalTrainer:
             out = self._policy_out(self.compute, mb, needs_entropy, head_start(cpu_mb))
             if self.critic is not None:
                 out["values"] = self._values_out(mb)
-            loss, metrics = loss_fn(out, mb, num_tokens, len(mini))
+            loss, metrics = loss_fn(out, mb, num_tokens, num_seqs)
             self._check_loss_type(loss, f"{where}, micro-batch {j}")
             loss.backward()
             pending.append((loss.detach(), metrics, mb["loss_mask"].sum()))
@@ -464,7 +476,42 @@ class LocalTrainer:
             totals["loss"] += self._check_finite(value, f"{where}, micro-batch {j}")
             totals["microbatches"] += 1
             means.add(metrics, weight)
-        self._step_optimizers(totals, where)
+
+    # ------------------------------------------------- streamed accumulation
+    def accumulate(self, part: Batch, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+        """Forward and backward of one part of a step's batch; the gradients wait in place for
+        ``train_accumulated``, which takes the step (``trainer/accumulation.py``)."""
+        if self._acc is None:
+            self._zero_grad()
+            self.compute.train()
+            if self.critic is not None:
+                self.critic.train()
+            self._acc = Accumulation.begin(loss_fn, self.optimizer.param_groups[0]["lr"])
+        acc = self._acc
+        try:
+            self._backward(part, loss_fn, 1.0, 1, micro_batch_tokens or self.cfg.micro_batch_tokens,
+                           acc.means, acc.totals, f"part {acc.parts}")
+        except BaseException:
+            self._acc = None  # a failed part ends the accumulation: its gradients are incomplete
+            self._zero_grad()
+            raise
+        acc.add(part)
+
+    def train_accumulated(self, publish=None, publish_dtype=None) -> dict[str, float]:
+        """The optimizer step over every part ``accumulate`` took since the last step: the summed
+        gradients divided by the batch's totals (the loss's ``normaliser``), then as ``train``."""
+        acc, self._acc = self._acc, None
+        if acc is None or acc.parts == 0:
+            raise ValueError("LocalTrainer.train_accumulated: no part was accumulated; call accumulate() first")
+        try:
+            acc.normalise([self.model.parameters()] + ([self.critic.parameters()] if self.critic else []))
+            self._publish = (publish, publish_dtype) if publish is not None else None
+            self._step_optimizers(acc.totals, f"the step over {acc.parts} parts")
+        finally:
+            self._publish = None
+            self._zero_grad()
+            self.compute.eval()
+        return self._end_step(acc.start, acc.lr, acc.means, acc.totals, 1, acc.num_tokens, acc.num_seqs)
 
     def _step_optimizers(self, totals: dict, where: str) -> None:
         """Clip (and log the norms of) the accumulated gradients, then step policy and critic."""

@@ -6,9 +6,9 @@ message's type, never on a tuple's first element). The same classes travel
 through ``queue.Queue`` (roles in threads), ``multiprocessing`` queues and
 the RPC pipe of ``launch.procs`` (roles in processes): they pickle.
 
-Controller -> engine worker (its inbox): ``Generate``, ``Stop``.
+Controller -> engine worker (its inbox): ``Generate``, ``Memory``, ``Stop``.
 Engine worker -> controller (the shared outbox): ``Ready``, ``Done``,
-``WeightSwap``, ``Failed``.
+``WeightSwap``, ``MemoryDone``, ``Failed``.
 Producer -> loop (the trajectory buffer): ``Scored``.
 Trainer -> loop (the answer of ``train_and_publish``): ``Trained``.
 Inside ``Done`` and ``Trained``: ``Span`` (what a role did when, for the timeline).
@@ -50,6 +50,21 @@ class Generate:
 @dataclass(frozen=True)
 class Stop:
     """Finish what runs, then end the engine worker."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Release (``hold`` False) or take back (True) the engine's KV pool (``launch.time_share``):
+    sent only while the engine runs nothing; a Generate after a take-back finds the pool held."""
+    hold: bool
+
+
+@dataclass(frozen=True)
+class MemoryDone:
+    """The engine released or took back its KV pool, in ``seconds`` of its own time."""
+    engine_id: int
+    hold: bool
+    seconds: float
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,55 @@
+"""What may overlap in a synchronous step, checked before the run: streamed gradient
+accumulation (``loop.accumulate_groups``) and the colocated engine's memory time sharing
+(``launch.time_share``).
+
+Contract: ``check(cfg)`` raises ``ValueError`` with a one-line fix for a combination that
+cannot give today's synchronous step; it changes nothing. ``time_share_on(cfg, device_type)``
+resolves ``launch.time_share`` for the device the roles share (auto: on for one native engine
+and one trainer in the controller's process on a GPU, at staleness 0).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.config.sections import RunConfig
+
+GROUP_ADVANTAGES = ("grpo", "drgrpo", "rloo")  # a group's advantages need only its own rewards
+
+
+def check(cfg: "RunConfig") -> None:
+    k, lc, la = cfg.loop.accumulate_groups, cfg.loop, cfg.launch
+    if la.time_share == "on":
+        if cfg.rollout.engine != "native" or la.placement != "colocated" or lc.max_staleness > 0:
+            raise ValueError("launch.time_share=on releases a colocated native engine's KV pool while a synchronous "
+                             f"step trains: it needs rollout.engine=native (got {cfg.rollout.engine}), "
+                             f"launch.placement=colocated (got {la.placement}) and loop.max_staleness=0 "
+                             f"(got {lc.max_staleness}); or set launch.time_share=off")
+    if k == 0:
+        return
+    why = None
+    if lc.max_staleness > 0:
+        why = (f"loop.max_staleness={lc.max_staleness} already trains while the engines generate; "
+               "set loop.max_staleness=0")
+    elif cfg.trainer.ppo_epochs != 1 or cfg.trainer.mini_batches != 1:
+        why = (f"trainer.ppo_epochs={cfg.trainer.ppo_epochs} and trainer.mini_batches={cfg.trainer.mini_batches} "
+               "change the weights within a step; set both to 1")
+    elif cfg.algo.advantage not in GROUP_ADVANTAGES:
+        why = (f"algo.advantage={cfg.algo.advantage} needs the whole batch before any advantage is known; "
+               f"use one of {', '.join(GROUP_ADVANTAGES)}")
+    elif cfg.algo.dynamic_sampling or lc.replay.enabled:
+        why = "algo.dynamic_sampling and loop.replay decide a step's groups only once all are in; turn them off"
+    elif la.trainer_ranks != 1:
+        why = f"launch.trainer_ranks={la.trainer_ranks}: parts are trained by one trainer rank; use 1"
+    elif k > lc.batch_size:
+        why = f"it exceeds loop.batch_size ({lc.batch_size}); lower it"
+    if why:
+        raise ValueError(f"loop.accumulate_groups={k}: {why}, or set loop.accumulate_groups=0")
+
+
+def time_share_on(cfg: "RunConfig", device_type: str) -> bool:
+    """``launch.time_share`` for a run whose colocated roles share a ``device_type`` device."""
+    la = cfg.launch
+    if la.time_share != "auto":
+        return la.time_share == "on"
+    return device_type == "cuda" and cfg.rollout.engine == "native" and la.in_process and cfg.loop.max_staleness == 0

@@ -1,0 +1,76 @@
+"""A synchronous step trained part by part as its groups are scored (``loop.accumulate_groups``).
+
+Contract: ``accumulated_step(trainer, buffer, cfg, loss_fn, need, version, timeout_s, timer,
+memory)`` takes the step's ``loop.batch_size`` groups from the buffer ``accumulate_groups`` at
+a time, in the order they are scored, and hands each part to ``trainer.accumulate`` at once:
+with one optimizer step per batch the weights cannot change before the step ends, so a
+group's gradient is the same whenever it is computed, and the trainer computes it while the
+engines still decode the step's long samples. Once the last group is in, the engines have
+nothing left to generate for this step: ``memory.release()`` (launch.time_share) frees the
+engine's KV pool, so the parts still waiting train with ``trainer.micro_batch_tokens`` instead of
+``micro_batch_tokens_shared``; then ``trainer.finish_and_publish(version)`` takes the optimizer
+step over the whole batch and publishes. It returns what ``step_batch.prepare`` and
+``train_and_publish`` return for the whole step, so the loop reports it the same way; the
+step's stats are computed over all its groups.
+
+The gradient is today's synchronous step's up to summation order (parts follow arrival, so a
+run with accumulate_groups > 0 is not bit-reproducible from its seed; 0 is). It knows nothing
+of engines: ``memory`` is the loop's handle on their KV pools, or None.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from conveyor.controller import objective
+from conveyor.controller.step_batch import prepare
+from conveyor.observe import timeline
+
+if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.config import RunConfig
+    from conveyor.observe.timers import PhaseTimer
+    from conveyor.trainer.api import LossFn, TrainerHandle
+    from conveyor.transport.buffer import TrajectoryBuffer
+
+
+class EngineMemory(Protocol):
+    """The colocated engines' KV pools: released while the trainer trains, taken back before generation."""
+
+    def release(self) -> None: ...
+
+    def reacquire(self) -> None: ...
+
+
+def accumulated_step(trainer: "TrainerHandle", buffer: "TrajectoryBuffer", cfg: "RunConfig", loss_fn: "LossFn",
+                     need: objective.Needs, version: int, timeout_s: float, timer: "PhaseTimer",
+                     memory: EngineMemory | None):
+    """One step over ``loop.batch_size`` groups taken as they are scored; see the module docstring."""
+    k, total = cfg.loop.accumulate_groups, cfg.loop.batch_size
+    shared = cfg.trainer.micro_batch_tokens_shared if memory is not None else None
+    taken: list[tuple[int, object, dict]] = []  # per group: admission index, group, its samples' extras
+    while len(taken) < total:
+        with timer.phase("wait"):
+            part_items = buffer.get(min(k, total - len(taken)), timeout=timeout_s)
+        budget = shared
+        if len(taken) + len(part_items) == total and memory is not None:  # this step's generation is over
+            with timer.phase("release"):
+                memory.release()
+            budget = None
+        with timer.phase("prepare"):
+            part_groups, part, _, extra = prepare(trainer, cfg.algo, part_items, need)
+        with timer.phase("train"):
+            trainer.accumulate(part, loss_fn, budget)
+        indices = sorted(s.index for s in part_items)  # prepare's order
+        row = 0
+        for index, group in zip(indices, part_groups):
+            n = len(group.trajectories)
+            taken.append((index, group, {key: rows[row:row + n] for key, rows in extra.items()}))
+            row += n
+    with timer.phase("train"):
+        trained = trainer.finish_and_publish(version)
+    timeline.record_spans("trainer", trained.spans)
+    taken.sort(key=lambda t: t[0])  # the step's groups in admission order, as one batch would hold them
+    groups = [g for _, g, _ in taken]
+    extra = {key: [r for _, _, e in taken for r in e[key]] for key in taken[0][2]}
+    with timer.phase("prepare"):
+        batch, stats = objective.make_batch(groups, cfg.algo, extra)
+    return groups, batch, stats, extra, trained

@@ -1,0 +1,76 @@
+"""A step's gradient accumulated part by part, as the step's groups arrive.
+
+Contract
+- With one optimizer step per batch the weights do not change until the step
+  ends, so each part of a step's batch can run forward and backward as soon
+  as it exists (``LocalTrainer.accumulate``), and the step is taken once the
+  last part is in (``train_accumulated``). The parts' losses are computed
+  with both denominators at 1 (``num_tokens = num_seqs = 1``: sums), and
+  ``Accumulation.normalise`` divides the summed gradients, and the summed
+  loss, by the whole batch's total once it is known: loss tokens when the loss
+  function's ``normaliser`` is ``"tokens"`` (token-mean), sequences when it is
+  ``"seqs"`` (the sequence means, Dr. GRPO's constant length). The result is
+  the gradient of the loss over the whole batch, as ``train`` computes it, up
+  to the rounding of a different summation order.
+- A loss function without a ``normaliser`` cannot be accumulated this way
+  (nothing says which total it divides by): ``begin`` refuses it by name.
+
+It knows nothing of where the parts come from or when the step is taken.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from conveyor.trainer.step_metrics import MetricMean
+
+if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.trainer.api import LossFn
+    from conveyor.types import Batch
+
+NORMALISERS = ("tokens", "seqs")
+
+
+@dataclass
+class Accumulation:
+    """The parts taken so far: their totals, metrics and summed (unnormalised) losses."""
+    normaliser: str
+    lr: float
+    start: float
+    parts: int = 0
+    num_tokens: int = 0
+    num_seqs: int = 0
+    means: MetricMean = field(default_factory=MetricMean)
+    totals: dict = field(default_factory=lambda: {"loss": 0.0, "grad_norm": 0.0, "critic_grad_norm": 0.0,
+                                                  "microbatches": 0})
+
+    @classmethod
+    def begin(cls, loss_fn: "LossFn", lr: float) -> "Accumulation":
+        normaliser = getattr(loss_fn, "normaliser", None)
+        if normaliser not in NORMALISERS:
+            raise ValueError(f"accumulate: the loss function {type(loss_fn).__name__} declares no normaliser "
+                             f"(got {normaliser!r}); give it normaliser='tokens' (it divides by num_tokens) or "
+                             "'seqs' (by num_seqs), or train the whole batch at once")
+        return cls(normaliser, lr, time.perf_counter())
+
+    def add(self, part: "Batch") -> None:
+        self.parts += 1
+        self.num_tokens += int(part.num_tokens)
+        self.num_seqs += len(part)
+
+    @property
+    def denominator(self) -> float:
+        return float(max(self.num_tokens if self.normaliser == "tokens" else self.num_seqs, 1))
+
+    @torch.no_grad()
+    def normalise(self, param_sets: Iterable[Iterable[torch.nn.Parameter]]) -> None:
+        """Divide every accumulated gradient (and the summed loss) by the batch's total."""
+        scale = 1.0 / self.denominator
+        for params in param_sets:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self.totals["loss"] *= scale

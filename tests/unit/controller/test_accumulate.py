@@ -1,0 +1,59 @@
+"""A synchronous run with ``loop.accumulate_groups`` (parts trained as their groups are scored)
+takes the same first step as the run that waits for the whole batch, stays on policy, and the
+colocated engine's KV pool is released and taken back every step (``launch.time_share``)."""
+import json
+
+import pytest
+import torch
+
+from conveyor.cli import main
+from conveyor.config import load_config
+from conveyor.observe.timeline import read_timeline
+
+RUN = ["sft.steps=30", "loop.steps=2", "loop.batch_size=8", "rollout.n=4", "loop.eval_every=0", "data.eval_size=8",
+       "trainer.mini_batches=1", "observe.progress=false", "observe.tensorboard=false"]
+
+
+def _run(tmp_path, name, *extra):
+    out = tmp_path / name
+    assert main(["train", *RUN, *extra, f"--output-dir={out}"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, [r for r in rows if r.get("kind") == "train"]
+
+
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_accumulated_parts_take_the_whole_batchs_step(tmp_path, runner):
+    _, whole = _run(tmp_path, "whole", f"rollout.runner={runner}")
+    out, parts = _run(tmp_path, "parts", f"rollout.runner={runner}", "loop.accumulate_groups=3",
+                      "launch.time_share=on")
+    first, again = whole[0], parts[0]
+    # The same samples (the engine has the same weights and random streams) ...
+    for key in ("reward", "num_tokens", "num_seqs", "response_len"):
+        assert again[key] == first[key], key
+    # ... and the same gradient, up to float32 summation order over the step's ~1e3 loss tokens.
+    eps = torch.finfo(torch.float32).eps
+    assert again["loss"] == pytest.approx(first["loss"], abs=1e3 * eps * max(1.0, abs(first["loss"])))
+    assert again["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-4)
+    assert all(r["staleness_max"] == 0 for r in parts)  # max_staleness = 0: every token on policy
+    assert all(r["time/release"] > 0 and r["time/reacquire"] > 0 for r in parts)
+    spans = read_timeline(out)
+    names = {s["name"] for s in spans}
+    assert {"accumulate", "release memory", "take memory"} <= names
+    assert sum(s["name"] == "accumulate" for s in spans) == 2 * 3  # 8 groups in parts of 3, 3, 2 per step
+
+
+@pytest.mark.parametrize("bad, words", [
+    (["loop.max_staleness=1"], "set loop.max_staleness=0"),
+    (["trainer.mini_batches=2"], "set both to 1"),
+    (["algo.advantage=reinforce++"], "whole batch before any advantage"),
+    (["launch.trainer_ranks=2", "launch.engines=2"], "one trainer rank"),
+])
+def test_accumulation_refuses_what_would_change_the_step(bad, words):
+    with pytest.raises(Exception, match=words):
+        load_config(None, ["loop.accumulate_groups=2", "trainer.mini_batches=1", *bad])
+
+
+def test_time_share_on_needs_a_colocated_native_engine_at_staleness_0():
+    with pytest.raises(Exception, match="launch.time_share=on releases"):
+        load_config(None, ["launch.time_share=on", "loop.max_staleness=2"])
+    assert load_config(None, ["launch.time_share=off"]).launch.time_share == "off"
