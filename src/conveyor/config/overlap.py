@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
 GROUP_ADVANTAGES = ("grpo", "drgrpo", "rloo")  # a group's advantages need only its own rewards
 
 
-def check(cfg: "RunConfig") -> None:
+def check(cfg: RunConfig) -> None:
     k, lc, la = cfg.loop.accumulate_groups, cfg.loop, cfg.launch
     if la.time_share == "on":
         if cfg.rollout.engine != "native" or la.placement != "colocated" or lc.max_staleness > 0:
@@ -47,7 +47,7 @@ def check(cfg: "RunConfig") -> None:
         raise ValueError(f"loop.accumulate_groups={k}: {why}, or set loop.accumulate_groups=0")
 
 
-def time_share_on(cfg: "RunConfig", device_type: str) -> bool:
+def time_share_on(cfg: RunConfig, device_type: str) -> bool:
     """``launch.time_share`` for a run whose colocated roles share a ``device_type`` device."""
     la = cfg.launch
     if la.time_share != "auto":

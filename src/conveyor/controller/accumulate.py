@@ -40,8 +40,8 @@ class EngineMemory(Protocol):
     def reacquire(self) -> None: ...
 
 
-def accumulated_step(trainer: "TrainerHandle", buffer: "TrajectoryBuffer", cfg: "RunConfig", loss_fn: "LossFn",
-                     need: objective.Needs, version: int, timeout_s: float, timer: "PhaseTimer",
+def accumulated_step(trainer: TrainerHandle, buffer: TrajectoryBuffer, cfg: RunConfig, loss_fn: LossFn,
+                     need: objective.Needs, version: int, timeout_s: float, timer: PhaseTimer,
                      memory: EngineMemory | None):
     """One step over ``loop.batch_size`` groups taken as they are scored; see the module docstring."""
     k, total = cfg.loop.accumulate_groups, cfg.loop.batch_size

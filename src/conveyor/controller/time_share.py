@@ -13,7 +13,7 @@ these only between a synchronous step's generation and the next, when the engine
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from conveyor.launch.procs import RoleError
 from conveyor.rollout.api import EngineWorker

@@ -34,8 +34,18 @@ import traceback
 
 from conveyor.rollout.api import RolloutEngine, StreamChunk
 from conveyor.transport.api import WeightReader
-from conveyor.transport.messages import (Done, EngineClock, Failed, Generate, Memory, MemoryDone, Ready, Span, Stop,
-                                         WeightSwap)
+from conveyor.transport.messages import (
+    Done,
+    EngineClock,
+    Failed,
+    Generate,
+    Memory,
+    MemoryDone,
+    Ready,
+    Span,
+    Stop,
+    WeightSwap,
+)
 from conveyor.transport.weights import WeightSyncTimeout
 
 # With partial rollouts a watcher thread applies each version as it lands. Off, swaps happen

@@ -20,8 +20,9 @@ It knows nothing of where the parts come from or when the step is taken.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,7 +49,7 @@ class Accumulation:
                                                   "microbatches": 0})
 
     @classmethod
-    def begin(cls, loss_fn: "LossFn", lr: float) -> "Accumulation":
+    def begin(cls, loss_fn: LossFn, lr: float) -> Accumulation:
         normaliser = getattr(loss_fn, "normaliser", None)
         if normaliser not in NORMALISERS:
             raise ValueError(f"accumulate: the loss function {type(loss_fn).__name__} declares no normaliser "
@@ -56,7 +57,7 @@ class Accumulation:
                              "'seqs' (by num_seqs), or train the whole batch at once")
         return cls(normaliser, lr, time.perf_counter())
 
-    def add(self, part: "Batch") -> None:
+    def add(self, part: Batch) -> None:
         self.parts += 1
         self.num_tokens += int(part.num_tokens)
         self.num_seqs += len(part)

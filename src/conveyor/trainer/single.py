@@ -27,8 +27,9 @@ import copy
 import functools
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +128,7 @@ def head_start(mb: dict[str, torch.Tensor]) -> int:
     return max(0, int(cols[0]) - 1) if cols.numel() else 0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _keeps_logits(cls: type) -> bool:
     import inspect
     return "logits_to_keep" in inspect.signature(cls.forward).parameters

@@ -233,15 +233,21 @@ def test_update_weights_changes_outputs_without_recapture(tok, prompts, device):
     assert [g[0].token_ids for g in after] != [g[0].token_ids for g in before]
 
 
-def test_release_and_reacquire_memory(tok, prompts):
-    eng = fast(tiny(tok), tok)
+@pytest.mark.parametrize("device", DEVICES)
+def test_release_and_reacquire_memory(tok, prompts, device):
+    eng = fast(tiny(tok), tok, device)
     params = SamplingParams(temperature=0.0, max_new_tokens=6)
     before = eng.generate(prompts, params)
+    ptr, graphs = eng.runner.kv.data_ptr(), dict(eng.runner._graphs)
     eng.release_memory()
     assert eng.runner.kv is None
     with pytest.raises(RuntimeError, match="call reacquire_memory"):
         eng.generate(prompts, params)
+    if device == "cuda":  # the pool's memory is back with the driver, its addresses kept
+        assert eng.runner._vmm is not None and not eng.runner._vmm.mapped
     eng.reacquire_memory()
+    if device == "cuda":  # same addresses: the graphs captured over the pool are kept, not recaptured
+        assert eng.runner.kv.data_ptr() == ptr and eng.runner._graphs == graphs and graphs
     assert [g[0].token_ids for g in eng.generate(prompts, params)] == [g[0].token_ids for g in before]
 
 

@@ -13,8 +13,9 @@ Contract
   logits; ``free(request)`` returns its blocks.
 - Decode runs as a CUDA graph per batch bucket; weights are read through
   references to the model's parameters, so in-place updates need no
-  recapture. ``release_memory`` / ``reacquire_memory`` drop and rebuild pool
-  and graphs. Details: docs/architecture.md ("Module contracts in detail").
+  recapture. ``release_memory`` / ``reacquire_memory`` give the pool's memory
+  back and take it again: in place on a GPU (``vmm.py``; graphs kept), else
+  pool and graphs are rebuilt. Details: docs/architecture.md ("Module contracts in detail").
 
 It knows nothing of sampling, stop rules or versions: the engine's paged loop
 (``paged_loop.py``) drives it.
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from conveyor.rollout.native import vmm
 from conveyor.rollout.native.kernels import torch_ops
 from conveyor.rollout.native.decoder import PagedDecoder
 from conveyor.rollout.native.prefix_cache import PrefixCache
@@ -110,6 +112,9 @@ class PagedGraphRunner:
         self._tail = np.zeros(self.max_batch + 1, dtype=np.int64)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.kv = None
+        self._vmm: vmm.VmmBuffer | None = None  # the pool's memory on a GPU, released in place
+        self._kv_view: torch.Tensor | None = None
+        self._blocks = 0
         self.allocator: BlockAllocator | None = None
         if prefix_cache not in ("off", "version", "stale", "auto"):
             raise ValueError(f"prefix_cache {prefix_cache!r}: choose off, version or stale")
@@ -130,30 +135,50 @@ class PagedGraphRunner:
         return sampling + prefill + (1 << 30)
 
     def reacquire_memory(self) -> None:
-        """Allocate the KV pool (and capture the decode graphs); a no-op when it is held."""
+        """Allocate the KV pool (and capture the decode graphs); a no-op when it is held. On a GPU
+        with virtual memory management the pool comes back at the same addresses, so the graphs
+        captured over it stay valid (``vmm.py``); elsewhere they are captured again."""
         if self.kv is not None:
+            return
+        if self._vmm is not None:
+            torch.cuda.empty_cache()  # what the trainer's allocator keeps cached goes back to the driver
+            self._vmm.reacquire()
+            self.kv = self._kv_view.zero_()  # no stale bits in rows the graphs read but mask
+            self._new_allocator()
             return
         blocks = kv_pool_blocks(device_type=self.device.type, bytes_per_block=self.bytes_per_block,
                                 kv_fraction=self._kv_fraction, kv_blocks=self._kv_blocks,
                                 workspace_bytes=self._workspace_bytes() if self.device.type == "cuda" else 0)
         net = self.net
-        self.kv = torch.zeros(net.num_layers, 2, blocks * self.block_size, net.nkv, net.head_dim,
-                              dtype=self.dtype, device=self.device)
-        self.allocator = BlockAllocator(blocks)
-        self.prefix = PrefixCache(self.allocator, self.block_size) if self._use_prefix else None
-        log.info("fast runner: KV pool of %d blocks x %d tokens (%.2f GiB)", blocks, self.block_size,
-                 blocks * self.bytes_per_block / 2**30)
+        shape = (net.num_layers, 2, blocks * self.block_size, net.nkv, net.head_dim)
+        if self.use_graphs and vmm.available(self.device):
+            self._vmm = vmm.VmmBuffer(blocks * self.bytes_per_block, self.device)
+            self._kv_view = self.kv = self._vmm.tensor(self.dtype, shape).zero_()
+        else:
+            self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._blocks = blocks
+        self._new_allocator()
+        log.info("fast runner: KV pool of %d blocks x %d tokens (%.2f GiB%s)", blocks, self.block_size,
+                 blocks * self.bytes_per_block / 2**30, ", releasable in place" if self._vmm is not None else "")
         if self.use_graphs:
             self._capture_graphs()
 
+    def _new_allocator(self) -> None:
+        self.allocator = BlockAllocator(self._blocks)
+        self.prefix = PrefixCache(self.allocator, self.block_size) if self._use_prefix else None
+
     def release_memory(self) -> None:
-        """Free the KV pool and the graphs' memory; ``reacquire_memory`` brings them back."""
+        """Free the KV pool (and, without virtual memory management, the graphs' memory);
+        ``reacquire_memory`` brings them back."""
         if len(self._free_rows) != self.max_batch:
             raise RuntimeError("release_memory: requests are still running; call it between generate calls")
-        self._graphs.clear()
         self.kv = None
         self.allocator = None
         self.prefix = None
+        if self._vmm is not None:
+            self._vmm.release()  # the addresses stay: the graphs are kept
+            return
+        self._graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
