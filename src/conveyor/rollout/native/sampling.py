@@ -3,9 +3,10 @@
 Contract: ``sample(logits, ..., seeds)`` takes next-token logits ``[B, V]`` (any
 float dtype) and returns ``(tokens [B] long, logprobs [B] float32)``. Everything
 is computed in float32. The logprob is ``log_softmax(logits / T)`` of the
-temperature-scaled distribution BEFORE top-k / top-p truncation, gathered at the
-sampled token (``log_softmax(logits)`` for greedy), because the trainer
-recomputes exactly that; truncation only decides which tokens may be drawn.
+temperature-scaled distribution BEFORE top-k / top-p truncation, at the sampled
+token (``log_softmax(logits)`` for greedy), because the trainer recomputes
+exactly that, and with the trainer's formula (the token's scaled logit minus the
+row's logsumexp); truncation only decides which tokens may be drawn.
 ``eos_bias`` is added to the EOS logits first, so the logprob is of the biased
 distribution.
 
@@ -134,15 +135,24 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
         logits = logits.clone()
         logits[:, list(eos_ids)] += eos_bias
     if temperature == 0:
+        scaled = logits
         tokens = torch.argmax(logits, dim=-1)
-        logprobs = torch.log_softmax(logits, dim=-1)
     else:
         if seeds is None or len(seeds) != logits.shape[0]:
             raise ValueError("sample: temperature > 0 needs one seed per row (seeds=draw_seeds(keys, index))")
         scaled = logits / temperature
-        logprobs = torch.log_softmax(scaled, dim=-1)
         # Truncation is decided on the tempered distribution; the draw scales the logits itself.
         kept = _top_p_mask(_top_k_mask(scaled, top_k), top_p)
         allowed = logits if kept is scaled else logits.masked_fill(kept == float("-inf"), float("-inf"))
         tokens = _gumbel_argmax(allowed, temperature, seeds)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, token_logprob(scaled, tokens)
+
+
+def token_logprob(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(scaled)[tokens]`` per row, as the picked logit minus the row's logsumexp: the
+    trainer's formula (``trainer/logprobs.py``, the fused GPU sampler's too). torch's CPU
+    ``log_softmax`` kernel is less exact in float32 (up to ~1e-5 off at |logits| ~ 40, measured
+    against float64, and biased), which alone would put the engine's logprobs that far from the
+    trainer's on the same logits."""
+    picked = scaled.gather(-1, tokens[:, None]).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
