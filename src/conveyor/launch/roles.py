@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
@@ -229,6 +230,10 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
     if placement.sync == "inprocess":
         from conveyor.rollout.factory import make_engine
         engine = make_engine(cfg.rollout, path, tokenizer)
+        if engine.cuda_device is not None:
+            # The engine's decode loop must get the interpreter back from the trainer's thread within
+            # a fraction of a millisecond (a step accumulated beside it), as in an engine process.
+            sys.setswitchinterval(0.0005)
         inbox, outbox = queue.Queue(), queue.Queue()
         t = threading.Thread(target=engine_loop, args=(engine, inbox, outbox, routes.readers[0], 0, partial,
                                                        cfg.launch.timeout_s),

@@ -55,6 +55,7 @@ WATCH_WEIGHTS = True
 
 def engine_loop(engine: RolloutEngine, inbox, outbox, weights: WeightReader, engine_id: int, partial: bool,
                 timeout_s: float = 600.0) -> None:
+    _own_stream(engine.cuda_device)
     server = _EngineServer(engine, inbox, outbox, weights, engine_id, timeout_s)
     try:
         if partial and engine.streams:
@@ -63,6 +64,19 @@ def engine_loop(engine: RolloutEngine, inbox, outbox, weights: WeightReader, eng
             server.serve_waves(partial)
     except Exception:  # noqa: BLE001 - reported to the controller, which stops the run
         outbox.put(Failed(engine_id, traceback.format_exc()))
+
+
+def _own_stream(device) -> None:
+    """On a GPU the engine works on a high-priority stream of its own: a trainer on the same device
+    (another thread of this process, a step accumulated while the engine decodes) queues on its
+    own stream, and the engine's decode steps are scheduled ahead of its kernels, not behind them."""
+    if device is None:
+        return
+    import torch
+    torch.cuda.set_device(device)
+    stream = torch.cuda.Stream(device=device, priority=-100)  # clamped to the highest priority
+    stream.wait_stream(torch.cuda.default_stream(device))  # what building the engine queued comes first
+    torch.cuda.set_stream(stream)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +100,10 @@ class _EngineServer:
         self.busy_s = self.idle_s = 0.0
         self._taking = threading.Lock()
         self.device = engine.cuda_device  # where a watcher thread queues its copies
+        self.stream = None  # the generating thread's stream, which the watcher's copies share
+        if self.device is not None:
+            import torch
+            self.stream = torch.cuda.current_stream(self.device)
         self.held = None  # a message read while streaming that could not join the running call
         self.streaming = False  # a streaming call runs: its thread swaps weights between steps
         self._settling: queue.Queue = queue.Queue()  # swaps queued on the device, not yet stamped
@@ -145,6 +163,7 @@ class _EngineServer:
                 if device is not None:
                     import torch
                     torch.cuda.set_device(device)  # the device is per thread; a new one starts on GPU 0
+                    torch.cuda.set_stream(self.stream)  # copies ordered with the decode steps, as one stream
                 while not stop.is_set():
                     if self.streaming or not self._settling.empty():
                         try:
