@@ -40,6 +40,7 @@ from conveyor.observe.timers import PhaseTimer
 from conveyor.reward.api import RewardHandle
 from conveyor.rollout.api import SamplingParams
 from conveyor.trainer.api import TrainerHandle
+from conveyor.trainer.fit import check_micro_batches
 from conveyor.transport.buffer import TrajectoryBuffer
 
 
@@ -373,6 +374,9 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
             s.logger.message(f"held-out reward: initial {summary['eval_reward_initial']:.3f}, "
                              f"after warm-start {summary['eval_reward_warmstart']:.3f}")
     s.trainer = s.launcher.start_trainer(start_path, s.tokenizer)
+    if s.memory is not None or cfg.loop.accumulate_groups:  # the memory these budgets get: refused now, not mid-run
+        check_micro_batches(s.trainer, cfg, s.evaluator.prompting.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                            s.memory)
     if ckpt is not None:
         extra = s.trainer.load_checkpoint(ckpt)
         s.cursor.load_state_dict(extra["cursor"])

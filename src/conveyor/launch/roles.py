@@ -82,6 +82,9 @@ class TrainerProxy:
     def accumulate(self, part, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
         self._all("accumulate", part, loss_fn, micro_batch_tokens)
 
+    def fits(self, tokens: int, length: int) -> bool:
+        return all(self._call("fits", tokens, length))  # every rank's memory must hold it
+
     def finish_and_publish(self, version: int) -> Trained:
         answers = self._call("finish_and_publish", version)
         return dataclasses.replace(answers[0], spans=tuple(s for a in answers for s in a.spans))

@@ -101,6 +101,10 @@ class Trainer(Protocol):
         ``train_accumulated`` (one rank; ``trainer/accumulation.py``)."""
         ...
 
+    def fits(self, tokens: int, length: int) -> bool:
+        """Whether one forward and backward of ``tokens`` tokens in rows of ``length`` fits now."""
+        ...
+
     def train_accumulated(self, publish=None, publish_dtype=None) -> dict[str, float]:
         """The optimizer step over the accumulated parts (``publish`` as in ``train``); returns metrics."""
         ...
@@ -141,6 +145,11 @@ class TrainerHandle(Protocol):
         """Forward and backward of one part of a step's batch, its gradients kept for
         ``finish_and_publish`` (``trainer/accumulation.py``); ``micro_batch_tokens`` overrides
         the trainer's budget for this part (None: ``trainer.micro_batch_tokens``)."""
+        ...
+
+    def fits(self, tokens: int, length: int) -> bool:
+        """Whether a micro-batch of ``tokens`` tokens in rows of ``length`` fits every rank's device
+        memory now (one forward and backward, nothing kept; always true on CPU)."""
         ...
 
     def finish_and_publish(self, version: int) -> "Trained":

@@ -54,6 +54,9 @@ class TrainerHost:
         finally:
             self._spans.append(Span(self.track, "accumulate", start, time.time(), {"samples": len(part)}))
 
+    def fits(self, tokens: int, length: int) -> bool:
+        return self.trainer.fits(tokens, length)
+
     def finish_and_publish(self, version: int) -> Trained:
         """The optimizer step over the accumulated parts; its weights leave as ``version``."""
         return self._step_and_publish(version, self.trainer.train_accumulated)

@@ -478,6 +478,35 @@ class LocalTrainer:
             totals["microbatches"] += 1
             means.add(metrics, weight)
 
+    def fits(self, tokens: int, length: int) -> bool:
+        """Whether one forward and backward of ``tokens`` tokens in rows of ``length`` fits the
+        device's memory now (``trainer/fit.py``); the weights and optimizer are untouched."""
+        if self.device.type != "cuda":
+            return True  # host memory is not probed: a CPU run swaps before it fails
+        try:
+            self._probe(tokens, length)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            torch.cuda.empty_cache()
+
+    def _probe(self, tokens: int, length: int) -> None:
+        """One forward and backward of random ids, ``tokens`` in rows of ``length``; nothing kept."""
+        rows, length = max(1, tokens // max(length, 1)), min(length, tokens)
+        ids = torch.randint(0, self.model.config.get_text_config(decoder=True).vocab_size, (rows, length),
+                            device=self.device)
+        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones(rows, length,
+              device=self.device)}
+        try:
+            self.compute.train()
+            self._policy_out(self.compute, mb, False)["logprobs"].sum().backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self._zero_grad()
+            self.compute.eval()
+
     # ------------------------------------------------- streamed accumulation
     def accumulate(self, part: Batch, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
         """Forward and backward of one part of a step's batch; the gradients wait in place for

@@ -107,5 +107,6 @@ def kv_pool_blocks(*, device_type: str, bytes_per_block: int, kv_fraction: float
     if blocks < 2:
         raise RuntimeError(f"no GPU memory left for the KV cache: {free_bytes / 2**30:.2f} GiB free, "
                            f"kv_fraction {kv_fraction}, workspace {workspace_bytes / 2**30:.2f} GiB; "
-                           f"lower max_batch or free memory before creating the engine")
+                           f"lower rollout.max_batch, raise rollout.kv_fraction, or give the "
+                           "engine a GPU of its own (launch.placement=disaggregated)")
     return blocks

@@ -1,0 +1,86 @@
+"""The micro-batch budget check before the first step (``trainer/fit.py``): the search for the
+largest budget that fits, the one-line refusal naming the field and what fits, and the probe
+itself, which changes nothing in the model."""
+import pytest
+import torch
+
+from conveyor.config import TrainerConfig, load_config
+from conveyor.config.base import ConfigError
+from conveyor.trainer.fit import check_micro_batches, largest_fitting
+from conveyor.trainer.single import LocalTrainer
+
+
+def test_largest_fitting_halves_until_a_budget_fits():
+    seen = []
+
+    def fits(tokens):
+        seen.append(tokens)
+        return tokens <= 5000
+
+    assert largest_fitting(16384, fits) == 4096 and seen == [16384, 8192, 4096]
+    assert largest_fitting(4096, lambda t: True) == 4096
+    assert largest_fitting(4096, lambda t: False) is None
+
+
+class _Trainer:
+    """A trainer handle whose device holds micro-batches up to ``limit`` tokens, and more while the
+    engine's pool is released (the memory the pool gives back)."""
+
+    def __init__(self, limit, released_extra):
+        self.limit, self.extra, self.released = limit, released_extra, False
+
+    def fits(self, tokens, length):
+        return tokens <= self.limit + (self.extra if self.released else 0)
+
+
+class _Memory:
+    def __init__(self, trainer):
+        self.trainer, self.calls = trainer, []
+
+    def release(self):
+        self.trainer.released = True
+        self.calls.append("release")
+
+    def reacquire(self):
+        self.trainer.released = False
+        self.calls.append("reacquire")
+
+
+def test_a_budget_that_fits_only_without_the_pool_is_checked_with_it_released():
+    cfg = load_config(None, ["trainer.micro_batch_tokens=16384", "launch.time_share=on"])
+    trainer = _Trainer(limit=4096, released_extra=20000)
+    memory = _Memory(trainer)
+    check_micro_batches(trainer, cfg, 1024, memory)  # fits once released: accepted
+    assert memory.calls == ["release", "reacquire"] and not trainer.released
+    with pytest.raises(ConfigError, match=r"trainer.micro_batch_tokens=16384 does not fit .* set "
+                                          r"trainer.micro_batch_tokens=8192, or set launch.time_share=on"):
+        check_micro_batches(_Trainer(limit=8192, released_extra=0), cfg, 1024, None)
+
+
+def test_the_shared_budget_is_checked_beside_the_held_pool():
+    cfg = load_config(None, ["trainer.micro_batch_tokens=16384", "trainer.micro_batch_tokens_shared=8192",
+                             "loop.accumulate_groups=2", "trainer.mini_batches=1", "launch.time_share=on"])
+    trainer = _Trainer(limit=2048, released_extra=20000)
+    with pytest.raises(ConfigError, match=r"micro_batch_tokens_shared=8192 does not fit .* beside the engine's KV "
+                                          r"pool .* set trainer.micro_batch_tokens_shared=2048"):
+        check_micro_batches(trainer, cfg, 512, _Memory(trainer))
+
+
+def test_the_probe_changes_nothing_and_fits_on_cpu(tiny_dir):
+    trainer = LocalTrainer(str(tiny_dir), TrainerConfig(device="cpu"), total_steps=1)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    assert trainer.fits(4096, 64)  # host memory is not probed
+    trainer._probe(512, 64)  # the forward and backward the GPU check runs
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="probes GPU memory")
+def test_the_gpu_probe_says_no_to_what_cannot_fit_and_recovers(tiny_dir):
+    trainer = LocalTrainer(str(tiny_dir), TrainerConfig(device="cuda"), total_steps=1)
+    free = torch.cuda.mem_get_info()[0]
+    # The tiny model's logits alone (vocab x 4 bytes a token) outgrow the free memory here.
+    huge = int(2 * free / (trainer.model.config.vocab_size * 4))
+    assert not trainer.fits(huge, 4096)
+    assert trainer.fits(4096, 64)  # the failed probe left nothing behind
+    assert all(p.grad is None for p in trainer.model.parameters())
