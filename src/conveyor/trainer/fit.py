@@ -12,7 +12,8 @@ Nothing changes in the model: the probe's gradients are dropped. On CPU nothing 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from conveyor.config.base import ConfigError
 
@@ -33,8 +34,8 @@ def largest_fitting(budget: int, fits: Callable[[int], bool], floor: int = 256) 
     return None
 
 
-def check_micro_batches(trainer: "TrainerHandle", cfg: "RunConfig", length: int,
-                        memory: "EngineMemory | None") -> None:
+def check_micro_batches(trainer: TrainerHandle, cfg: RunConfig, length: int,
+                        memory: EngineMemory | None) -> None:
     tc = cfg.trainer
     probes = []
     if cfg.loop.accumulate_groups and memory is not None:
