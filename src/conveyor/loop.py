@@ -85,14 +85,10 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
         else:  # built while the last step trained; what is not ready yet, the trainer waits for
             with timer.phase("wait"), stalled(f"the wait for step {step + 1}'s batch"):
                 groups, batch, stats, extra = ahead.take(timeout)
-        if not lc.accumulate_groups:
-            if memory is not None:  # the step's generation is over: the trainer may use the KV pool's memory
-                with timer.phase("release"):
-                    memory.release()
-            with timer.phase("train"):  # the trainer publishes version step + 1 as its step ends
-                trained, ahead = train_and_prepare_next(trainer, buffer, lc, cfg.algo, batch, loss_fn, need,
-                                                        version=step + 1, timeout_s=timeout,
-                                                        last=step + 1 == lc.steps, replay=replay)
+        if not lc.accumulate_groups:  # the trainer publishes version step + 1 as its step ends
+            trained, ahead = train_and_prepare_next(trainer, buffer, lc, cfg.algo, batch, loss_fn, need,
+                                                    version=step + 1, timeout_s=timeout, timer=timer,
+                                                    last=step + 1 == lc.steps, replay=replay, memory=memory)
         if memory is not None:  # before the producer may admit the next step's chunks
             with timer.phase("reacquire"):
                 memory.reacquire()

@@ -26,6 +26,7 @@ from conveyor.config import AlgoConfig, LoopConfig
 from conveyor.controller import objective
 from conveyor.controller.replay import ReplayStore
 from conveyor.observe import timeline
+from conveyor.observe.timers import PhaseTimer
 from conveyor.trainer.api import LossFn, TrainerHandle
 from conveyor.transport.buffer import TrajectoryBuffer
 from conveyor.transport.messages import Scored, Trained
@@ -82,13 +83,20 @@ class Prefetch:
 
 def train_and_prepare_next(trainer: TrainerHandle, buffer: TrajectoryBuffer, loop: LoopConfig, algo: AlgoConfig,
                            batch, loss_fn: LossFn, need: objective.Needs, version: int, timeout_s: float,
-                           last: bool = False, replay: ReplayStore | None = None) -> tuple[Trained, Prefetch | None]:
-    """Train on ``batch``; meanwhile build the next step's batch (``Prefetch``) when that asks
-    nothing of the trainer and its groups can arrive during training (the next step is ``version``)."""
+                           timer: PhaseTimer, last: bool = False, replay: ReplayStore | None = None,
+                           memory=None) -> tuple[Trained, Prefetch | None]:
+    """Train on ``batch`` (phase ``train``); meanwhile build the next step's batch (``Prefetch``) when
+    that asks nothing of the trainer and its groups can arrive during training (the next step is
+    ``version``). ``memory`` (launch.time_share): the engines' KV pools, released first (phase
+    ``release``): the step's generation is over."""
+    if memory is not None:
+        with timer.phase("release"):
+            memory.release()
     ahead = None
     can_arrive = loop.max_staleness > 0 or len(buffer) >= loop.batch_size
     if not (last or need.proximal or need.reference or need.values) and can_arrive:
         ahead = Prefetch(trainer, buffer, algo, loop.batch_size, need, timeout_s, replay, step=version)
-    trained = trainer.train_and_publish(batch, loss_fn, version)
+    with timer.phase("train"):
+        trained = trainer.train_and_publish(batch, loss_fn, version)
     timeline.record_spans("trainer", trained.spans)  # every rank's train and publish, for the timeline
     return trained, ahead

@@ -9,6 +9,7 @@ from conveyor.controller import objective
 from conveyor.config import load_config
 from conveyor.data.tiny import build_model, build_tokenizer
 from conveyor.controller.step_batch import prepare, train_and_prepare_next
+from conveyor.observe.timers import PhaseTimer
 from conveyor.trainer.serve import TrainerHost
 from conveyor.trainer.single import LocalTrainer
 from conveyor.transport.buffer import TrajectoryBuffer
@@ -58,7 +59,7 @@ def prep(c, items, need):
 def train_next(c, batch, loss, need, last=False):
     """One step through the trainer handle; returns (the step's metrics, the prefetch or None)."""
     trained, ahead = train_and_prepare_next(c.trainer, c.buffer, c.cfg.loop, c.cfg.algo, batch, loss, need,
-                                            version=c.trainer.step() + 1, timeout_s=30, last=last)
+                                            version=c.trainer.step() + 1, timeout_s=30, timer=PhaseTimer(), last=last)
     return trained.metrics, ahead
 
 
@@ -135,7 +136,7 @@ def test_a_steps_train_and_publish_spans_reach_the_timeline(bundle, tmp_path):
     timeline.activate(tl)
     try:
         trained, _ = train_and_prepare_next(trainer, TrajectoryBuffer(8), cfg.loop, cfg.algo, batch, loss, need,
-                                            version=trainer.step() + 1, timeout_s=30, last=True)
+                                            version=trainer.step() + 1, timeout_s=30, timer=PhaseTimer(), last=True)
         after = time.time()
     finally:
         timeline.deactivate(tl)
