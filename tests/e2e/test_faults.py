@@ -1,7 +1,8 @@
 """Fault injection on whole runs: each fault is survived and counted, or stops the run naming the role.
 
-Engine processes are restarted (their work in flight sent again); a trainer rank that dies,
-an engine past the restart budget or on a broadcast group stop the run with a named error
+Engine processes are restarted (their work in flight sent again; a weight broadcast group
+re-forms around the replacement); a trainer rank that dies or an engine past the restart
+budget stop the run with a named error
 (tests/e2e/test_role_failure.py); reward and environment faults are counted by their
 services (tests/unit/reward, tests/e2e/test_env_faults.py).
 """
@@ -53,24 +54,33 @@ def role_pids(run_dir: Path, role: str) -> list[int]:
     return [int(p) for p in re.findall(rf"\[{role}\] started pid=(\d+)", text)]
 
 
-def test_killed_engine_is_restarted_and_the_run_completes(tmp_path):
+@pytest.mark.parametrize("engine, extra", [
+    (0, ()),  # weights by shared memory
+    # Weights by a gloo broadcast group: it re-forms around the replacement, and the other
+    # engine (a member that survives) serves on.
+    (1, ("launch.weight_sync=broadcast", "launch.engines=2")),
+])
+def test_killed_engine_is_restarted_and_the_run_completes(tmp_path, engine, extra):
     run_dir = tmp_path / "run"
     # Streaming (staleness 1): the engine always has chunks in flight when it is killed, and
     # most of the run's steps are still to come (a tiny step takes a fraction of a second).
-    proc = start(run_dir, "loop.steps=40", "loop.max_staleness=1")
+    proc = start(run_dir, "loop.steps=40", "loop.max_staleness=1", *extra)
     wait_for_step(proc, run_dir, 2)
-    first = role_pids(run_dir, "engine0")[-1]
+    first = role_pids(run_dir, f"engine{engine}")[-1]
     os.kill(first, signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     rows = train_rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 41))  # every step once: nothing lost or doubled
     assert rows[-1]["engine_restarts"] == 1, [r["engine_restarts"] for r in rows]
-    pids = role_pids(run_dir, "engine0")
+    pids = role_pids(run_dir, f"engine{engine}")
     assert len(pids) == 2 and pids[0] == first and pids[1] != first
     assert "restarting it (1 of launch.max_restarts=3)" in err
-    events = [e for e in read_timeline(run_dir) if e.get("name") == "engine 0 restarted"]
+    events = [e for e in read_timeline(run_dir) if e.get("name") == f"engine {engine} restarted"]
     assert len(events) == 1, "the restart is on the timeline"
+    if "launch.weight_sync=broadcast" in extra:
+        log = (run_dir / "logs" / "trainer.log").read_text()
+        assert "group re-formed as generation 1 with 2 engine(s); version" in log, log[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 40
 

@@ -1,5 +1,6 @@
 """The RL loop on a real two-node Ray cluster (loopback): same weights as the local launch, streaming
-learns, a killed engine actor stops the run with its name within seconds.
+learns, a killed engine actor is replaced (the weight broadcast group re-forms) and the run
+completes, or past ``launch.max_restarts`` stops the run with its name within seconds.
 
 The cluster (``ray_cluster.RayCluster``) has a head node with the custom
 resource ``node_a`` and a second node with ``node_b``; the runs pin the
@@ -137,10 +138,34 @@ def test_streaming_on_ray_learns(cluster, tmp_path):
     assert max(stale) > 0, "streaming: some steps trained on samples of the previous version"
 
 
-def test_killed_engine_actor_stops_the_run_with_its_name(cluster, tmp_path):
+def test_killed_engine_actor_is_replaced_and_the_run_completes(cluster, tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run}", *TINY,
-                             "loop.steps=100000", "loop.max_staleness=1", "sft.steps=0", *on_ray(cluster)],
+                             "loop.steps=30", "loop.max_staleness=1", "sft.steps=0", *on_ray(cluster)],
+                            env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_first_step(proc, run)
+        first = placed(run)["engine0"]
+        os.kill(first["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("kind") == "train"]
+    assert [r["step"] for r in rows] == list(range(1, 31))  # every step once: nothing lost or doubled
+    assert rows[-1]["engine_restarts"] == 1, [r["engine_restarts"] for r in rows]
+    assert "restarting it (1 of launch.max_restarts=3)" in err, err[-3000:]
+    second = placed(run)["engine0"]  # the replacement, in the dead one's bundle (node_b)
+    assert second["pid"] != first["pid"] and second["node_id"] == first["node_id"], (first, second)
+    assert_spread(run)
+
+
+def test_killed_engine_actor_past_the_budget_stops_the_run_with_its_name(cluster, tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run}", *TINY,
+                             "loop.steps=100000", "loop.max_staleness=1", "sft.steps=0", "launch.max_restarts=0",
+                             *on_ray(cluster)],
                             env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_first_step(proc, run)

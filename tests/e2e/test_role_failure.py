@@ -14,8 +14,8 @@ pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "no
 
 @pytest.mark.parametrize("role, extra", [
     ("engine0", ["launch.max_restarts=0"]),  # engines are restarted by default (tests/e2e/test_faults.py)
-    # The engine dies while its receiver thread is in the broadcast group.
-    ("engine0", ["launch.weight_sync=broadcast"]),
+    # The engine dies while its receiver thread is in the broadcast group (and is not replaced).
+    ("engine0", ["launch.max_restarts=0", "launch.weight_sync=broadcast"]),
     # One of two FSDP ranks dies: its peer is blocked in a collective, the controller must not be.
     ("trainer1", ["launch.trainer_ranks=2", "launch.weight_sync=broadcast"]),
 ])

@@ -377,13 +377,15 @@ class LaunchConfig(_Section):
         "run stops within minutes and a slow one is not cut. Past it, every role's stacks go to its log"))
     max_restarts: int = Field(3, ge=0, description=(
         "engine processes that die are restarted, their work in flight sent again: at most this many "
-        "restarts in the run, then the death stops the run (needs weight_sync shm or ipc)"))
+        "restarts in the run, then the death stops the run (on a weight broadcast group the group re-forms "
+        "around the replacement)"))
     time_share: Literal["auto", "on", "off"] = Field("auto", description=(
         "synchronous runs with the engine on the trainer's GPU: the engine's KV pool is released while the "
         "trainer trains and taken back before generation (the trainer may then use trainer.micro_batch_tokens "
         "of that memory); auto = on for the native engine on a shared GPU, off on CPU"))
     collective_timeout_s: float = Field(120.0, gt=0, description=(
-        "deadline of one collective (trainer ranks, weight broadcast): a dead rank stops the run after this"))
+        "deadline of one collective (trainer ranks, weight broadcast): a dead rank stops the run after this; "
+        "also how long a weight broadcast group waits for a restarted engine to join it again"))
     backend: Literal["local", "ray"] = Field("local", description=(
         "local: roles on this machine (threads or child processes); ray: every trainer rank and engine a Ray "
         "actor in one placement group, weights by broadcast (docs/cluster.md); needs pip install 'conveyor[ray]'"))

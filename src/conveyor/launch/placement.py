@@ -15,7 +15,8 @@ Contract
   ``writers[r]`` are what trainer rank r publishes to (rank 0 feeds shm and
   broadcast; rank r feeds the IPC staging on its GPU), ``readers[i]`` is what
   engine i polls, ``controller`` is where the controller publishes the
-  warm-start weights (every engine reads it).
+  warm-start weights (every engine reads it), ``group`` the broadcast group
+  (re-formed when an engine is restarted) or None.
 - ``reward_device(cfg, visible_gpus=None)``: where a reward model (``reward.fn:
   rm``) runs: ``reward.device`` as given, or for ``auto`` / ``trainer`` the
   device of trainer rank 0 (so on one GPU it shares the device, and its
@@ -27,9 +28,13 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from conveyor.config import RunConfig
 from conveyor.transport.api import WeightReader, WeightWriter
+
+if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.transport.broadcast import BroadcastWeights
 
 
 class PlacementError(ValueError):
@@ -52,6 +57,9 @@ class Routes:
     controller: "WeightWriter | Fanout | None"  # where warm-start weights go (None: no warm start)
     writers: dict[int, list[WeightWriter]] = field(default_factory=dict)
     readers: dict[int, WeightReader] = field(default_factory=dict)
+    # The weight broadcast group the engines are members of (None: another route). A restarted
+    # engine re-forms it (``BroadcastWeights.regroup``).
+    group: "BroadcastWeights | None" = None
 
 
 def _wants_gpu(cfg: RunConfig) -> bool:
@@ -160,7 +168,7 @@ def make_routes(cfg: RunConfig, p: Placement, path: str, ctx) -> Routes:
     # Warm-start weights come from the controller, which is not in the broadcast group.
     warm = StagedWeights(specs, ctx) if cfg.sft.steps > 0 else None
     readers = {i: Fanin([warm, bw]) if warm is not None else bw for i in range(len(p.engine_devices))}
-    return Routes(warm, {0: [bw]}, readers)
+    return Routes(warm, {0: [bw]}, readers, bw)
 
 
 class Fanout:

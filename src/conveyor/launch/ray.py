@@ -18,7 +18,9 @@ the placement group and disconnects at the end. ``RayLauncher`` provides the
   node and its counters in a TCPStore served by the driver
   (``transport.store_state``). The same deadline/version transaction as in
   the local launch.
-- engines: ``ray_roles.EngineActor`` / ``RayWorker`` (not restartable);
+- engines: ``ray_roles.EngineActor`` / ``RayWorker``; a dead one is
+  replaced by a new actor in its bundle (``launch.max_restarts``) and the
+  weight broadcast group re-forms with it (``BroadcastWeights.regroup``);
   trainer: ``ray_roles.TrainerRankActor`` / ``RayTrainerProxy`` (several
   ranks train with FSDP2 over gloo or NCCL across actors).
 - where every role ran (``ray_roles.Place``: node address, Ray node id,
@@ -36,6 +38,7 @@ It knows nothing of the loop, the schedule or the formulas.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import queue
@@ -168,7 +171,7 @@ class RayLauncher:
         bw = BroadcastWeights([(n, s, dtype) for n, s, _ in specs], state, engines=la.engines,
                               backend="nccl" if self.gpu else "gloo", dtype=dtype, port=bport,
                               bucket_mb=la.weight_bucket_mb, timeout_s=la.collective_timeout_s, host=ip)
-        return Routes(None, {0: [bw]}, {i: bw for i in range(la.engines)})
+        return Routes(None, {0: [bw]}, {i: bw for i in range(la.engines)}, bw)
 
     # ------------------------------------------------------------ launcher
     def start_engines(self, path: str, tokenizer) -> Engines:
@@ -182,11 +185,16 @@ class RayLauncher:
         outbox: queue.Queue = queue.Queue()
         workers = []
         for i in range(la.engines):
-            actor = EngineActor.options(num_cpus=la.engine_threads, num_gpus=1 if self.gpu else 0,
-                                        scheduling_strategy=self._strategy(f"engine{i}"),
-                                        name=f"conveyor-engine{i}-{self.pg.id.hex()[:8]}") \
-                .remote(spec, self.routes.readers[i], i, cfg.loop.partial_rollouts)
-            workers.append(RayWorker(i, actor, outbox))
+            def make(i=i, incarnation=itertools.count()):  # noqa: B008 - one counter per engine
+                # A replacement goes to the dead one's bundle, under a name of its own.
+                return EngineActor.options(num_cpus=la.engine_threads, num_gpus=1 if self.gpu else 0,
+                                           scheduling_strategy=self._strategy(f"engine{i}"),
+                                           name=f"conveyor-engine{i}-{self.pg.id.hex()[:8]}-{next(incarnation)}") \
+                    .remote(spec, self.routes.readers[i], i, cfg.loop.partial_rollouts)
+
+            def placed(place: Place, i=i) -> None:
+                self._record(f"engine{i}", place)
+            workers.append(RayWorker(i, make, outbox, self.routes.group.regroup, placed, la.timeout_s))
         try:
             for w in workers:
                 self._record(f"engine{w.engine_id}", w.locate(la.timeout_s))

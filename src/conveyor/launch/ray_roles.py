@@ -12,9 +12,10 @@ Contract
   the shared outbox; ``check`` raises ``RoleError`` naming the engine, its
   node and pid and Ray's error once the actor is dead (its channel closes
   when its process goes).
-  ``restartable`` is False: engines fed by a weight broadcast group cannot be
-  replaced (the group cannot take a new member), so an engine death stops
-  the run with that error.
+  ``restart()`` (the producer's, for a dead actor) makes a new actor placed
+  like the dead one (``make``), after ``regroup`` (``BroadcastWeights.regroup``):
+  the weight broadcast group re-forms with it and the trainer sends it the
+  current version; ``placed`` records where it runs.
 - ``WarmWeights`` is where the controller publishes warm-start weights
   (``Engines.warm``): ``publish(named_tensors, version)`` puts them in the
   object store once and returns when every engine actor holds them; each
@@ -43,6 +44,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Callable
 
 import ray
 
@@ -176,15 +178,19 @@ class WarmWeights:
 class RayWorker:
     """The ``EngineWorker`` over an ``EngineActor`` (see the module docstring)."""
 
-    restartable = False  # a broadcast group cannot take a new member
+    restartable = True
 
-    def __init__(self, engine_id: int, actor, outbox: queue.Queue):
-        self.engine_id, self.actor, self._outbox = engine_id, actor, outbox
+    def __init__(self, engine_id: int, make: Callable[[], object], outbox: queue.Queue,
+                 regroup: Callable[[], int], placed: Callable[[Place], None], timeout_s: float):
+        self.engine_id, self._make, self._outbox = engine_id, make, outbox
+        self._regroup, self._placed, self._timeout = regroup, placed, timeout_s
+        self.actor = make()
         self._channel = None
         self._error: str | None = None
         self.place = UNKNOWN
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._relay, name=f"engine{engine_id}-ray-relay", daemon=True)
+        self._thread: threading.Thread | None = None
+        self.restarts = 0
 
     def locate(self, timeout: float) -> Place:
         """Where the actor runs; opens its channel and starts relaying its answers."""
@@ -192,15 +198,18 @@ class RayWorker:
         self.place = ray.get(self.actor.where.remote(), timeout=timeout)
         key = os.urandom(32)
         self._channel = connect(ray.get(self.actor.channel.remote(key), timeout=timeout), key)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._relay, args=(self._channel, self._stop),
+                                        name=f"engine{self.engine_id}-ray-relay", daemon=True)
         self._thread.start()
         return self.place
 
-    def _relay(self) -> None:
-        while not self._stop.is_set():
+    def _relay(self, channel, stop: threading.Event) -> None:
+        while not stop.is_set():
             try:
-                message = self._channel.recv()
+                message = channel.recv()
             except (EOFError, OSError) as e:  # the actor's end closed: its process or node is gone
-                if not self._stop.is_set():
+                if not stop.is_set():
                     self._error = self._death(e)
                 return
             self._outbox.put(message)
@@ -224,8 +233,20 @@ class RayWorker:
             raise RoleError(f"engine {self.engine_id} (Ray actor on {self.place}) died: {self._error}")
 
     def restart(self) -> None:
-        raise RoleError(f"engine {self.engine_id} is a Ray actor in a weight broadcast group and cannot be "
-                        "restarted")
+        """A new actor for a dead one, placed like it; the weight broadcast group re-forms with it
+        (``regroup`` first, so it joins the new generation). Returns once its channel is open."""
+        self._stop.set()
+        self._channel.close()
+        with contextlib.suppress(Exception):  # dead already: what is left of it goes
+            ray.kill(self.actor)
+        self.restarts += 1
+        self._regroup()
+        self.actor, self._error = self._make(), None
+        try:
+            self._placed(self.locate(self._timeout))
+        except Exception as e:  # noqa: BLE001 - the replacement did not start: stop the run naming it
+            raise RoleError(f"engine {self.engine_id}: its replacement Ray actor did not start within "
+                            f"{self._timeout:.0f}s: {type(e).__name__}: {str(e).strip()[:2000]}") from None
 
     def join(self, timeout: float) -> None:
         with contextlib.suppress(Exception):  # it is being stopped either way
@@ -234,7 +255,7 @@ class RayWorker:
         ray.kill(self.actor)
         if self._channel is not None:
             self._channel.close()
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(5)
 
 

@@ -8,6 +8,8 @@ Contract
   child processes (``ProcessWorker``), engine i on
   ``placement.engine_devices[i]`` with ``launch.engine_threads`` CPU threads,
   reading ``routes.readers[i]``. Both run ``rollout.serve.engine_loop``.
+  A child that dies is restarted by the producer (``ProcessWorker.restart``);
+  on a weight broadcast group (``routes.group``) the group re-forms with it.
 - ``start_trainer(cfg, path, tokenizer, routes, placement, run_dir)`` returns
   a ``TrainerHandle`` (``trainer/api.py``): the ``TrainerHost`` itself
   (in-process) or a ``TrainerProxy`` that calls every trainer rank process
@@ -146,13 +148,16 @@ class ProcessWorker:
     then leave nothing torn or locked in the channel the other engines share).
     ``restart()`` replaces a dead child with a new one on the same device and weight route:
     it builds the engine again and takes the newest published weights when the first request
-    asks for them; the caller requeues what the dead one had in flight."""
+    asks for them; the caller requeues what the dead one had in flight. On a weight broadcast
+    group ``regroup`` (``BroadcastWeights.regroup``) is called first: the group re-forms with
+    the new child and the writer sends it the current version."""
+
+    restartable = True
 
     def __init__(self, engine_id: int, start: Callable[[object, object], RoleProcess], ctx, outbox: queue.Queue,
-                 restartable: bool = True):
+                 regroup: Callable[[], int] | None = None):
         self.engine_id, self._start, self._ctx, self._outbox = engine_id, start, ctx, outbox
-        # A broadcast group cannot take a new member: engines on one are not restarted.
-        self.restartable = restartable
+        self._regroup = regroup
         self.restarts = 0
         self._launch()
 
@@ -177,6 +182,8 @@ class ProcessWorker:
             q.cancel_join_thread()
             q.close()
         self.restarts += 1
+        if self._regroup is not None:
+            self._regroup()  # before the new child joins: it joins the next generation
         self._launch()
 
     def join(self, timeout: float) -> None:
@@ -254,7 +261,8 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
         def start(inbox, own, i=i, spec=spec) -> RoleProcess:
             return RoleProcess(f"engine{i}", engine_process, (spec, inbox, own, routes.readers[i], i, partial),
                                run_dir / "logs", ctx, threads=cfg.launch.engine_threads)
-        workers.append(ProcessWorker(i, start, ctx, outbox, restartable=placement.sync != "broadcast"))
+        regroup = routes.group.regroup if routes.group is not None else None
+        workers.append(ProcessWorker(i, start, ctx, outbox, regroup))
     context_limit, label = await_ready(workers, outbox, cfg.launch.timeout_s)
     return workers, outbox, context_limit, f"{label} x {len(workers)}" if len(workers) > 1 else label
 
