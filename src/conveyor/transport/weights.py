@@ -16,6 +16,8 @@ It knows nothing of optimizers, schedules or the admission rule.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from typing import Iterable
 
@@ -69,10 +71,42 @@ def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             torch._foreach_copy_([d for d, _ in group], [s for _, s in group])
 
 
-def _acquire(lock, timeout: float, what: str) -> None:
-    if not lock.acquire(timeout=timeout):
-        raise WeightSyncTimeout(f"weight sync: {what} waited {timeout:.0f}s for the weight lock; "
-                                "the other side holds it (crashed mid-copy or stalled)")
+def _acquire(lock, timeout: float, what: str, holder=None) -> None:
+    """Take ``lock`` within ``timeout``. With ``holder`` (a shared pid cell): a lock whose holder
+    process has died (an engine killed while it copied a version out, then restarted) is taken
+    back from it instead of waited for; readers only read the staging copy, so nothing is torn."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if lock.acquire(timeout=max(0.0, min(0.25, deadline - time.monotonic())) if holder else timeout):
+            if holder is not None:
+                holder.value = os.getpid()
+            return
+        pid = int(holder.value) if holder is not None else 0
+        if pid and not _alive(pid) and int(holder.value) == pid:
+            holder.value = 0
+            with contextlib.suppress(ValueError):  # another waiter took it back first
+                lock.release()
+            continue
+        if holder is None or time.monotonic() >= deadline:
+            raise WeightSyncTimeout(f"weight sync: {what} waited {timeout:.0f}s for the weight lock; "
+                                    "the other side holds it (crashed mid-copy or stalled)")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 class _Cell:
@@ -117,6 +151,8 @@ class StagedWeights:
             self._published_at = ctx.Value("d", 0.0, lock=False)
             self._lock = ctx.Lock()
             self._news = None  # across processes readers check the serial every millisecond
+        # The pid holding the lock (0: none): a reader killed mid-copy does not hold it forever.
+        self._holder = _Cell(0) if ctx is None else ctx.Value("q", 0, lock=False)
         self._seen: dict[int, int] = {}  # per reader (engine id) in this process: last serial applied
 
     def __getstate__(self):
@@ -138,7 +174,7 @@ class StagedWeights:
         return float(self._published_at.value)
 
     def begin(self, version: int, timeout: float = 60.0) -> None:
-        _acquire(self._lock, timeout, f"publisher of version {version}")
+        _acquire(self._lock, timeout, f"publisher of version {version}", self._holder)
         self._filled, self._pending = set(), int(version)
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
@@ -175,13 +211,17 @@ class StagedWeights:
                 self._news.set()
         finally:
             self._pending = None
-            self._lock.release()
+            self._release()
 
     def abort(self) -> None:
         """Give up a begun publish (the writer failed mid-way): readers keep the last version."""
         if self._pending is not None:
             self._pending, self._queued, self._queued_bytes = None, [], 0  # nothing announced
-            self._lock.release()
+            self._release()
+
+    def _release(self) -> None:
+        self._holder.value = 0
+        self._lock.release()
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         publish_all([self], named_tensors, version)
@@ -194,7 +234,7 @@ class StagedWeights:
         key = id(engine)
         if self._serial.value <= self._seen.get(key, 0):
             return None
-        _acquire(self._lock, timeout, f"engine at version {engine.version}")
+        _acquire(self._lock, timeout, f"engine at version {engine.version}", self._holder)
         try:
             serial, version = self._serial.value, self.version  # the newest, if it advanced meanwhile
             engine.update_weights(zip(self.names, self.tensors), version)
@@ -203,7 +243,7 @@ class StagedWeights:
             self._seen[key] = serial
             return version
         finally:
-            self._lock.release()
+            self._release()
 
     def wait_news(self, engine, timeout: float) -> bool:
         """Until ``poll`` would apply a version to ``engine`` or ``timeout`` passes."""

@@ -1,4 +1,5 @@
-"""StagedWeights in one process: a publish copies its tensors in groups, whole versions only."""
+"""StagedWeights: a publish copies its tensors in groups, whole versions only; a reader process killed
+while it holds the weight lock does not hold it forever."""
 import threading
 import time
 
@@ -69,3 +70,40 @@ def test_wait_news_wakes_on_a_publish_and_times_out_without_one():
     assert fan.wait_news(engine, 0.0) is True and fan.poll(engine) == 1
     assert fan.received_at is None  # staging does not say when it was received
     assert fan.wait_news(engine, 0.05) is False
+
+
+class _Stuck:
+    """An engine whose weight update never returns: its process is killed mid-copy."""
+    version = 0
+
+    def update_weights(self, named, version):
+        time.sleep(600)
+
+
+def _poll_forever(staged):
+    staged.poll(_Stuck(), timeout=5)
+
+
+def test_a_reader_killed_while_it_copies_does_not_hold_the_lock_forever():
+    import multiprocessing as mp
+    import os
+    import signal
+    ctx = mp.get_context("spawn")
+    staged = StagedWeights([("w", (4,), torch.float32)], ctx)
+    publish_all([staged], [("w", torch.zeros(4))], 1)
+    reader = ctx.Process(target=_poll_forever, args=(staged,))
+    reader.start()
+    deadline = time.monotonic() + 60
+    while staged._holder.value != reader.pid:  # the reader holds the lock, copying
+        assert time.monotonic() < deadline and reader.is_alive(), "the reader never took the lock"
+        time.sleep(0.01)
+    os.kill(reader.pid, signal.SIGKILL)
+    reader.join(10)
+    t0 = time.monotonic()
+    publish_all([staged], [("w", torch.ones(4))], 2)  # taken back from the dead reader, not waited for
+    assert time.monotonic() - t0 < 5 and staged.version == 2
+    # A live holder is still waited for, and the wait still has its deadline.
+    staged.begin(3)
+    with pytest.raises(W.WeightSyncTimeout, match="waited 1s for the weight lock"):
+        staged.begin(4, timeout=1.0)
+    staged.abort()
