@@ -58,7 +58,8 @@ def _trainer(args, path: str, rank: int, world: int):
     over = {"micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.checkpointing,
             "lr": 1e-6, "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows or None,
             "pad_multiple": args.pad_multiple, "attention_mask": args.attention_mask,
-            "param_dtype": args.param_dtype, "kernels": not args.no_kernel, "fsdp_reshard": args.fsdp_reshard}
+            "param_dtype": args.param_dtype, "kernels": not args.no_kernel, "fsdp_reshard": args.fsdp_reshard,
+            "pack_sequences": args.pack}
     cfg = TrainerConfig(**over)
     if world == 1:
         from conveyor.trainer.single import LocalTrainer
@@ -174,6 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-kernel", action="store_true", help="trainer.kernels=false (torch RMSNorm and chunked torch head)")
     p.add_argument("--fsdp-reshard", default="micro-batch", choices=["micro-batch", "step"],
                    help="trainer.fsdp_reshard (--ranks > 1): free gathered layers per micro-batch or per step")
+    p.add_argument("--pack", default="auto", choices=["auto", "on", "off"], help="trainer.pack_sequences")
     p.add_argument("--tag", default="", help="suffix of the output file name")
     p.add_argument("--vary", type=int, default=0,
                    help="then time this many steps on a new batch each (other lengths), as in the RL loop")
@@ -207,12 +209,13 @@ def main(argv=None) -> int:
               "micro_batch_tokens": args.micro_batch_tokens, "checkpointing": args.checkpointing,
               "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows, "pad_multiple": args.pad_multiple,
               "attention_mask": args.attention_mask, "param_dtype": args.param_dtype,
-              "kernels": not args.no_kernel, "fsdp_reshard": args.fsdp_reshard, "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
+              "kernels": not args.no_kernel, "fsdp_reshard": args.fsdp_reshard, "pack_sequences": args.pack,
+              "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
     tag = ("" if args.logprob_chunk_rows == 1024 else f"-chunk{args.logprob_chunk_rows}") + args.tag
     (out / f"trainer-{args.model}-r{args.ranks}{tag}.json").write_text(json.dumps(record, indent=2))
     from benchmarks.harness import append_record
     cfg_keys = ("model", "ranks", "alloc_conf", "micro_batch_tokens", "checkpointing", "compile", "logprob_chunk_rows",
-                "pad_multiple", "attention_mask", "param_dtype", "kernels", "fsdp_reshard")
+                "pad_multiple", "attention_mask", "param_dtype", "kernels", "fsdp_reshard", "pack_sequences")
     gpu = torch.cuda.is_available()
     append_record("trainer", {k: v for k, v in record.items() if k not in cfg_keys and k not in ("device", "date")},
                   config={k: record[k] for k in cfg_keys}, name=f"trainer-{args.model}-r{args.ranks}{tag}",

@@ -17,6 +17,11 @@ __all__ = ["AlgoConfig", "ConfigError", "DataConfig", "EndpointConfig", "EnvConf
            "RunConfig", "SFTConfig", "SINKS", "TinyModelConfig", "TrainerConfig"]
 
 
+
+def on_off(v: Any) -> Any:
+    """YAML reads ``on`` / ``off`` as booleans: give an auto/on/off field its word back."""
+    return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
 class TinyModelConfig(_Section):
     """The locally built Llama-architecture model used when ``model.path`` is empty."""
     hidden_size: int = Field(128, gt=0, description="width of the tiny model")
@@ -131,7 +136,8 @@ class TrainerConfig(_Section):
         description="learning rate after warm-up")
     total_steps: int | None = Field(None, description="for decaying schedules; defaults to loop.steps")
     max_grad_norm: float | None = Field(1.0, description="None disables clipping")
-    micro_batch_tokens: int = Field(8192, ge=1, description="token budget of one micro-batch (padded)")
+    micro_batch_tokens: int = Field(8192, ge=1, description=(
+        "token budget of one micro-batch (padded; real tokens with pack_sequences)"))
     micro_batch_tokens_shared: int | None = Field(None, ge=1, description=(
         "token budget of a micro-batch trained while a colocated engine still holds its KV pool (the parts "
         "loop.accumulate_groups trains during generation); null = micro_batch_tokens"))
@@ -147,6 +153,11 @@ class TrainerConfig(_Section):
         "pass the padding mask to the model. Micro-batches are right-padded, so causal attention alone "
         "already keeps every real token off the padding, and without a mask attention runs its fused "
         "causal (flash) kernel; set true only for a model whose attention is not causal"))
+    pack_sequences: Literal["auto", "on", "off"] = Field("auto", description=(
+        "put a micro-batch's samples end to end in one row without padding (variable-length attention) "
+        "and run the vocabulary head only where a token is scored; micro_batch_tokens then counts real "
+        "tokens. auto: on a GPU whose torch has variable-length flash attention (not with compile); "
+        "on: also on CPU (a causal attention per sample); off: right-padded micro-batches"))
     logprob_chunk_rows: int | None = Field(1024, ge=1, description=(
         "positions per chunk of the logprob head (no float32 copy of the vocabulary logits); "
         "null = the plain autograd form"))
@@ -179,6 +190,8 @@ class TrainerConfig(_Section):
         "train() calls (0-based loop steps) to record with torch.profiler: a trace for chrome://tracing or "
         "Perfetto and a table of the top operators, per rank, in profile_dir"))
     profile_dir: str | None = Field(None, description="where profile_steps write; default <run dir>/profile")
+
+    _on_off = field_validator("pack_sequences", mode="before")(classmethod(lambda cls, v: on_off(v)))
 
     @field_validator("profile_steps")
     @classmethod
@@ -407,10 +420,7 @@ class LaunchConfig(_Section):
         "reward.executor=ray: the placement group strategy of the reward workers' bundles (SPREAD: over "
         "the nodes)"))
 
-    @field_validator("time_share", mode="before")
-    @classmethod
-    def _on_off(cls, v: Any) -> Any:
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as booleans
+    _on_off = field_validator("time_share", mode="before")(classmethod(lambda cls, v: on_off(v)))
 
     @property
     def in_process(self) -> bool:

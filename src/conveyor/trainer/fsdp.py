@@ -39,8 +39,9 @@ from conveyor.trainer import checkpoint, lora
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.single import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
                                     _load_policy, compile_layers, decoder_layers, fuse_layers,
-                                    head_start, logprob_fn, no_cudnn_attention, resolve_device)
-from conveyor.trainer.microbatch import _check_aligned, balance, collate, plan_microbatches
+                                    head_start, logprob_fn, no_cudnn_attention, plan, resolve_device,
+                                    use_packing)
+from conveyor.trainer.microbatch import _check_aligned, balance, collate
 from conveyor.trainer.precision import compute_dtype
 from conveyor.trainer.step_metrics import MetricMean
 from conveyor.types import Batch
@@ -189,6 +190,7 @@ class FSDPTrainer(LocalTrainer):
             _enable_checkpointing(model)
             if critic is not None:
                 _enable_checkpointing(critic.backbone)
+        self._packed = use_packing(cfg, self.device, [model, reference])
         fuse_layers(cfg, model, self.device)
         if cfg.compile:  # before sharding, as FSDP2 expects
             compile_layers(model)
@@ -244,9 +246,7 @@ class FSDPTrainer(LocalTrainer):
 
     def _plans(self, lengths: list[int]) -> list[list[list[int]]]:
         """Per rank, its micro-batches as lists of indices into ``lengths``."""
-        return [[[share[k] for k in mb] for mb in plan_microbatches([lengths[i] for i in share],
-                                                                    self.cfg.micro_batch_tokens,
-                                                                    self.cfg.pad_multiple)]
+        return [[[share[k] for k in mb] for mb in plan(self.cfg, [lengths[i] for i in share], self._packed)]
                 for share in balance(lengths, self.world)]
 
     def _dummy(self) -> dict[str, torch.Tensor]:
@@ -302,7 +302,7 @@ class FSDPTrainer(LocalTrainer):
         whatever loss_fn uses, so FSDP reduce-scatters the same parameters
         on every rank (a mismatch would hang or misalign the collective).
         """
-        out = self._policy_out(self.model, mb, with_entropy, start)
+        out = self._policy_out(self.model, mb, with_entropy, start, loss_only=True)
         anchor = 0.0 * out["logprobs"].sum()
         if self.critic is not None:
             out["values"] = self._values_out(mb)

@@ -15,6 +15,8 @@ Contract
 - On CUDA with Triton installed (``kernel=None``: auto) both passes are
   ``kernels.logprob``'s instead: one read of the logits per pass, padding and
   each row's last position skipped. ``kernel=False`` forces the torch form.
+- ``target_logprobs(logits, target, temperature)``: the same head on ``[N, V]``
+  logits and ``[N]`` targets (the packed forward's rows, ``packing.py``).
 - ``chunk_rows=None`` (or ``with_entropy``) is the plain autograd form.
 
 It knows nothing of models, losses or devices.
@@ -86,6 +88,14 @@ def kernel_available() -> bool:
 def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
     x = x.float() if x.dtype != torch.float32 else x.clone()  # a fresh float32 chunk, safe to edit in place
     return x.div_(temperature) if temperature != 1.0 else x
+
+
+def target_logprobs(logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0,
+                    chunk_rows: int | None = 1024, kernel: bool | None = None) -> torch.Tensor:
+    """``[N, V]`` logits, ``[N]`` targets -> ``[N]`` float32 logprobs (0 where the target is negative)."""
+    if kernel is None:
+        kernel = logits.is_cuda and kernel_available()
+    return TargetLogprob.apply(logits, target, float(temperature), int(chunk_rows or 1024), bool(kernel))
 
 
 def token_logprobs(

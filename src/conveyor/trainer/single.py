@@ -37,10 +37,10 @@ from torch import nn
 
 from conveyor import routing
 from conveyor.config import TrainerConfig
-from conveyor.trainer import checkpoint, lora
+from conveyor.trainer import checkpoint, lora, packing
 from conveyor.trainer.accumulation import Accumulation
 from conveyor.trainer.api import LossFn
-from conveyor.trainer.logprobs import kernel_available, token_logprobs
+from conveyor.trainer.logprobs import kernel_available, target_logprobs, token_logprobs
 from conveyor.trainer.microbatch import collate, plan_microbatches, split_even
 from conveyor.trainer.precision import compute_dtype, linear_copy
 from conveyor.trainer.step_metrics import MetricMean, to_host
@@ -189,6 +189,22 @@ def logprob_fn(cfg: TrainerConfig):
                              kernel=None if cfg.kernels else False)
 
 
+def use_packing(cfg: TrainerConfig, device: torch.device, models: list[nn.Module | None]) -> bool:
+    """Whether micro-batches run packed (``packing.py``); if so the models' attention is switched."""
+    if not packing.wanted(cfg.pack_sequences, device, cfg.compile):
+        return False
+    for m in models:
+        if m is not None:
+            packing.install(m)
+    return True
+
+
+def plan(cfg: TrainerConfig, lengths: list[int], packed: bool, budget: int | None = None) -> list[list[int]]:
+    """Micro-batches of ``budget`` tokens (default ``cfg.micro_batch_tokens``): real tokens packed, else padded."""
+    budget = budget or cfg.micro_batch_tokens
+    return packing.plan(lengths, budget) if packed else plan_microbatches(lengths, budget, cfg.pad_multiple)
+
+
 def fuse_layers(cfg: TrainerConfig, model: nn.Module, device: torch.device) -> None:
     """Our Triton RMSNorm and SwiGLU in ``model`` when ``cfg.kernels`` on a GPU (not under the
     compiler, which fuses them itself)."""
@@ -274,6 +290,7 @@ class LocalTrainer:
             _enable_checkpointing(self.compute)
             if self.critic is not None:
                 _enable_checkpointing(self.critic.backbone)
+        self._packed = use_packing(cfg, self.device, [self.model, self.compute, self.reference])
         fuse_layers(cfg, self.compute, self.device)
         if cfg.compile:
             compile_layers(self.compute)
@@ -326,10 +343,19 @@ class LocalTrainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
     def _policy_out(self, model: nn.Module, mb: dict[str, torch.Tensor],
-                    with_entropy: bool, start: int = 0) -> dict[str, torch.Tensor]:
+                    with_entropy: bool, start: int = 0, loss_only: bool = False) -> dict[str, torch.Tensor]:
         """Logprobs (and entropy) of ``mb``; with ``start`` (``head_start``) the head runs only
-        from that position on (Hugging Face's ``logits_to_keep``) and earlier positions hold 0."""
+        from that position on (Hugging Face's ``logits_to_keep``) and earlier positions hold 0.
+        Packed (``packing.py``), the head runs only where a token is scored: at loss tokens with
+        ``loss_only``, else at every real token; other positions hold 0."""
         ids, am = mb["input_ids"], mb["attention_mask"]
+        if self._packed and "routes" not in mb:
+            need = mb["loss_mask"] > 0 if loss_only else am.bool()
+            chunk, kernel = self.cfg.logprob_chunk_rows, None if self.cfg.kernels else False
+            with self._autocast():
+                return packing.logprobs(model, mb, need, self.temperature, with_entropy,
+                                        functools.partial(target_logprobs, chunk_rows=chunk, kernel=kernel),
+                                        _keeps_logits(type(model)))
         start = start if _keeps_logits(type(model)) else 0
         keep = {"logits_to_keep": ids.shape[1] - start} if start else {}
         # Routing replay: the engine's recorded experts, kept set for a checkpointed backward.
@@ -351,7 +377,7 @@ class LocalTrainer:
     def _per_sample(self, batch: Batch, fn) -> list[torch.Tensor]:
         lengths = [int(x.numel()) for x in batch.input_ids]
         result: list[torch.Tensor | None] = [None] * len(batch)
-        for idx in plan_microbatches(lengths, self.cfg.micro_batch_tokens, self.cfg.pad_multiple):
+        for idx in plan(self.cfg, lengths, self._packed and batch.routes is None):
             mb = self._to_device(collate(batch, idx, self.pad_token_id, self.cfg.pad_multiple))
             values = fn(mb).float().cpu()
             for row, i in enumerate(idx):
@@ -459,12 +485,12 @@ class LocalTrainer:
                   means: MetricMean, totals: dict, where: str) -> None:
         """Forward and backward of ``mini`` in micro-batches of ``budget`` tokens, gradients summed."""
         needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-        plan = plan_microbatches([int(x.numel()) for x in mini.input_ids], budget, self.cfg.pad_multiple)
+        lengths = [int(x.numel()) for x in mini.input_ids]
         pending = []  # per micro-batch: loss, metrics, loss tokens, still on the device
-        for j, idx in enumerate(plan):
+        for j, idx in enumerate(plan(self.cfg, lengths, self._packed and mini.routes is None, budget)):
             cpu_mb = collate(mini, idx, self.pad_token_id, self.cfg.pad_multiple)
             mb = self._to_device(cpu_mb)
-            out = self._policy_out(self.compute, mb, needs_entropy, head_start(cpu_mb))
+            out = self._policy_out(self.compute, mb, needs_entropy, head_start(cpu_mb), loss_only=True)
             if self.critic is not None:
                 out["values"] = self._values_out(mb)
             loss, metrics = loss_fn(out, mb, num_tokens, num_seqs)

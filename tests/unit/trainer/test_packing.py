@@ -1,0 +1,110 @@
+"""Packed micro-batches (trainer/packing.py) against the padded forward on the tiny model, CPU float32."""
+import pytest
+import torch
+
+from conveyor.config import TrainerConfig
+from conveyor.trainer import packing
+from conveyor.trainer.single import LocalTrainer
+
+LENGTHS = [9, 4, 12, 6, 7, 3, 10, 5]
+
+
+def cfg(**kw):
+    return TrainerConfig(**{"device": "cpu", "lr": 1e-4, "micro_batch_tokens": 4096, **kw})
+
+
+def max_diff(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_plan_fits_real_tokens_and_covers_every_sample():
+    lengths = [30, 5, 17, 17, 1, 40, 9, 1]
+    groups = packing.plan(lengths, 40)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in g) <= 40 for g in groups)
+    assert len(groups) == 3  # 40 | 30 + 9 + 1 | 17 + 17 + 5 + 1: no padding, so fewer passes
+    assert packing.plan([50, 3], 10) == [[0], [1]]  # a longer sample alone, never cut
+    with pytest.raises(ValueError, match="max_tokens"):
+        packing.plan([1], 0)
+
+
+def test_modes_and_bad_input():
+    cpu = torch.device("cpu")
+    assert not packing.wanted("auto", cpu, compiled=False)  # auto packs on a GPU only
+    assert packing.wanted("on", cpu, compiled=False) and not packing.wanted("off", cpu, compiled=False)
+    with pytest.raises(ValueError, match="trainer.pack_sequences=on does not combine with trainer.compile"):
+        packing.wanted("on", cpu, compiled=True)
+    with pytest.raises(ValueError, match="use auto, on or off"):
+        packing.wanted("yes", cpu, compiled=False)
+
+
+def test_attention_per_sample_equals_a_block_diagonal_mask():
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, cu = 4, 2, 8, [0, 5, 6, 13]
+    q = torch.randn(1, heads, cu[-1], d, generator=gen)
+    k, v = (torch.randn(1, kv_heads, cu[-1], d, generator=gen) for _ in range(2))
+    got, _ = packing.attention(None, q, k, v, None, scaling=d ** -0.5, cu_seq_lens_q=torch.tensor(cu),
+                               max_length_q=7)
+    seg = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 1, 7]))
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(13, 13, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=d ** -0.5,
+                                                            enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # float32 softmax of values ~1
+
+
+def test_packed_logprobs_equal_the_padded_ones(make_model, make_batch):
+    batch = make_batch(LENGTHS)
+    padded = LocalTrainer(make_model(), cfg(pack_sequences="off"), total_steps=1)
+    packed = LocalTrainer(make_model(), cfg(pack_sequences="on"), total_steps=1)
+    assert packed._packed and not padded._packed
+    assert packed.compute.config._attn_implementation == packing.NAME
+    for a, b in zip(padded.logprobs(batch), packed.logprobs(batch)):
+        assert a.shape == b.shape and b[0] == 0.0
+        # float32 logprobs of a 2-layer model (|logprob| ~ 6): the same sums in another order
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_packed_step_equals_the_padded_step(make_model, make_batch, pg_value_loss, checkpointing):
+    batch = make_batch(LENGTHS)
+    kw = {"critic": True, "gradient_checkpointing": checkpointing, "micro_batch_tokens": 20}
+    padded = LocalTrainer(make_model(), cfg(pack_sequences="off", **kw), total_steps=1)
+    packed = LocalTrainer(make_model(), cfg(pack_sequences="on", **kw), total_steps=1)
+    m1, m2 = padded.train(batch, pg_value_loss), packed.train(batch, pg_value_loss)
+    assert m2["microbatches"] < m1["microbatches"]  # no padding in the budget: fewer, fuller passes
+    assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-5)
+    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
+    assert m2["mean_logprob"] == pytest.approx(m1["mean_logprob"], abs=1e-5)
+    # Adam's first step turns rounding on near-zero gradients into a few percent of lr (1e-4):
+    # compared at 5% of it, while the step moves weights by about lr.
+    assert max_diff(padded.model, packed.model) <= 5e-6
+    assert max_diff(padded.critic, packed.critic) <= 5e-6
+    assert max_diff(packed.model, make_model()) > 5e-5
+
+
+def test_the_packed_head_runs_only_where_a_token_is_scored(make_model, make_batch, pg_loss, monkeypatch):
+    batch = make_batch(LENGTHS)
+    trainer = LocalTrainer(make_model(), cfg(pack_sequences="on"), total_steps=1)
+    rows = []
+    head = trainer.compute.lm_head
+    monkeypatch.setattr(head, "forward", lambda x: rows.append(x.shape[1]) or torch.nn.Linear.forward(head, x))
+    trainer.train(batch, pg_loss)
+    assert rows == [int(sum(m.sum() for m in batch.loss_mask))]  # one pass, loss tokens only
+    rows.clear()
+    trainer.logprobs(batch)
+    assert rows == [sum(n - 1 for n in LENGTHS)]  # every real token but each sample's first
+
+
+def test_entropy_packed_equals_padded(make_model, make_batch):
+    batch = make_batch([7, 5, 3])
+    outs = []
+    for mode in ("off", "on"):
+        trainer = LocalTrainer(make_model(), cfg(pack_sequences=mode), total_steps=1)
+        from conveyor.trainer.microbatch import collate
+        mb = collate(batch, [0, 1, 2], 0)
+        with torch.no_grad():
+            outs.append(trainer._policy_out(trainer.compute, mb, True, loss_only=True))
+    m = torch.stack([torch.nn.functional.pad(x, (0, 7 - x.numel())) for x in batch.loss_mask]).bool()
+    for key in ("logprobs", "entropy"):
+        torch.testing.assert_close(outs[1][key][m], outs[0][key][m], rtol=0, atol=1e-5)
+        assert (outs[1][key][~m] == 0).all()
