@@ -14,6 +14,10 @@ Contract
   to the rounding of a different summation order.
 - A loss function without a ``normaliser`` cannot be accumulated this way
   (nothing says which total it divides by): ``begin`` refuses it by name.
+- ``AccumulatingTrainer`` is the trainer side (``accumulate`` and
+  ``train_accumulated``), a mixin of ``LocalTrainer``; its docstring lists
+  what the host class provides. A failed part ends the accumulation and
+  drops its gradients; ``train_accumulated`` with no part raises.
 
 It knows nothing of where the parts come from or when the step is taken.
 """
@@ -75,3 +79,49 @@ class Accumulation:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         self.totals["loss"] *= scale
+
+
+class AccumulatingTrainer:
+    """``accumulate`` / ``train_accumulated`` for a single-device trainer (``LocalTrainer``).
+
+    The host class provides: ``cfg`` (``TrainerConfig``), ``model`` and ``compute`` (master and
+    compute modules), ``critic`` (or None), ``optimizer``, ``_acc`` (an ``Accumulation`` or None,
+    None at construction), ``_publish`` (the publisher of the step being taken, or None),
+    ``_zero_grad()``, ``_backward(batch, loss_fn, num_tokens, num_seqs, budget, means, totals,
+    where)`` (gradients summed in place), ``_step_optimizers(totals, where)`` and ``_end_step(start,
+    lr, means, totals, updates, num_tokens, num_seqs)`` (schedulers, step count, metrics)."""
+
+    def accumulate(self, part: Batch, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+        """Forward and backward of one part of a step's batch; the gradients wait in place for
+        ``train_accumulated``, which takes the step."""
+        if self._acc is None:
+            self._zero_grad()
+            self.compute.train()
+            if self.critic is not None:
+                self.critic.train()
+            self._acc = Accumulation.begin(loss_fn, self.optimizer.param_groups[0]["lr"])
+        acc = self._acc
+        try:
+            self._backward(part, loss_fn, 1.0, 1, micro_batch_tokens or self.cfg.micro_batch_tokens,
+                           acc.means, acc.totals, f"part {acc.parts}")
+        except BaseException:
+            self._acc = None  # a failed part ends the accumulation: its gradients are incomplete
+            self._zero_grad()
+            raise
+        acc.add(part)
+
+    def train_accumulated(self, publish=None, publish_dtype=None) -> dict[str, float]:
+        """The optimizer step over every part ``accumulate`` took since the last step: the summed
+        gradients divided by the batch's totals (the loss's ``normaliser``), then as ``train``."""
+        acc, self._acc = self._acc, None
+        if acc is None or acc.parts == 0:
+            raise ValueError("LocalTrainer.train_accumulated: no part was accumulated; call accumulate() first")
+        try:
+            acc.normalise([self.model.parameters()] + ([self.critic.parameters()] if self.critic else []))
+            self._publish = (publish, publish_dtype) if publish is not None else None
+            self._step_optimizers(acc.totals, f"the step over {acc.parts} parts")
+        finally:
+            self._publish = None
+            self._zero_grad()
+            self.compute.eval()
+        return self._end_step(acc.start, acc.lr, acc.means, acc.totals, 1, acc.num_tokens, acc.num_seqs)

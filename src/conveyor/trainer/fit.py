@@ -9,11 +9,15 @@ A budget that runs out of memory is refused with ``ConfigError``: one line namin
 the memory situation, and the largest halving of the budget that did fit (or that none did).
 Nothing changes in the model: the probe's gradients are dropped. On CPU nothing is checked
 (``fits`` is always true there). ``largest_fitting(budget, fits)`` is the search.
+``MemoryProbe`` is the trainer side, a mixin of ``LocalTrainer``: ``fits(tokens, length)``
+runs the probe (one forward and backward of random ids) and says whether it ran out of memory.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+import torch
 
 from conveyor.config.base import ConfigError
 
@@ -58,3 +62,39 @@ def check_micro_batches(trainer: TrainerHandle, cfg: RunConfig, length: int,
         raise ConfigError(f"{field}={budget} does not fit the trainer's GPU memory {where} (a micro-batch of "
                           f"{budget} tokens in rows of {length} ran out of memory); {hint}"
                           + ("" if memory is not None or not fits else ", or set launch.time_share=on"))
+
+
+class MemoryProbe:
+    """``fits`` for a single-device trainer (``LocalTrainer``). The host class provides ``device``,
+    ``model`` (a Hugging Face model: its config gives the vocabulary), ``compute`` (the module
+    forward and backward run on), ``_policy_out(model, mb, with_entropy)`` (a dict with
+    ``"logprobs"``) and ``_zero_grad()``."""
+
+    def fits(self, tokens: int, length: int) -> bool:
+        """Whether one forward and backward of ``tokens`` tokens in rows of ``length`` fits the
+        device's memory now; the weights and optimizer are untouched."""
+        if self.device.type != "cuda":
+            return True  # host memory is not probed: a CPU run swaps before it fails
+        try:
+            self._probe(tokens, length)
+            return True
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            torch.cuda.empty_cache()
+
+    def _probe(self, tokens: int, length: int) -> None:
+        """One forward and backward of random ids, ``tokens`` in rows of ``length``; nothing kept."""
+        rows, length = max(1, tokens // max(length, 1)), min(length, tokens)
+        ids = torch.randint(0, self.model.config.get_text_config(decoder=True).vocab_size, (rows, length),
+                            device=self.device)
+        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones(rows, length,
+              device=self.device)}
+        try:
+            self.compute.train()
+            self._policy_out(self.compute, mb, False)["logprobs"].sum().backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:
+            self._zero_grad()
+            self.compute.eval()

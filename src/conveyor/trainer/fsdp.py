@@ -35,14 +35,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from conveyor.config import TrainerConfig
-from conveyor.trainer import checkpoint, lora
+from conveyor.trainer import checkpoint, lora, packing
 from conveyor.trainer.api import LossFn
-from conveyor.trainer.single import (LocalTrainer, NonFiniteLossError, ValueModel, _enable_checkpointing,
-                                    _load_policy, compile_layers, decoder_layers, fuse_layers,
-                                    head_start, logprob_fn, no_cudnn_attention, plan, resolve_device,
-                                    use_packing)
 from conveyor.trainer.microbatch import _check_aligned, balance, collate
+from conveyor.trainer.models import (ValueModel, compile_layers, decoder_layers, enable_checkpointing, fuse_layers,
+                                     load_policy)
 from conveyor.trainer.precision import compute_dtype
+from conveyor.trainer.single import (LocalTrainer, NonFiniteLossError, head_start, logprob_fn, no_cudnn_attention,
+                                     resolve_device)
 from conveyor.trainer.step_metrics import MetricMean
 from conveyor.types import Batch
 
@@ -177,7 +177,7 @@ class FSDPTrainer(LocalTrainer):
         no_cudnn_attention(self.device)
         if self.device.type == "cpu" and "gloo" not in str(dist.get_backend()):
             raise ValueError(f"FSDPTrainer on cpu needs a gloo process group, got {dist.get_backend()!r}")
-        model, self.source_dir = _load_policy(model_path_or_model)
+        model, self.source_dir = load_policy(model_path_or_model)
         # save_pretrained would record the class name; FSDP renames the class
         # (FSDPLlamaForCausalLM), so fix the architecture name before sharding.
         model.config.architectures = [type(model).__name__]
@@ -187,10 +187,10 @@ class FSDPTrainer(LocalTrainer):
         if cfg.lora.enabled:  # after the copies: the reference and the critic stay plain
             model = lora.attach(model, cfg.lora)
         if cfg.gradient_checkpointing:
-            _enable_checkpointing(model)
+            enable_checkpointing(model)
             if critic is not None:
-                _enable_checkpointing(critic.backbone)
-        self._packed = use_packing(cfg, self.device, [model, reference])
+                enable_checkpointing(critic.backbone)
+        self._packed = packing.enable(cfg, self.device, [model, reference])
         fuse_layers(cfg, model, self.device)
         if cfg.compile:  # before sharding, as FSDP2 expects
             compile_layers(model)
@@ -246,7 +246,8 @@ class FSDPTrainer(LocalTrainer):
 
     def _plans(self, lengths: list[int]) -> list[list[list[int]]]:
         """Per rank, its micro-batches as lists of indices into ``lengths``."""
-        return [[[share[k] for k in mb] for mb in plan(self.cfg, [lengths[i] for i in share], self._packed)]
+        return [[[share[k] for k in mb] for mb in packing.micro_batches(self.cfg, [lengths[i] for i in share],
+                                                                                 self._packed)]
                 for share in balance(lengths, self.world)]
 
     def _dummy(self) -> dict[str, torch.Tensor]:
@@ -266,10 +267,10 @@ class FSDPTrainer(LocalTrainer):
         local = []
         for j in range(passes):
             if j >= len(mine):
-                fn(self._dummy())  # FSDP forwards are collective: match the busiest rank
+                fn(self._dummy(), None)  # FSDP forwards are collective: match the busiest rank
                 continue
             mb = collate(batch, mine[j], self.pad_token_id, self.cfg.pad_multiple)
-            values = fn(self._to_device(mb)).float().cpu()
+            values = fn(self._to_device(mb), self._layout(mb, loss_only=False)).float().cpu()
             local += [(i, values[row, : lengths[i]].clone()) for row, i in enumerate(mine[j])]
         self._release()
         parts: list[Any] = [None] * self.world
@@ -295,14 +296,15 @@ class FSDPTrainer(LocalTrainer):
     def _trained(self) -> list[nn.Module]:
         return [self.model] + ([self.critic] if self.critic is not None else [])
 
-    def _pass(self, mb: dict[str, torch.Tensor], with_entropy: bool, start: int) -> tuple[dict, torch.Tensor]:
+    def _pass(self, mb: dict[str, torch.Tensor], with_entropy: bool, start: int,
+              layout: packing.Layout | None = None) -> tuple[dict, torch.Tensor]:
         """Forward both trained models; returns ``out`` and a zero-weighted anchor loss.
 
         The anchor puts every parameter of both models into every rank's graph
         whatever loss_fn uses, so FSDP reduce-scatters the same parameters
         on every rank (a mismatch would hang or misalign the collective).
         """
-        out = self._policy_out(self.model, mb, with_entropy, start, loss_only=True)
+        out = self._policy_out(self.model, mb, with_entropy, start, layout)
         anchor = 0.0 * out["logprobs"].sum()
         if self.critic is not None:
             out["values"] = self._values_out(mb)
@@ -346,7 +348,8 @@ class FSDPTrainer(LocalTrainer):
             real = j < len(mine)
             cpu_mb = collate(mini, mine[j], self.pad_token_id, self.cfg.pad_multiple) if real else None
             mb = self._to_device(cpu_mb) if real else self._dummy()
-            out, loss = self._pass(mb, needs_entropy and real, head_start(cpu_mb) if real else 0)
+            out, loss = self._pass(mb, needs_entropy and real, head_start(cpu_mb) if real else 0,
+                                   self._layout(cpu_mb, True) if real else None)
             value, err, metrics, loss_j = 0.0, None, {}, None
             if real:
                 try:

@@ -9,7 +9,7 @@ wanted. Values and gradients equal the padded forward's to float rounding
 (tested).
 
 Contract
-- ``wanted(cfg, device)``: whether ``trainer.pack_sequences`` packs here
+- ``wanted(mode, device, compiled)``: whether ``trainer.pack_sequences`` packs here
   (``auto``: on a GPU whose torch has variable-length flash attention).
 - ``install(model)`` registers the ``conveyor_varlen`` attention with
   Hugging Face and switches ``model`` to it. Called with ``cu_seq_lens_q``
@@ -20,11 +20,16 @@ Contract
 - ``plan(lengths, max_tokens)``: sample indices in groups whose summed
   length fits ``max_tokens`` (first fit, longest first; a longer sample
   alone), covering every sample once.
-- ``logprobs(model, mb, need, temperature, with_entropy, logprob)``: the
-  padded micro-batch ``mb`` (``input_ids`` / ``attention_mask`` ``[b, L]``,
-  right-padded, on the device) forwarded packed; returns ``[b, L]`` float32
-  logprobs (and entropy) where ``need`` (``[b, L]`` bool) is set and 0.0
-  elsewhere, in the padded layout of ``trainer/api.py``.
+- ``Layout.of(attention_mask, need)`` (host tensors, ``[b, L]``, right-padded;
+  ``need`` marks the tokens to score) says where each token sits packed and
+  which rows the head runs on; ``layout.to(device)`` moves it.
+- ``logprobs(model, input_ids, layout, temperature, with_entropy, logprob)``:
+  the padded ``input_ids`` forwarded packed; returns ``[b, L]`` float32
+  logprobs (and entropy) where ``need`` was set and 0.0 elsewhere, in the
+  padded layout of ``trainer/api.py``.
+- ``enable(cfg, device, models)`` and ``micro_batches(cfg, lengths, packed)``
+  are what the trainers call: whether to pack (switching the models), and the
+  micro-batch plan (packed here, padded ``microbatch.py`` otherwise).
 
 It knows nothing of losses, optimizers or where the batch came from.
 """
@@ -33,9 +38,12 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+
+from conveyor.trainer.microbatch import plan_microbatches
 
 NAME = "conveyor_varlen"
 MODES = ("auto", "on", "off")
@@ -108,13 +116,34 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                          "set trainer.pack_sequences=off")
     flash = _flash_varlen()
     if flash is not None and query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, D]
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves a group
-            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-        out = flash(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, cu_seq_lens_q,
-                    int(max_length_q), int(max_length_q), scale=scaling, window_size=(-1, 0))
-        return out[None], None
+        q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, heads, D]
+        return _flash(flash, q, k, v, cu_seq_lens_q, int(max_length_q), scaling)[None], None
     return _per_sample(query, key, value, cu_seq_lens_q.tolist(), scaling), None
+
+
+_NATIVE_GQA: dict[str, bool] = {}  # whether this torch's flash kernel took fewer kv heads (first call)
+
+
+def _flash(flash: Callable, q, k, v, cu, max_len: int, scaling) -> torch.Tensor:
+    call = functools.partial(flash, cu_seq_q=cu, cu_seq_k=cu, max_q=max_len, max_k=max_len, scale=scaling,
+                             window_size=(-1, 0))  # (-1, 0): causal
+    if k.shape[1] == q.shape[1]:
+        return call(q, k, v)
+    if _NATIVE_GQA.get("ok", True):  # flash attention shares each kv head with its group of q heads
+        try:
+            out = call(q, k, v, **({"enable_gqa": True} if "enable_gqa" in _parameters(flash) else {}))
+            _NATIVE_GQA["ok"] = True
+            return out
+        except (RuntimeError, TypeError):
+            _NATIVE_GQA["ok"] = False
+    group = q.shape[1] // k.shape[1]
+    return call(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
+
+
+@functools.cache
+def _parameters(fn: Callable) -> frozenset[str]:
+    import inspect
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _per_sample(query, key, value, cu: list[int], scaling) -> torch.Tensor:
@@ -125,45 +154,85 @@ def _per_sample(query, key, value, cu: list[int], scaling) -> torch.Tensor:
     return torch.cat(parts, dim=2).transpose(1, 2)
 
 
-def logprobs(model, mb: dict[str, torch.Tensor], need: torch.Tensor, temperature: float, with_entropy: bool,
+@dataclass(frozen=True)
+class Layout:
+    """Where a right-padded ``[b, L]`` micro-batch's tokens sit packed, and which rows the head runs on.
+
+    Built from host tensors before the micro-batch goes to the device (``of``), so a packed
+    forward never waits on the device for its own shape."""
+
+    real: torch.Tensor       # [T] flat padded index of each packed token
+    cu: torch.Tensor         # [n + 1] int32 sample boundaries in the packed row
+    positions: torch.Tensor  # [1, T] each token's position within its sample
+    keep: torch.Tensor       # [K] packed rows whose logits score a wanted token
+    dest: torch.Tensor       # [K] flat padded index of the token each kept row scores
+    max_len: int
+    shape: tuple[int, int]   # (b, L)
+    scored: bool             # False: nothing wanted; one weight-0 head row keeps every weight in the graph
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor, need: torch.Tensor) -> Layout:
+        am = attention_mask.bool()
+        b, length = am.shape
+        real = am.reshape(-1).nonzero().squeeze(1)
+        lengths = am.sum(1, dtype=torch.int32)
+        # The logits at packed token j score its sample's next token: keep j where that one is needed.
+        wanted = F.pad(need.bool()[:, 1:] & am[:, 1:], (0, 1), value=False).reshape(-1)[real]
+        keep = wanted.nonzero().squeeze(1)
+        scored = keep.numel() > 0
+        keep = keep if scored else keep.new_zeros(1)
+        dest = (real[keep] + 1).clamp(max=b * length - 1)
+        return cls(real, F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)),
+                   (am.long().cumsum(1) - 1).reshape(-1)[real][None], keep, dest,
+                   int(lengths.max()) if b else 0, (b, length), scored)
+
+    def to(self, device: torch.device) -> Layout:
+        move = {k: getattr(self, k).to(device, non_blocking=True) for k in ("real", "cu", "positions", "keep", "dest")}
+        return replace(self, **move)
+
+
+def logprobs(model, input_ids: torch.Tensor, layout: Layout, temperature: float, with_entropy: bool,
              logprob: Callable, keeps_logits: bool = True) -> dict[str, torch.Tensor]:
     """See the module docstring; ``logprob(logits [K, V], target [K], temperature)`` -> ``[K]``."""
-    ids, am = mb["input_ids"], mb["attention_mask"].bool()
-    b, length = ids.shape
-    real = am.reshape(-1).nonzero().squeeze(1)  # flat padded index of each packed token
-    lengths = am.sum(1, dtype=torch.int32)
-    cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    positions = (am.long().cumsum(1) - 1).reshape(-1)[real][None]
-    # The logits at packed token j score the next token of its sample: keep j where that one is needed.
-    scores_next = F.pad(need[:, 1:] & am[:, 1:], (0, 1), value=False).reshape(-1)[real]
-    keep = scores_next.nonzero().squeeze(1)
-    dummy = keep.numel() == 0  # nothing needed: one head row anyway, so every weight has a gradient
-    if dummy:
-        keep = keep.new_zeros(1)
-    kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()),
-              "max_length_k": int(lengths.max())}
+    kwargs = {"cu_seq_lens_q": layout.cu, "cu_seq_lens_k": layout.cu, "max_length_q": layout.max_len,
+              "max_length_k": layout.max_len}
     if keeps_logits:
-        kwargs["logits_to_keep"] = keep
-    logits = model(input_ids=ids.reshape(-1)[real][None], position_ids=positions, attention_mask=None,
+        kwargs["logits_to_keep"] = layout.keep
+    flat = input_ids.reshape(-1)
+    logits = model(input_ids=flat[layout.real][None], position_ids=layout.positions, attention_mask=None,
                    use_cache=False, **kwargs).logits[0]
     if not keeps_logits:
-        logits = logits[keep]
-    dest = real[keep] + 1  # the padded position of the token those logits score
-    target = ids.reshape(-1)[dest.clamp(max=b * length - 1)]
-    if dummy:
-        target = torch.full_like(target, -1)
-    lp = logprob(logits, target, temperature)
-    out = {"logprobs": _scatter(lp, dest, b, length, dummy)}
+        logits = logits[layout.keep]
+    target = flat[layout.dest] if layout.scored else torch.full_like(layout.dest, -1)
+    out = {"logprobs": _scatter(logprob(logits, target, temperature), layout)}
     if with_entropy:
         scores = logits.float() / temperature
         lse = torch.logsumexp(scores, dim=-1)
-        entropy = lse - (torch.softmax(scores, dim=-1) * scores).sum(-1)
-        out["entropy"] = _scatter(entropy, dest, b, length, dummy)
+        out["entropy"] = _scatter(lse - (torch.softmax(scores, dim=-1) * scores).sum(-1), layout)
     return out
 
 
-def _scatter(values: torch.Tensor, dest: torch.Tensor, b: int, length: int, dummy: bool) -> torch.Tensor:
+def _scatter(values: torch.Tensor, layout: Layout) -> torch.Tensor:
+    b, length = layout.shape
     zeros = values.new_zeros(b * length, dtype=torch.float32)
-    if dummy:  # kept in the graph at weight 0
+    if not layout.scored:  # kept in the graph at weight 0
         return (zeros + 0.0 * values.float().sum()).view(b, length)
-    return zeros.index_put((dest,), values.float()).view(b, length)
+    return zeros.index_put((layout.dest,), values.float()).view(b, length)
+
+
+def enable(cfg, device: torch.device, models: list) -> bool:
+    """Whether ``cfg`` (a ``TrainerConfig``) packs on ``device``; if so the models (None skipped)
+    are switched to the packed attention."""
+    if not wanted(cfg.pack_sequences, device, cfg.compile):
+        return False
+    for m in models:
+        if m is not None:
+            install(m)
+    return True
+
+
+def micro_batches(cfg, lengths: list[int], packed: bool, budget: int | None = None) -> list[list[int]]:
+    """Micro-batches of ``budget`` tokens (default ``cfg.micro_batch_tokens``): real tokens packed,
+    padded ones otherwise (``microbatch.plan_microbatches``)."""
+    budget = budget or cfg.micro_batch_tokens
+    return plan(lengths, budget) if packed else plan_microbatches(lengths, budget, cfg.pad_multiple)

@@ -16,6 +16,11 @@ Contract (``trainer/api.py`` for the loss function and output alignment)
 - Optional frozen reference and critic (its own AdamW). ``streams_publish``:
   ``train(publish=...)`` runs the last optimizer step while weights leave
   (``streamed.py``). Details: docs/architecture.md ("Module contracts in detail").
+- Streamed accumulation (``accumulate`` / ``train_accumulated``) is the
+  ``AccumulatingTrainer`` mixin (``accumulation.py``), the memory probe
+  ``fits(tokens, length)`` the ``MemoryProbe`` mixin (``fit.py``); both run on
+  this class's optimizer step and forward. Loading the policy, the critic's
+  ``ValueModel`` and the layer preparations are ``models.py``'s.
 
 It does not know what the loss computes, where the batch came from, or how
 weights reach engines (``named_weights`` just yields the live tensors).
@@ -38,10 +43,18 @@ from torch import nn
 from conveyor import routing
 from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint, lora, packing
-from conveyor.trainer.accumulation import Accumulation
+from conveyor.trainer.accumulation import AccumulatingTrainer, Accumulation
 from conveyor.trainer.api import LossFn
-from conveyor.trainer.logprobs import kernel_available, target_logprobs, token_logprobs
-from conveyor.trainer.microbatch import collate, plan_microbatches, split_even
+from conveyor.trainer.fit import MemoryProbe
+from conveyor.trainer.logprobs import target_logprobs, token_logprobs
+from conveyor.trainer.microbatch import collate, split_even
+from conveyor.trainer.models import (
+    ValueModel,
+    compile_layers,
+    enable_checkpointing,
+    fuse_layers,
+    load_policy,
+)
 from conveyor.trainer.precision import compute_dtype, linear_copy
 from conveyor.trainer.step_metrics import MetricMean, to_host
 from conveyor.trainer.streamed import StreamPlan
@@ -134,83 +147,11 @@ def _keeps_logits(cls: type) -> bool:
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
 
 
-class ValueModel(nn.Module):
-    """Backbone (decoder without lm_head) + Linear(hidden, 1): one value per position."""
-
-    def __init__(self, backbone: nn.Module, hidden_size: int, seed: int = 0):
-        super().__init__()
-        self.backbone = backbone
-        self.head = nn.Linear(hidden_size, 1)
-        # A private generator keeps the head's init independent of (and from
-        # disturbing) the global RNG, so runs stay reproducible.
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            self.head.weight.copy_(torch.randn(self.head.weight.shape, generator=gen) / math.sqrt(hidden_size))
-            self.head.bias.zero_()
-
-    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
-        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.head(h).squeeze(-1).float()
-
-
-def _load_policy(src: Any) -> tuple[nn.Module, Path | None]:
-    if isinstance(src, (str, Path)):
-        from transformers import AutoModelForCausalLM
-
-        # Master weights stay float32 whatever the checkpoint dtype: AdamW on
-        # bf16 weights loses small updates. bf16 comes from autocast instead.
-        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-        return model, Path(src) if Path(src).is_dir() else None
-    if not isinstance(src, nn.Module):
-        raise TypeError(f"LocalTrainer: expected a checkpoint path or a torch model, got {type(src).__name__}")
-    name = getattr(src, "name_or_path", "") or ""
-    return src, Path(name) if name and Path(name).is_dir() else None
-
-
-def decoder_layers(module: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of an HF model (its ``_no_split_modules`` classes), outermost first."""
-    names = set().union(*(getattr(m, "_no_split_modules", None) or () for m in module.modules()))
-    return [m for m in module.modules() if m is not module and type(m).__name__ in names]
-
-
-def compile_layers(model: nn.Module) -> None:
-    """Compile every decoder layer in place (names and state_dict unchanged). The layers share
-    their code, so one compiled graph serves them all; dynamic shapes avoid a recompile per
-    micro-batch shape."""
-    for layer in decoder_layers(model):
-        layer.compile(dynamic=True)
-
-
 def logprob_fn(cfg: TrainerConfig):
     if cfg.compile:  # the compiler fuses the plain form; the chunked loop would only get in its way
         return torch.compile(functools.partial(token_logprobs, chunk_rows=None), dynamic=True)
     return functools.partial(token_logprobs, chunk_rows=cfg.logprob_chunk_rows,
                              kernel=None if cfg.kernels else False)
-
-
-def use_packing(cfg: TrainerConfig, device: torch.device, models: list[nn.Module | None]) -> bool:
-    """Whether micro-batches run packed (``packing.py``); if so the models' attention is switched."""
-    if not packing.wanted(cfg.pack_sequences, device, cfg.compile):
-        return False
-    for m in models:
-        if m is not None:
-            packing.install(m)
-    return True
-
-
-def plan(cfg: TrainerConfig, lengths: list[int], packed: bool, budget: int | None = None) -> list[list[int]]:
-    """Micro-batches of ``budget`` tokens (default ``cfg.micro_batch_tokens``): real tokens packed, else padded."""
-    budget = budget or cfg.micro_batch_tokens
-    return packing.plan(lengths, budget) if packed else plan_microbatches(lengths, budget, cfg.pad_multiple)
-
-
-def fuse_layers(cfg: TrainerConfig, model: nn.Module, device: torch.device) -> None:
-    """Our Triton RMSNorm and SwiGLU in ``model`` when ``cfg.kernels`` on a GPU (not under the
-    compiler, which fuses them itself)."""
-    if cfg.kernels and not cfg.compile and device.type == "cuda" and kernel_available():
-        from conveyor.trainer.kernels.layers import use_fused_layers
-        use_fused_layers(model)
 
 
 @contextlib.contextmanager
@@ -235,15 +176,7 @@ def profiled(cfg: TrainerConfig, step: int, rank: int, device: torch.device):
     stem.with_suffix(".txt").write_text(table + "\n")
 
 
-def _enable_checkpointing(model: nn.Module) -> None:
-    kwargs = {"use_reentrant": False}  # the non-reentrant form needs no input that requires grad
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-class LocalTrainer:
+class LocalTrainer(AccumulatingTrainer, MemoryProbe):
     """Policy (+ optional reference and critic) on one device; implements ``Trainer``."""
 
     streams_publish = True  # train(publish=...) steps the optimizer as the weights leave
@@ -261,7 +194,7 @@ class LocalTrainer:
         self.pad_token_id = int(pad_token_id)
         self.device = resolve_device(cfg.device)
         no_cudnn_attention(self.device)
-        self.model, self.source_dir = _load_policy(model_path_or_model)
+        self.model, self.source_dir = load_policy(model_path_or_model)
         # Copies are taken before training ever touches the weights.
         self.reference = copy.deepcopy(self.model) if cfg.reference else None
         self.critic = None
@@ -287,10 +220,10 @@ class LocalTrainer:
             if self.reference is not None:  # frozen: its float32 linear weights are not kept
                 self.reference = linear_copy(self.reference, self._dtype)[0]
         if cfg.gradient_checkpointing:
-            _enable_checkpointing(self.compute)
+            enable_checkpointing(self.compute)
             if self.critic is not None:
-                _enable_checkpointing(self.critic.backbone)
-        self._packed = use_packing(cfg, self.device, [self.model, self.compute, self.reference])
+                enable_checkpointing(self.critic.backbone)
+        self._packed = packing.enable(cfg, self.device, [self.model, self.compute, self.reference])
         fuse_layers(cfg, self.compute, self.device)
         if cfg.compile:
             compile_layers(self.compute)
@@ -342,18 +275,24 @@ class LocalTrainer:
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
+    def _layout(self, cpu_mb: dict[str, torch.Tensor], loss_only: bool) -> packing.Layout | None:
+        """The packed layout of a host micro-batch (its loss tokens, or every token), or None: padded."""
+        if not self._packed or "routes" in cpu_mb:
+            return None
+        need = cpu_mb["loss_mask"] > 0 if loss_only else cpu_mb["attention_mask"].bool()
+        return packing.Layout.of(cpu_mb["attention_mask"], need).to(self.device)
+
     def _policy_out(self, model: nn.Module, mb: dict[str, torch.Tensor],
-                    with_entropy: bool, start: int = 0, loss_only: bool = False) -> dict[str, torch.Tensor]:
+                    with_entropy: bool, start: int = 0, layout: packing.Layout | None = None) -> dict[str, torch.Tensor]:
         """Logprobs (and entropy) of ``mb``; with ``start`` (``head_start``) the head runs only
         from that position on (Hugging Face's ``logits_to_keep``) and earlier positions hold 0.
-        Packed (``packing.py``), the head runs only where a token is scored: at loss tokens with
-        ``loss_only``, else at every real token; other positions hold 0."""
+        With a packed ``layout`` (``packing.py``) the head runs only at the tokens it marks;
+        other positions hold 0."""
         ids, am = mb["input_ids"], mb["attention_mask"]
-        if self._packed and "routes" not in mb:
-            need = mb["loss_mask"] > 0 if loss_only else am.bool()
+        if layout is not None:
             chunk, kernel = self.cfg.logprob_chunk_rows, None if self.cfg.kernels else False
             with self._autocast():
-                return packing.logprobs(model, mb, need, self.temperature, with_entropy,
+                return packing.logprobs(model, ids, layout, self.temperature, with_entropy,
                                         functools.partial(target_logprobs, chunk_rows=chunk, kernel=kernel),
                                         _keeps_logits(type(model)))
         start = start if _keeps_logits(type(model)) else 0
@@ -377,27 +316,29 @@ class LocalTrainer:
     def _per_sample(self, batch: Batch, fn) -> list[torch.Tensor]:
         lengths = [int(x.numel()) for x in batch.input_ids]
         result: list[torch.Tensor | None] = [None] * len(batch)
-        for idx in plan(self.cfg, lengths, self._packed and batch.routes is None):
-            mb = self._to_device(collate(batch, idx, self.pad_token_id, self.cfg.pad_multiple))
-            values = fn(mb).float().cpu()
+        for idx in packing.micro_batches(self.cfg, lengths, self._packed and batch.routes is None):
+            mb = collate(batch, idx, self.pad_token_id, self.cfg.pad_multiple)
+            values = fn(self._to_device(mb), self._layout(mb, loss_only=False)).float().cpu()
             for row, i in enumerate(idx):
                 result[i] = values[row, : lengths[i]].clone()
         return result  # type: ignore[return-value]
 
     def logprobs(self, batch: Batch) -> list[torch.Tensor]:
         self.compute.eval()
-        return self._per_sample(batch, lambda mb: self._policy_out(self.compute, mb, False)["logprobs"])
+        return self._per_sample(batch, lambda mb, layout: self._policy_out(self.compute, mb, False,
+                                                                           layout=layout)["logprobs"])
 
     def ref_logprobs(self, batch: Batch) -> list[torch.Tensor]:
         if self.reference is None:
             raise RuntimeError("ref_logprobs needs a frozen reference model; set trainer.reference=true")
-        return self._per_sample(batch, lambda mb: self._policy_out(self.reference, mb, False)["logprobs"])
+        return self._per_sample(batch, lambda mb, layout: self._policy_out(self.reference, mb, False,
+                                                                           layout=layout)["logprobs"])
 
     def values(self, batch: Batch) -> list[torch.Tensor]:
         if self.critic is None:
             raise RuntimeError("values needs a critic; set trainer.critic=true")
         self.critic.eval()
-        return self._per_sample(batch, self._values_out)
+        return self._per_sample(batch, lambda mb, layout: self._values_out(mb))
 
     # ------------------------------------------------------------------- train
     def train(self, batch: Batch, loss_fn: LossFn, publish=None, publish_dtype=None) -> dict[str, float]:
@@ -487,10 +428,10 @@ class LocalTrainer:
         needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         lengths = [int(x.numel()) for x in mini.input_ids]
         pending = []  # per micro-batch: loss, metrics, loss tokens, still on the device
-        for j, idx in enumerate(plan(self.cfg, lengths, self._packed and mini.routes is None, budget)):
+        for j, idx in enumerate(packing.micro_batches(self.cfg, lengths, self._packed and mini.routes is None, budget)):
             cpu_mb = collate(mini, idx, self.pad_token_id, self.cfg.pad_multiple)
             mb = self._to_device(cpu_mb)
-            out = self._policy_out(self.compute, mb, needs_entropy, head_start(cpu_mb), loss_only=True)
+            out = self._policy_out(self.compute, mb, needs_entropy, head_start(cpu_mb), self._layout(cpu_mb, True))
             if self.critic is not None:
                 out["values"] = self._values_out(mb)
             loss, metrics = loss_fn(out, mb, num_tokens, num_seqs)
@@ -503,71 +444,6 @@ class LocalTrainer:
             totals["loss"] += self._check_finite(value, f"{where}, micro-batch {j}")
             totals["microbatches"] += 1
             means.add(metrics, weight)
-
-    def fits(self, tokens: int, length: int) -> bool:
-        """Whether one forward and backward of ``tokens`` tokens in rows of ``length`` fits the
-        device's memory now (``trainer/fit.py``); the weights and optimizer are untouched."""
-        if self.device.type != "cuda":
-            return True  # host memory is not probed: a CPU run swaps before it fails
-        try:
-            self._probe(tokens, length)
-            return True
-        except torch.cuda.OutOfMemoryError:
-            return False
-        finally:
-            torch.cuda.empty_cache()
-
-    def _probe(self, tokens: int, length: int) -> None:
-        """One forward and backward of random ids, ``tokens`` in rows of ``length``; nothing kept."""
-        rows, length = max(1, tokens // max(length, 1)), min(length, tokens)
-        ids = torch.randint(0, self.model.config.get_text_config(decoder=True).vocab_size, (rows, length),
-                            device=self.device)
-        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones(rows, length,
-              device=self.device)}
-        try:
-            self.compute.train()
-            self._policy_out(self.compute, mb, False)["logprobs"].sum().backward()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        finally:
-            self._zero_grad()
-            self.compute.eval()
-
-    # ------------------------------------------------- streamed accumulation
-    def accumulate(self, part: Batch, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
-        """Forward and backward of one part of a step's batch; the gradients wait in place for
-        ``train_accumulated``, which takes the step (``trainer/accumulation.py``)."""
-        if self._acc is None:
-            self._zero_grad()
-            self.compute.train()
-            if self.critic is not None:
-                self.critic.train()
-            self._acc = Accumulation.begin(loss_fn, self.optimizer.param_groups[0]["lr"])
-        acc = self._acc
-        try:
-            self._backward(part, loss_fn, 1.0, 1, micro_batch_tokens or self.cfg.micro_batch_tokens,
-                           acc.means, acc.totals, f"part {acc.parts}")
-        except BaseException:
-            self._acc = None  # a failed part ends the accumulation: its gradients are incomplete
-            self._zero_grad()
-            raise
-        acc.add(part)
-
-    def train_accumulated(self, publish=None, publish_dtype=None) -> dict[str, float]:
-        """The optimizer step over every part ``accumulate`` took since the last step: the summed
-        gradients divided by the batch's totals (the loss's ``normaliser``), then as ``train``."""
-        acc, self._acc = self._acc, None
-        if acc is None or acc.parts == 0:
-            raise ValueError("LocalTrainer.train_accumulated: no part was accumulated; call accumulate() first")
-        try:
-            acc.normalise([self.model.parameters()] + ([self.critic.parameters()] if self.critic else []))
-            self._publish = (publish, publish_dtype) if publish is not None else None
-            self._step_optimizers(acc.totals, f"the step over {acc.parts} parts")
-        finally:
-            self._publish = None
-            self._zero_grad()
-            self.compute.eval()
-        return self._end_step(acc.start, acc.lr, acc.means, acc.totals, 1, acc.num_tokens, acc.num_seqs)
 
     def _step_optimizers(self, totals: dict, where: str) -> None:
         """Clip (and log the norms of) the accumulated gradients, then step policy and critic."""

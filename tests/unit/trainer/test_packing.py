@@ -103,7 +103,8 @@ def test_entropy_packed_equals_padded(make_model, make_batch):
         from conveyor.trainer.microbatch import collate
         mb = collate(batch, [0, 1, 2], 0)
         with torch.no_grad():
-            outs.append(trainer._policy_out(trainer.compute, mb, True, loss_only=True))
+            outs.append(trainer._policy_out(trainer.compute, trainer._to_device(mb), True,
+                                            layout=trainer._layout(mb, loss_only=True)))
     m = torch.stack([torch.nn.functional.pad(x, (0, 7 - x.numel())) for x in batch.loss_mask]).bool()
     for key in ("logprobs", "entropy"):
         torch.testing.assert_close(outs[1][key][m], outs[0][key][m], rtol=0, atol=1e-5)
