@@ -13,7 +13,8 @@ Contract
       ``log_softmax(logits[i, t-1] / temperature)[x_t]``; position 0 and
       padding are 0.0. Carries gradient. Positions before the micro-batch's
       first loss token (the prompt every row shares) are 0.0 too: their
-      logits are never computed.
+      logits are never computed; packed (``trainer.pack_sequences``), every
+      position that is not a loss token is 0.0.
     * ``"entropy"``: entropy of the same predictive distribution (the one
       that scored token t), only when ``getattr(loss_fn, "needs_entropy",
       False)`` is true; 0.0 where ``"logprobs"`` is.
