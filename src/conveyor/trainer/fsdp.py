@@ -244,10 +244,10 @@ class FSDPTrainer(LocalTrainer):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _plans(self, lengths: list[int]) -> list[list[list[int]]]:
-        """Per rank, its micro-batches as lists of indices into ``lengths``."""
-        return [[[share[k] for k in mb] for mb in packing.micro_batches(self.cfg, [lengths[i] for i in share],
-                                                                                 self._packed)]
+    def _plans(self, batch: Batch) -> list[list[list[int]]]:
+        """Per rank, its micro-batches as lists of sample indices (packed unless the batch replays routes)."""
+        lengths, packed = [int(x.numel()) for x in batch.input_ids], self._packed and batch.routes is None
+        return [[[share[k] for k in mb] for mb in packing.micro_batches(self.cfg, [lengths[i] for i in share], packed)]
                 for share in balance(lengths, self.world)]
 
     def _dummy(self) -> dict[str, torch.Tensor]:
@@ -262,7 +262,7 @@ class FSDPTrainer(LocalTrainer):
     def _per_sample(self, batch: Batch, fn) -> list[torch.Tensor]:
         _check_aligned(batch, list(range(len(batch))))  # on every rank: collate would fail on one rank only
         lengths = [int(x.numel()) for x in batch.input_ids]
-        plans = self._plans(lengths)
+        plans = self._plans(batch)
         mine, passes = plans[self.rank], max(map(len, plans), default=0)
         local = []
         for j in range(passes):
@@ -337,7 +337,7 @@ class FSDPTrainer(LocalTrainer):
         num_tokens = max(float(mini.num_tokens), 1.0)
         needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         _check_aligned(mini, list(range(len(mini))))  # on every rank: collate would fail on one rank only
-        plans = self._plans([int(x.numel()) for x in mini.input_ids])
+        plans = self._plans(mini)
         mine, passes = plans[self.rank], max(map(len, plans))
         local = MetricMean()
         for j in range(passes):
