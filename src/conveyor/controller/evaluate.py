@@ -6,7 +6,9 @@ Contract: ``Evaluator(cfg, tasks, prompting, rollouts, rewards, logger)``;
 ``loop.eval_sampled``, also at the rollout temperature (the policy's
 expected reward), scores them, logs the means as ``eval_*`` /
 ``eval_sampled_*`` metrics at ``step`` and returns them (a span on the run's
-timeline); the completions of
+timeline); a second call for the same step after step 0 (the final
+evaluation right after a mid-run one) returns the first call's result
+without generating again: the weights of a step do not change. The completions of
 the first ``observe.eval_samples`` tasks go to ``eval_samples.jsonl``. ``on(tasks,
 temperature, prefix)`` does one such pass over any tasks (the warm start's
 early-stop check). Requests go through the producer outside the training
@@ -34,8 +36,11 @@ class Evaluator:
         self.episodes = episodes  # multi-turn runs evaluate whole episodes (controller.episodes)
         self.rollouts, self.rewards, self.logger = rollouts, rewards, logger
         self.length_notes: dict[str, int] = {}  # prompts skipped for length, as last reported
+        self._last: tuple[int, dict[str, float]] | None = None  # (step, result) of the last evaluation
 
     def evaluate(self, step: int) -> dict[str, float]:
+        if step > 0 and self._last is not None and self._last[0] == step:  # step 0 recurs after a warm-start
+            return dict(self._last[1])
         cfg = self.cfg
         with timeline.measure("controller", "eval", args={"step": step}), \
                 self.logger.phase("eval", 2 if cfg.loop.eval_sampled else 1) as bar:
@@ -45,6 +50,7 @@ class Evaluator:
                 m.update(self.on(self.tasks, cfg.rollout.temperature, "eval_sampled_", step))
         m.update({k: v for k, v in self.length_notes.items() if k.startswith("eval_")})  # prompts skipped
         self.logger.log(step, m, kind="eval")
+        self._last = (step, dict(m))
         return m
 
     def on(self, tasks: list[Task], temperature: float, prefix: str, step: int | None = None) -> dict[str, float]:

@@ -25,3 +25,30 @@ def test_text_in_reward_info_is_kept_out_of_the_means():
         ev = Evaluator(RunConfig(), [], prompting=None, rollouts=None, rewards=svc, logger=None)
         m = ev._means(trajs, "eval_")
     assert m == {"eval_reward": 0.375, "eval_len": 1.0, "eval_tests_passed": 1.5}
+
+
+def test_the_final_evaluation_of_an_evaluated_step_is_not_run_again(tmp_path):
+    # A run stopped by its time limit right after a mid-run evaluation evaluates the same
+    # weights again as its final one: the result is reused and logged once. Step 0 is
+    # evaluated again after a warm start (new weights, same step), so it always runs.
+    import json
+
+    from conveyor.observe.metrics import MetricsLogger
+
+    class Counting(Evaluator):
+        def on(self, tasks, temperature, prefix, step=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            return {prefix + "reward": float(self.calls)}
+
+    with MetricsLogger(tmp_path, progress=False, tensorboard=False) as log:
+        ev = Counting(RunConfig(), [], prompting=None, rollouts=None, rewards=None, logger=log)
+        assert ev.evaluate(0)["eval_reward"] == 1.0
+        assert ev.evaluate(0)["eval_reward"] == 2.0  # after a warm start
+        assert ev.evaluate(10)["eval_reward"] == 3.0
+        again = ev.evaluate(10)
+        assert again == {"eval_reward": 3.0} and ev.calls == 3
+        again["eval_reward"] = -1.0  # the caller's copy
+        assert ev.evaluate(10)["eval_reward"] == 3.0
+        assert ev.evaluate(11)["eval_reward"] == 4.0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("kind") == "eval"] == [0, 0, 10, 11]
