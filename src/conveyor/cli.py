@@ -356,7 +356,7 @@ def _add_train_rm(sub, fmt) -> None:
             "with the Bradley-Terry loss, report held-out pair accuracy, and write a checkpoint for reward.fn=rm")
     sp = sub.add_parser("train-rm", help=desc, description=desc, formatter_class=fmt, epilog=(
         "example:\n  conveyor train-rm pairs.jsonl --model runs/sft/warmstart --out runs/rm --lr 1e-4\n"
-        "  conveyor train reward.fn=rm reward.model=runs/rm ...\n(docs/rewards.md, \"Training a reward model\")"))
+        "  conveyor train reward.fn=rm reward.model=runs/rm ...\n(docs/reward-models.md, \"Training a reward model\")"))
     sp.add_argument("data", metavar="PAIRS.jsonl")
     sp.add_argument("--model", required=True, help="a causal LM (it gets a new scalar head) or a reward model")
     sp.add_argument("--out", required=True, help="a new directory for the checkpoint")

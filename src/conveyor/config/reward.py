@@ -11,7 +11,7 @@ from conveyor.config.base import _Section
 
 class JudgeConfig(_Section):
     """The generative judge of reward.fn=judge: a frozen model that reads each completion and writes a
-    critique ending in a score (docs/rewards.md, "Generative judges")."""
+    critique ending in a score (docs/reward-models.md, "Generative judges")."""
     model: str | None = Field(None, description=(
         "the judge: a Hugging Face checkpoint directory or hub id (its tokenizer too); empty: the policy's "
         "base checkpoint (model.path, or the tiny model built for the run), frozen"))

@@ -9,8 +9,8 @@ chat template applied. Invalid rows raise ``DataError`` naming file, 1-based
 row and field, or with ``cfg.skip_invalid`` are skipped and counted. The eval
 split is ``cfg.eval_path`` / ``cfg.eval_split`` when set, else a
 deterministic holdout of ``cfg.eval_size`` rows removed from train. Every
-source's default reward is ``"math"``. Details: docs/architecture.md
-("Module contracts in detail").
+source's default reward is ``"math"``. Details: docs/modules.md
+("data/files.py").
 
 It does not know about batching or shuffling (``api.TaskCursor``), synthetic
 tasks, or what any reward computes.

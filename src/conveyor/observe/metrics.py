@@ -17,8 +17,8 @@ Contract
 - Where stores are shared across kinds a metric is named ``<kind>/<key>``
   (``train/reward``, ``eval/reward``); the JSONL keeps keys as logged.
 - ``log_every`` thins only the console. A failing sink raises; ``close()``
-  closes every sink, then re-raises. Details: docs/architecture.md ("Module
-  contracts in detail").
+  closes every sink, then re-raises. Details: docs/modules.md
+  ("observe/metrics.py").
 
 It deliberately does not know which metrics a run produces, how steps are
 numbered, or what a run directory holds beyond its own files.

@@ -12,8 +12,8 @@ Contract
   timeouts, nonfinite and stuck threads.
 - A call past its deadline is abandoned (a thread cannot be killed) and a
   replacement worker started, up to ``max_stuck``; beyond that trajectories
-  get the fallback at once. Details: docs/architecture.md ("Module contracts
-  in detail").
+  get the fallback at once. Details: docs/modules.md
+  ("reward/service.py").
 - Every call is a span on the run's timeline (``observe.timeline``), one row
   per worker thread.
 - Results are checked, counted and logged once as ``calls.py`` says, shared

@@ -13,7 +13,7 @@ Contract (``conveyor.rollout.api`` states what every engine promises)
   ``none`` (only the version is recorded).
 - Every HTTP call has a deadline; connection failures and 502/503/504 are
   retried with backoff; a broken server raises ``RemoteEngineError`` naming
-  the URL and the fix. Details: docs/architecture.md ("Module contracts in detail").
+  the URL and the fix. Details: docs/modules.md ("rollout/remote.py").
 
 It does not start or stop servers, pick models or know the loop; it speaks HTTP
 with the standard library only.

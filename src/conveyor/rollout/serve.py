@@ -8,7 +8,7 @@ for every version it takes from the ``WeightReader`` ``weights`` (stamped
 once the copy has run on the device), ``Failed`` before it ends on an error.
 A chunk's tokens never come from weights older than the version it was
 admitted for: the worker takes that version first, waiting up to
-``timeout_s``. Two ways of serving (docs/architecture.md, "Module contracts in detail"):
+``timeout_s``. Two ways of serving (docs/modules.md, "rollout/serve.py"):
 streaming (``partial`` and ``engine.streams``): one ``generate_stream`` call
 that compatible chunks join between decode steps, each prompt reported as
 its samples end, weights swapped between steps; waves (otherwise): one

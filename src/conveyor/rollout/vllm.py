@@ -14,7 +14,7 @@ Contract (``conveyor.rollout.api`` states what every engine promises)
   or "ipc" (vLLM's weight-transfer API). ``pause`` / ``resume`` use sleep mode.
   A tied output embedding may be sent under either name or both; vLLM always
   receives both (it refreshes only the layers it is sent tensors for).
-Details: docs/architecture.md ("Module contracts in detail").
+Details: docs/modules.md ("rollout/vllm.py").
 
 It does not know the loop, tasks, rewards or where weights come from, and
 starts no server; ``vllm`` is imported only when an engine is built.

@@ -15,7 +15,7 @@ Contract
 - ``export_hf(dir, out)`` writes a plain HF checkpoint, also from a sharded
   one (``dir/fsdp.json``, weights in ``dir/dcp``) in a single process;
   ``export_policy(trainer, out)`` writes the current policy.
-Details: docs/architecture.md ("Module contracts in detail").
+Details: docs/modules.md ("trainer/checkpoint.py").
 
 The trainer is duck-typed (``model``, ``critic``, ``source_dir``,
 ``training_state()``, ``load_training_state(state)``). This module does not

@@ -15,7 +15,7 @@ Contract (``trainer/api.py`` for the loss function and output alignment)
   with those experts (``conveyor.routing``); the critic routes on its own.
 - Optional frozen reference and critic (its own AdamW). ``streams_publish``:
   ``train(publish=...)`` runs the last optimizer step while weights leave
-  (``streamed.py``). Details: docs/architecture.md ("Module contracts in detail").
+  (``streamed.py``). Details: docs/modules.md ("trainer/single.py").
 - Streamed accumulation (``accumulate`` / ``train_accumulated``) is the
   ``AccumulatingTrainer`` mixin (``accumulation.py``), the memory probe
   ``fits(tokens, length)`` the ``MemoryProbe`` mixin (``fit.py``); both run on

@@ -15,7 +15,7 @@ Contract
   references to the model's parameters, so in-place updates need no
   recapture. ``release_memory`` / ``reacquire_memory`` give the pool's memory
   back and take it again: in place on a GPU (``vmm.py``; graphs kept), else
-  pool and graphs are rebuilt. Details: docs/architecture.md ("Module contracts in detail").
+  pool and graphs are rebuilt. Details: docs/modules.md ("rollout/native/graph_runner.py").
 
 It knows nothing of sampling, stop rules or versions: the engine's paged loop
 (``paged_loop.py``) drives it.

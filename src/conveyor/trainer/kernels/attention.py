@@ -12,7 +12,7 @@ norms (``fusable(module)``); with a KV cache, non-float32 ``cos`` / ``sin`` or
 no position embeddings it runs the module's own forward.
 ``rotary(qkv, cos, sin, heads, kv_heads)`` works on any ``[..., (heads + 2 *
 kv_heads) * head_dim]``. ``TRITON_INTERPRET=1`` runs it on CPU tensors (tests).
-Details: docs/architecture.md ("Module contracts in detail").
+Details: docs/modules.md ("trainer/kernels/attention.py").
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ many; ``rms_norm(x, weight, eps, out_dtype=None)`` works on any ``[..., H]``,
 ``swiglu(gate, up)`` on two equal shapes and ``swiglu(packed)`` on
 ``[..., 2 w]`` (gate then up in each row).
 ``TRITON_INTERPRET=1`` runs them on CPU tensors (tests do).
-Details: docs/architecture.md ("Module contracts in detail").
+Details: docs/modules.md ("trainer/kernels/layers.py").
 """
 from __future__ import annotations
 
