@@ -109,3 +109,16 @@ def test_entropy_packed_equals_padded(make_model, make_batch):
     for key in ("logprobs", "entropy"):
         torch.testing.assert_close(outs[1][key][m], outs[0][key][m], rtol=0, atol=1e-5)
         assert (outs[1][key][~m] == 0).all()
+
+
+def test_lora_adapters_train_the_same_packed(make_model, make_batch, pg_loss):
+    batch = make_batch(LENGTHS)
+    lora = {"enabled": True, "rank": 4}
+    padded = LocalTrainer(make_model(), cfg(pack_sequences="off", lr=1e-3, lora=lora), total_steps=1)
+    packed = LocalTrainer(make_model(), cfg(pack_sequences="on", lr=1e-3, lora=lora), total_steps=1)
+    assert packed._packed
+    for a, b in zip(padded.logprobs(batch), packed.logprobs(batch)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    m1, m2 = padded.train(batch, pg_loss), packed.train(batch, pg_loss)
+    assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-5)
+    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
