@@ -1,6 +1,6 @@
 """Packed sequences: a micro-batch's samples as one row, without padding.
 
-A padded micro-batch spends compute on padding (about a fifth of the tokens
+A padded micro-batch spends compute on padding (a sixth to a fifth of the tokens
 at a 16k-token budget with heavy-tail lengths) and runs the vocabulary head
 over every position. Packed, the samples' real tokens sit end to end in one
 ``[1, T]`` row, each sample attends only to itself (variable-length
