@@ -17,10 +17,10 @@ __all__ = ["AlgoConfig", "ConfigError", "DataConfig", "EndpointConfig", "EnvConf
            "RunConfig", "SFTConfig", "SINKS", "TinyModelConfig", "TrainerConfig"]
 
 
-
 def on_off(v: Any) -> Any:
     """YAML reads ``on`` / ``off`` as booleans: give an auto/on/off field its word back."""
     return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
 
 class TinyModelConfig(_Section):
     """The locally built Llama-architecture model used when ``model.path`` is empty."""

@@ -67,8 +67,9 @@ def check_micro_batches(trainer: TrainerHandle, cfg: RunConfig, length: int,
 class MemoryProbe:
     """``fits`` for a single-device trainer (``LocalTrainer``). The host class provides ``device``,
     ``model`` (a Hugging Face model: its config gives the vocabulary), ``compute`` (the module
-    forward and backward run on), ``_policy_out(model, mb, with_entropy)`` (a dict with
-    ``"logprobs"``) and ``_zero_grad()``."""
+    forward and backward run on), ``_policy_out(model, mb, with_entropy, layout=...)`` (a dict with
+    ``"logprobs"``), ``_layout(cpu_mb, loss_only)`` (the packed layout, or None: padded),
+    ``_to_device(mb)`` and ``_zero_grad()``. The probe runs the path training runs, packed or padded."""
 
     def fits(self, tokens: int, length: int) -> bool:
         """Whether one forward and backward of ``tokens`` tokens in rows of ``length`` fits the
@@ -86,13 +87,12 @@ class MemoryProbe:
     def _probe(self, tokens: int, length: int) -> None:
         """One forward and backward of random ids, ``tokens`` in rows of ``length``; nothing kept."""
         rows, length = max(1, tokens // max(length, 1)), min(length, tokens)
-        ids = torch.randint(0, self.model.config.get_text_config(decoder=True).vocab_size, (rows, length),
-                            device=self.device)
-        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones(rows, length,
-              device=self.device)}
+        ids = torch.randint(0, self.model.config.get_text_config(decoder=True).vocab_size, (rows, length))
+        cpu_mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones(rows, length)}
         try:
             self.compute.train()
-            self._policy_out(self.compute, mb, False)["logprobs"].sum().backward()
+            layout = self._layout(cpu_mb, loss_only=True)
+            self._policy_out(self.compute, self._to_device(cpu_mb), False, layout=layout)["logprobs"].sum().backward()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         finally:

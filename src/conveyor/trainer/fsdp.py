@@ -246,8 +246,9 @@ class FSDPTrainer(LocalTrainer):
 
     def _plans(self, batch: Batch) -> list[list[list[int]]]:
         """Per rank, its micro-batches as lists of sample indices (packed unless the batch replays routes)."""
-        lengths, packed = [int(x.numel()) for x in batch.input_ids], self._packed and batch.routes is None
-        return [[[share[k] for k in mb] for mb in packing.micro_batches(self.cfg, [lengths[i] for i in share], packed)]
+        lengths = [int(x.numel()) for x in batch.input_ids]
+        return [[[share[k] for k in mb]
+                 for mb in packing.micro_batches(self.cfg, [lengths[i] for i in share], self._packs(batch))]
                 for share in balance(lengths, self.world)]
 
     def _dummy(self) -> dict[str, torch.Tensor]:

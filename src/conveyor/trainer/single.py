@@ -275,6 +275,10 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
+    def _packs(self, batch: Batch) -> bool:
+        """Whether ``batch`` trains packed: packing is on and it replays no MoE routes (padded)."""
+        return self._packed and batch.routes is None
+
     def _layout(self, cpu_mb: dict[str, torch.Tensor], loss_only: bool) -> packing.Layout | None:
         """The packed layout of a host micro-batch (its loss tokens, or every token), or None: padded."""
         if not self._packed or "routes" in cpu_mb:
@@ -283,7 +287,8 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         return packing.Layout.of(cpu_mb["attention_mask"], need).to(self.device)
 
     def _policy_out(self, model: nn.Module, mb: dict[str, torch.Tensor],
-                    with_entropy: bool, start: int = 0, layout: packing.Layout | None = None) -> dict[str, torch.Tensor]:
+                    with_entropy: bool, start: int = 0,
+                    layout: packing.Layout | None = None) -> dict[str, torch.Tensor]:
         """Logprobs (and entropy) of ``mb``; with ``start`` (``head_start``) the head runs only
         from that position on (Hugging Face's ``logits_to_keep``) and earlier positions hold 0.
         With a packed ``layout`` (``packing.py``) the head runs only at the tokens it marks;
@@ -316,7 +321,7 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
     def _per_sample(self, batch: Batch, fn) -> list[torch.Tensor]:
         lengths = [int(x.numel()) for x in batch.input_ids]
         result: list[torch.Tensor | None] = [None] * len(batch)
-        for idx in packing.micro_batches(self.cfg, lengths, self._packed and batch.routes is None):
+        for idx in packing.micro_batches(self.cfg, lengths, self._packs(batch)):
             mb = collate(batch, idx, self.pad_token_id, self.cfg.pad_multiple)
             values = fn(self._to_device(mb), self._layout(mb, loss_only=False)).float().cpu()
             for row, i in enumerate(idx):
@@ -428,10 +433,11 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         lengths = [int(x.numel()) for x in mini.input_ids]
         pending = []  # per micro-batch: loss, metrics, loss tokens, still on the device
-        for j, idx in enumerate(packing.micro_batches(self.cfg, lengths, self._packed and mini.routes is None, budget)):
+        for j, idx in enumerate(packing.micro_batches(self.cfg, lengths, self._packs(mini), budget)):
             cpu_mb = collate(mini, idx, self.pad_token_id, self.cfg.pad_multiple)
             mb = self._to_device(cpu_mb)
-            out = self._policy_out(self.compute, mb, needs_entropy, head_start(cpu_mb), self._layout(cpu_mb, True))
+            layout = self._layout(cpu_mb, loss_only=True)
+            out = self._policy_out(self.compute, mb, needs_entropy, head_start(cpu_mb), layout)
             if self.critic is not None:
                 out["values"] = self._values_out(mb)
             loss, metrics = loss_fn(out, mb, num_tokens, num_seqs)

@@ -66,8 +66,9 @@ def test_the_shared_budget_is_checked_beside_the_held_pool():
         check_micro_batches(trainer, cfg, 512, _Memory(trainer))
 
 
-def test_the_probe_changes_nothing_and_fits_on_cpu(tiny_dir):
-    trainer = LocalTrainer(str(tiny_dir), TrainerConfig(device="cpu"), total_steps=1)
+@pytest.mark.parametrize("pack", ["off", "on"])  # the probe runs the path training runs
+def test_the_probe_changes_nothing_and_fits_on_cpu(tiny_dir, pack):
+    trainer = LocalTrainer(str(tiny_dir), TrainerConfig(device="cpu", pack_sequences=pack), total_steps=1)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     assert trainer.fits(4096, 64)  # host memory is not probed
     trainer._probe(512, 64)  # the forward and backward the GPU check runs
