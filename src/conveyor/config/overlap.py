@@ -26,6 +26,10 @@ def check(cfg: RunConfig) -> None:
                              f"launch.placement=colocated (got {la.placement}) and loop.max_staleness=0 "
                              f"(got {lc.max_staleness}); or set launch.time_share=off")
     if k == 0:
+        if lc.accumulate_sms:
+            raise ValueError(f"loop.accumulate_sms={lc.accumulate_sms} confines parts trained beside the engine, "
+                             "and loop.accumulate_groups=0 trains none; set loop.accumulate_groups or "
+                             "loop.accumulate_sms=0")
         return
     why = None
     if lc.max_staleness > 0:

@@ -302,6 +302,10 @@ class LoopConfig(_Section):
         "synchronous runs with one optimizer step per batch: the trainer runs forward and backward on every "
         "this many scored groups as they arrive, while the engines finish the rest, and steps once the "
         "batch is in (the same gradient, docs/algorithms.md); 0 = wait for the whole batch"))
+    accumulate_sms: int = Field(0, ge=0, description=(
+        "with accumulate_groups on a GPU the engine shares: the parts trained while the engine still "
+        "decodes run on this many of the GPU's SMs (a CUDA green context), the rest left to the decode "
+        "steps (trainer/sm_share.py); 0 = all SMs"))
     replay: ReplayConfig = Field(ReplayConfig(), description=(
         "reuse of recent high-signal groups beside each step's fresh ones (docs/algorithms.md, Trajectory reuse)"))
 

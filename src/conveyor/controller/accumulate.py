@@ -5,11 +5,12 @@ memory)`` takes the step's ``loop.batch_size`` groups from the buffer ``accumula
 a time, in the order they are scored, and hands each part to ``trainer.accumulate`` at once:
 with one optimizer step per batch the weights cannot change before the step ends, so a
 group's gradient is the same whenever it is computed, and the trainer computes it while the
-engines still decode the step's long samples. Once the last group is in, the engines have
-nothing left to generate for this step: ``memory.release()`` (launch.time_share) frees the
-engine's KV pool, so the parts still waiting train with ``trainer.micro_batch_tokens`` instead of
-``micro_batch_tokens_shared``; then ``trainer.finish_and_publish(version)`` takes the optimizer
-step over the whole batch and publishes. It returns what ``step_batch.prepare`` and
+engines still decode the step's long samples (on ``loop.accumulate_sms`` of the GPU's SMs when
+set, leaving the rest to the decode steps). Once the last group is in, the engines have nothing
+left to generate for this step: ``memory.release()`` (launch.time_share) frees the engine's KV
+pool, so the last part trains with ``trainer.micro_batch_tokens`` instead of
+``micro_batch_tokens_shared``, on every SM; then ``trainer.finish_and_publish(version)`` takes
+the optimizer step over the whole batch and publishes. It returns what ``step_batch.prepare`` and
 ``train_and_publish`` return for the whole step, so the loop reports it the same way; the
 step's stats are computed over all its groups.
 
@@ -50,15 +51,17 @@ def accumulated_step(trainer: TrainerHandle, buffer: TrajectoryBuffer, cfg: RunC
     while len(taken) < total:
         with timer.phase("wait"):
             part_items = buffer.get(min(k, total - len(taken)), timeout=timeout_s)
-        budget = shared
-        if len(taken) + len(part_items) == total and memory is not None:  # this step's generation is over
-            with timer.phase("release"):
-                memory.release()
-            budget = None
+        budget, sms = shared, cfg.loop.accumulate_sms or None
+        if len(taken) + len(part_items) == total:  # this step's generation is over: the whole GPU trains
+            sms = None
+            if memory is not None:
+                with timer.phase("release"):
+                    memory.release()
+                budget = None
         with timer.phase("prepare"):
             part_groups, part, _, extra = prepare(trainer, cfg.algo, part_items, need)
         with timer.phase("train"):
-            trainer.accumulate(part, loss_fn, budget)
+            trainer.accumulate(part, loss_fn, budget, sms)
         indices = sorted(s.index for s in part_items)  # prepare's order
         row = 0
         for index, group in zip(indices, part_groups):

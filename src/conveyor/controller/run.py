@@ -40,6 +40,7 @@ from conveyor.observe.timers import PhaseTimer
 from conveyor.reward.api import RewardHandle
 from conveyor.rollout.api import SamplingParams
 from conveyor.trainer.api import TrainerHandle
+from conveyor.trainer import sm_share
 from conveyor.trainer.fit import check_micro_batches
 from conveyor.transport.buffer import TrajectoryBuffer
 
@@ -365,6 +366,8 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
     if ckpt is not None:
         extra = json.loads((ckpt / "extra.json").read_text())
         start_step, summary = int(extra["step"]), dict(extra.get("summary", {}))
+    if cfg.loop.accumulate_sms:  # refused before the run starts, not at the first step's first part
+        sm_share.check(cfg.loop.accumulate_sms)
     s.start_rollouts(start_path, start_step)
     if ckpt is None:
         _record(summary, s.evaluator.evaluate(0), "initial")

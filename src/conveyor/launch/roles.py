@@ -81,8 +81,9 @@ class TrainerProxy:
         # Rank 0's answer, with every rank's spans: each rank is a row of the timeline.
         return dataclasses.replace(answers[0], spans=tuple(s for a in answers for s in a.spans))
 
-    def accumulate(self, part, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
-        self._all("accumulate", part, loss_fn, micro_batch_tokens)
+    def accumulate(self, part, loss_fn: LossFn, micro_batch_tokens: int | None = None,
+                   sms: int | None = None) -> None:
+        self._all("accumulate", part, loss_fn, micro_batch_tokens, sms)
 
     def fits(self, tokens: int, length: int) -> bool:
         return all(self._call("fits", tokens, length))  # every rank's memory must hold it

@@ -23,6 +23,7 @@ It knows nothing of where the parts come from or when the step is taken.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from conveyor.trainer.sm_share import SMShare
 from conveyor.trainer.step_metrics import MetricMean
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,16 +86,21 @@ class Accumulation:
 class AccumulatingTrainer:
     """``accumulate`` / ``train_accumulated`` for a single-device trainer (``LocalTrainer``).
 
-    The host class provides: ``cfg`` (``TrainerConfig``), ``model`` and ``compute`` (master and
-    compute modules), ``critic`` (or None), ``optimizer``, ``_acc`` (an ``Accumulation`` or None,
-    None at construction), ``_publish`` (the publisher of the step being taken, or None),
+    The host class provides: ``cfg`` (``TrainerConfig``), ``device``, ``model`` and ``compute``
+    (master and compute modules), ``critic`` (or None), ``optimizer``, ``_acc`` (an
+    ``Accumulation`` or None) and ``_sm_share`` (an ``SMShare`` or None), both None at
+    construction, ``_publish`` (the publisher of the step being taken, or None),
     ``_zero_grad()``, ``_backward(batch, loss_fn, num_tokens, num_seqs, budget, means, totals,
     where)`` (gradients summed in place), ``_step_optimizers(totals, where)`` and ``_end_step(start,
     lr, means, totals, updates, num_tokens, num_seqs)`` (schedulers, step count, metrics)."""
 
-    def accumulate(self, part: Batch, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+    def accumulate(self, part: Batch, loss_fn: LossFn, micro_batch_tokens: int | None = None,
+                   sms: int | None = None) -> None:
         """Forward and backward of one part of a step's batch; the gradients wait in place for
-        ``train_accumulated``, which takes the step."""
+        ``train_accumulated``, which takes the step. ``sms``: run the part's kernels on that many
+        of the GPU's SMs, leaving the rest to engines decoding beside it (``trainer/sm_share.py``)."""
+        if sms and self._sm_share is None:
+            self._sm_share = SMShare(self.device)
         if self._acc is None:
             self._zero_grad()
             self.compute.train()
@@ -102,8 +109,9 @@ class AccumulatingTrainer:
             self._acc = Accumulation.begin(loss_fn, self.optimizer.param_groups[0]["lr"])
         acc = self._acc
         try:
-            self._backward(part, loss_fn, 1.0, 1, micro_batch_tokens or self.cfg.micro_batch_tokens,
-                           acc.means, acc.totals, f"part {acc.parts}")
+            with self._sm_share.confined(sms) if sms else contextlib.nullcontext():
+                self._backward(part, loss_fn, 1.0, 1, micro_batch_tokens or self.cfg.micro_batch_tokens,
+                               acc.means, acc.totals, f"part {acc.parts}")
         except BaseException:
             self._acc = None  # a failed part ends the accumulation: its gradients are incomplete
             self._zero_grad()

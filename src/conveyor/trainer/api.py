@@ -97,9 +97,11 @@ class Trainer(Protocol):
         """Update the weights on ``batch`` with ``loss_fn``; returns metrics."""
         ...
 
-    def accumulate(self, part: "Batch", loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+    def accumulate(self, part: "Batch", loss_fn: LossFn, micro_batch_tokens: int | None = None,
+                   sms: int | None = None) -> None:
         """Forward and backward of one part of a step's batch; the gradients wait for
-        ``train_accumulated`` (one rank; ``trainer/accumulation.py``)."""
+        ``train_accumulated`` (one rank; ``trainer/accumulation.py``). ``sms``: on at most that
+        many of the GPU's SMs (``trainer/sm_share.py``; None = all)."""
         ...
 
     def fits(self, tokens: int, length: int) -> bool:
@@ -142,10 +144,12 @@ class TrainerHandle(Protocol):
         """One ``train`` call whose new weights leave as ``version`` as its optimizer step ends."""
         ...
 
-    def accumulate(self, part: "Batch", loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+    def accumulate(self, part: "Batch", loss_fn: LossFn, micro_batch_tokens: int | None = None,
+                   sms: int | None = None) -> None:
         """Forward and backward of one part of a step's batch, its gradients kept for
         ``finish_and_publish`` (``trainer/accumulation.py``); ``micro_batch_tokens`` overrides
-        the trainer's budget for this part (None: ``trainer.micro_batch_tokens``)."""
+        the trainer's budget for this part (None: ``trainer.micro_batch_tokens``); ``sms`` confines
+        its kernels to that many SMs while engines decode on the same GPU (None: all)."""
         ...
 
     def fits(self, tokens: int, length: int) -> bool:

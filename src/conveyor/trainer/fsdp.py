@@ -283,7 +283,8 @@ class FSDPTrainer(LocalTrainer):
         return result  # type: ignore[return-value]
 
     # ------------------------------------------------------------------- train
-    def accumulate(self, part: Batch, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+    def accumulate(self, part: Batch, loss_fn: LossFn, micro_batch_tokens: int | None = None,
+                   sms: int | None = None) -> None:
         raise NotImplementedError("FSDPTrainer: a step accumulated part by part runs on one trainer rank; "
                                   "set loop.accumulate_groups=0 or launch.trainer_ranks=1")
 

@@ -46,11 +46,12 @@ class TrainerHost:
     def train_and_publish(self, batch, loss_fn: LossFn, version: int) -> Trained:
         return self._step_and_publish(version, lambda **kw: self.trainer.train(batch, loss_fn, **kw))
 
-    def accumulate(self, part, loss_fn: LossFn, micro_batch_tokens: int | None = None) -> None:
+    def accumulate(self, part, loss_fn: LossFn, micro_batch_tokens: int | None = None,
+                   sms: int | None = None) -> None:
         """Forward and backward of one part of the step's batch (``trainer/accumulation.py``)."""
         start = time.time()
         try:
-            self.trainer.accumulate(part, loss_fn, micro_batch_tokens)
+            self.trainer.accumulate(part, loss_fn, micro_batch_tokens, sms)
         finally:
             self._spans.append(Span(self.track, "accumulate", start, time.time(), {"samples": len(part)}))
 

@@ -213,6 +213,7 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         self._publish_list: list | None = None  # named_weights(bf16), listed on first use
         self._plans: dict = {}  # publish dtype -> StreamPlan
         self._acc: Accumulation | None = None  # a step's parts accumulated so far (``accumulate``)
+        self._sm_share = None  # green contexts of parts trained beside the engine (``accumulate(sms=)``)
         if self.reference is not None:
             self.reference.to(self.device).eval().requires_grad_(False)
         if self._dtype != torch.float32:

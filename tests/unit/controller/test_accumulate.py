@@ -57,3 +57,20 @@ def test_time_share_on_needs_a_colocated_native_engine_at_staleness_0():
     with pytest.raises(Exception, match="launch.time_share=on releases"):
         load_config(None, ["launch.time_share=on", "loop.max_staleness=2"])
     assert load_config(None, ["launch.time_share=off"]).launch.time_share == "off"
+
+
+def test_accumulate_sms_needs_parts_and_a_gpu(tmp_path, capsys):
+    with pytest.raises(Exception, match="loop.accumulate_groups=0 trains none"):
+        load_config(None, ["loop.accumulate_sms=96"])
+    assert load_config(None, ["loop.accumulate_groups=2", "trainer.mini_batches=1",
+                              "loop.accumulate_sms=96"]).loop.accumulate_sms == 96
+    if torch.cuda.is_available():
+        return  # the refusal below is for a machine without a GPU
+    # Refused before the first step, in one line naming the field: no GPU to confine the trainer on.
+    out = tmp_path / "run"
+    assert main(["train", *RUN, "loop.accumulate_groups=3", "loop.accumulate_sms=96", f"--output-dir={out}"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("loop.accumulate_sms=96 confines the trainer to part of a GPU, and it trains on cpu; "
+                            "or set loop.accumulate_sms=0")
+    assert "Traceback" not in "\n".join(err)
+    assert not (out / "metrics.jsonl").exists() or "eval" not in (out / "metrics.jsonl").read_text()

@@ -83,3 +83,12 @@ def test_a_failed_part_ends_the_accumulation_and_the_next_starts_clean(make_mode
     assert _accumulated(trainer, batch, pg_loss)["num_seqs"] == len(batch)  # the failed parts left nothing
     reference.train(batch, pg_loss)
     assert max_diff(trainer.model, reference.model) <= 5e-6
+
+
+def test_confining_a_part_to_sms_is_refused_on_a_cpu_trainer(make_model, make_batch, pg_loss):
+    pg_loss.normaliser = "tokens"
+    trainer = LocalTrainer(make_model(), cfg(), total_steps=10)
+    with pytest.raises(ValueError, match=r"loop.accumulate_sms=8 .* trains on cpu"):
+        trainer.accumulate(make_batch(LENGTHS), pg_loss, None, sms=8)
+    trainer.accumulate(make_batch(LENGTHS), pg_loss, None, sms=None)  # the next step starts clean
+    assert trainer.train_accumulated()["num_seqs"] == len(LENGTHS)
