@@ -61,6 +61,10 @@ CONFIGS = {
     "async-s2-2gpu": ["loop.max_staleness=2", "launch.placement=disaggregated"],
     # Sync with decoupled PPO's anchor (the trainer's own logprobs before the update, the
     # engine's behaviour weights truncated) instead of PPO's ratio against the engine's logprobs.
+    # The synchronous loop without the one-GPU overlap of training and memory: the engine's KV
+    # pool kept while training (launch.time_share) and padded micro-batches (trainer.pack_sequences).
+    "sync-unpacked": ["loop.max_staleness=0", "launch.placement=colocated", "launch.time_share=off",
+                      "trainer.pack_sequences=off"],
     "sync-decoupled": ["loop.max_staleness=0", "launch.placement=colocated", "algo.loss=decoupled_ppo"],
     # Staleness without the off-policy correction (algo.loss=auto would pick decoupled PPO).
     "async-s2-ppo": ["loop.max_staleness=2", "launch.placement=disaggregated", "algo.loss=ppo"],
