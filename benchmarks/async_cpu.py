@@ -151,15 +151,15 @@ def learning(args) -> list[dict]:
     rows = []
     for seed in args.seeds:
         for name in args.configs if args.configs != list(CONFIGS) else ("sync", "async-s2"):
-            out = args.out / f"learn-{name}-seed{seed}"
-            extra = ["loop.eval_sampled=true", f"loop.seed={seed}", f"data.seed={seed}"]
+            out = args.out / f"learn-{name}{args.tag}-seed{seed}"
+            extra = ["loop.eval_sampled=true", f"loop.seed={seed}", f"data.seed={seed}", *args.override]
             res = run([*COMMON, *CONFIGS[name], *extra], out, args.deadline)
             if res["status"] == "ok":
                 s = json.loads((out / "run" / "summary.json").read_text())
                 res.update({k: s.get(k) for k in ("eval_reward_warmstart", "eval_reward_final",
                                                   "eval_sampled_reward_warmstart", "eval_sampled_reward_final",
                                                   "trained_samples_per_second", "rl_seconds")})
-            res.update({"config": name, "seed": seed})
+            res.update({"config": name + args.tag, "seed": seed, "overrides": args.override})
             (out / "result.json").write_text(json.dumps(res, indent=1))
             _record("w2_async", res)
             rows.append(res)
@@ -197,6 +197,8 @@ def main() -> int:
     p.add_argument("--mean", type=float, default=16.0)
     p.add_argument("--max-new", type=int, default=64)
     p.add_argument("--deadline", type=float, default=900.0)
+    p.add_argument("--override", action="append", default=[], help="KEY=VALUE for every --learning run")
+    p.add_argument("--tag", default="", help="suffix of the --learning runs' folders")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
