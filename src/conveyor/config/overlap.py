@@ -5,7 +5,8 @@ accumulation (``loop.accumulate_groups``) and the colocated engine's memory time
 Contract: ``check(cfg)`` raises ``ValueError`` with a one-line fix for a combination that
 cannot give today's synchronous step; it changes nothing. ``time_share_on(cfg, device_type)``
 resolves ``launch.time_share`` for the device the roles share (auto: on for one native engine
-and one trainer in the controller's process on a GPU, at staleness 0).
+and one trainer in the controller's process on a GPU, at staleness 0; the run then keeps it only
+where the trainer's micro-batch does not fit beside the pool, ``trainer/fit.py``).
 """
 from __future__ import annotations
 

@@ -399,7 +399,8 @@ class LaunchConfig(_Section):
     time_share: Literal["auto", "on", "off"] = Field("auto", description=(
         "synchronous runs with the engine on the trainer's GPU: the engine's KV pool is released while the "
         "trainer trains and taken back before generation (the trainer may then use trainer.micro_batch_tokens "
-        "of that memory); auto = on for the native engine on a shared GPU, off on CPU"))
+        "of that memory); auto = on for the native engine on a shared GPU when trainer.micro_batch_tokens does not "
+        "fit beside the pool (one probe before the first step), off otherwise and on CPU"))
     collective_timeout_s: float = Field(120.0, gt=0, description=(
         "deadline of one collective (trainer ranks, weight broadcast): a dead rank stops the run after this; "
         "also how long a weight broadcast group waits for a restarted engine to join it again"))

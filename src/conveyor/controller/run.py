@@ -41,7 +41,7 @@ from conveyor.reward.api import RewardHandle
 from conveyor.rollout.api import SamplingParams
 from conveyor.trainer.api import TrainerHandle
 from conveyor.trainer import sm_share
-from conveyor.trainer.fit import check_micro_batches
+from conveyor.trainer.fit import check_micro_batches, needs_time_share
 from conveyor.transport.buffer import TrajectoryBuffer
 
 
@@ -124,8 +124,7 @@ class Session:
                                  max_restarts=cfg.launch.max_restarts, group_filter=GroupFilter.from_config(cfg))
         self.rollouts.start()
         if time_share_on(cfg, "cuda" if cfg.launch.backend == "local" and plan(cfg).gpu else "cpu"):
-            self.memory = self.rollouts.time_share
-            self.logger.message("launch.time_share: the engines' KV pools are released while the trainer trains")
+            self.memory = self.rollouts.time_share  # with auto, kept only if the trainer needs it (_run)
         self.evaluator = Evaluator(cfg, self.eval_tasks, prompting, self.rollouts, self.rewards, self.logger,
                                    episodes=runner)
 
@@ -377,9 +376,16 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
             s.logger.message(f"held-out reward: initial {summary['eval_reward_initial']:.3f}, "
                              f"after warm-start {summary['eval_reward_warmstart']:.3f}")
     s.trainer = s.launcher.start_trainer(start_path, s.tokenizer)
+    length = s.evaluator.prompting.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if s.memory is not None:
+        if cfg.launch.time_share == "auto" and not needs_time_share(s.trainer, cfg, length):
+            s.memory = None
+            s.logger.message(f"launch.time_share=auto: trainer.micro_batch_tokens={cfg.trainer.micro_batch_tokens} "
+                             "fits beside the engines' KV pools, which stay held (on: released every step)")
+        else:
+            s.logger.message("launch.time_share: the engines' KV pools are released while the trainer trains")
     if s.memory is not None or cfg.loop.accumulate_groups:  # the memory these budgets get: refused now, not mid-run
-        check_micro_batches(s.trainer, cfg, s.evaluator.prompting.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                            s.memory)
+        check_micro_batches(s.trainer, cfg, length, s.memory)
     if ckpt is not None:
         extra = s.trainer.load_checkpoint(ckpt)
         s.cursor.load_state_dict(extra["cursor"])

@@ -9,6 +9,8 @@ A budget that runs out of memory is refused with ``ConfigError``: one line namin
 the memory situation, and the largest halving of the budget that did fit (or that none did).
 Nothing changes in the model: the probe's gradients are dropped. On CPU nothing is checked
 (``fits`` is always true there). ``largest_fitting(budget, fits)`` is the search.
+``needs_time_share(trainer, cfg, length)`` resolves ``launch.time_share=auto`` on a GPU: the
+pools are released while training only where the micro-batch does not fit beside them.
 ``MemoryProbe`` is the trainer side, a mixin of ``LocalTrainer``: ``fits(tokens, length)``
 runs the probe (one forward and backward of random ids) and says whether it ran out of memory.
 """
@@ -25,6 +27,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import RunConfig
     from conveyor.controller.accumulate import EngineMemory
     from conveyor.trainer.api import TrainerHandle
+
+
+def needs_time_share(trainer: TrainerHandle, cfg: RunConfig, length: int) -> bool:
+    """``launch.time_share=auto``: release the engines' KV pools only if ``trainer.micro_batch_tokens``
+    does not fit beside them (one probe, the pools held). Each switch costs tens of milliseconds a
+    step, which a model whose steps take a fraction of a second pays for nothing."""
+    return not trainer.fits(cfg.trainer.micro_batch_tokens, length)
 
 
 def largest_fitting(budget: int, fits: Callable[[int], bool], floor: int = 256) -> int | None:

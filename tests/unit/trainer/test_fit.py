@@ -85,3 +85,24 @@ def test_the_gpu_probe_says_no_to_what_cannot_fit_and_recovers(tiny_dir):
     assert not trainer.fits(huge, 4096)
     assert trainer.fits(4096, 64)  # the failed probe left nothing behind
     assert all(p.grad is None for p in trainer.model.parameters())
+
+
+class _Fits:
+    """A trainer handle whose memory holds micro-batches of up to ``limit`` tokens."""
+
+    def __init__(self, limit):
+        self.limit, self.asked = limit, []
+
+    def fits(self, tokens, length):
+        self.asked.append((tokens, length))
+        return tokens <= self.limit
+
+
+def test_time_share_auto_releases_the_pool_only_when_the_micro_batch_needs_it():
+    from conveyor.config import load_config
+    from conveyor.trainer.fit import needs_time_share
+    cfg = load_config(None, ["trainer.micro_batch_tokens=16384"])
+    roomy, tight = _Fits(32768), _Fits(8192)
+    assert not needs_time_share(roomy, cfg, 1152)
+    assert needs_time_share(tight, cfg, 1152)
+    assert roomy.asked == tight.asked == [(16384, 1152)]  # one probe of the budget, rows as long as a sample
