@@ -153,11 +153,13 @@ class TrainerConfig(_Section):
         "pass the padding mask to the model. Micro-batches are right-padded, so causal attention alone "
         "already keeps every real token off the padding, and without a mask attention runs its fused "
         "causal (flash) kernel; set true only for a model whose attention is not causal"))
-    pack_sequences: Literal["auto", "on", "off"] = Field("auto", description=(
+    pack_sequences: Literal["auto", "on", "off", "shared"] = Field("auto", description=(
         "put a micro-batch's samples end to end in one row without padding (variable-length attention) "
         "and run the vocabulary head only where a token is scored; micro_batch_tokens then counts real "
         "tokens. auto: on a GPU whose torch has variable-length flash attention (not with compile); "
-        "on: also on CPU (a causal attention per sample); off: right-padded micro-batches"))
+        "on: also on CPU (a causal attention per sample); shared: packed with the prompt of samples "
+        "that share it (a group) computed once, each completion attending to it (a masked attention per "
+        "group, docs/algorithms.md); off: right-padded micro-batches"))
     logprob_chunk_rows: int | None = Field(1024, ge=1, description=(
         "positions per chunk of the logprob head (no float32 copy of the vocabulary logits); "
         "null = the plain autograd form"))

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from conveyor.trainer.microbatch import plan_microbatches
 
 NAME = "conveyor_varlen"
-MODES = ("auto", "on", "off")
+MODES = ("auto", "on", "off", "shared")
 
 
 def plan(lengths: list[int], max_tokens: int) -> list[list[int]]:
@@ -82,13 +82,13 @@ def _flash_varlen() -> Callable | None:
 def wanted(mode: str, device: torch.device, compiled: bool) -> bool:
     """Whether to pack: ``mode`` is ``trainer.pack_sequences``."""
     if mode not in MODES:
-        raise ValueError(f"trainer.pack_sequences={mode!r}; use auto, on or off")
-    if mode == "on" and compiled:
-        raise ValueError("trainer.pack_sequences=on does not combine with trainer.compile=true; "
+        raise ValueError(f"trainer.pack_sequences={mode!r}; use auto, on, shared or off")
+    if mode in ("on", "shared") and compiled:
+        raise ValueError(f"trainer.pack_sequences={mode} does not combine with trainer.compile=true; "
                          "set one of them off")
     if mode == "auto":
         return device.type == "cuda" and _flash_varlen() is not None and not compiled
-    return mode == "on"
+    return mode in ("on", "shared")
 
 
 def install(model: torch.nn.Module) -> None:
@@ -106,8 +106,13 @@ def install(model: torch.nn.Module) -> None:
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-              cu_seq_lens_q=None, max_length_q=None, **kwargs):
+              cu_seq_lens_q=None, max_length_q=None, conveyor_groups=None, **kwargs):
     """Hugging Face's attention signature: ``[1, H, T, D]`` q/k/v in, ``[1, T, H, D]`` out."""
+    if conveyor_groups is not None:  # prompts shared: each group's branches attend to its prefix
+        if dropout:
+            raise ValueError("trainer.pack_sequences=shared: attention dropout is not supported; "
+                             "set trainer.pack_sequences=off")
+        return _shared(query, key, value, conveyor_groups, scaling), None
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout, **kwargs)
@@ -155,6 +160,77 @@ def _per_sample(query, key, value, cu: list[int], scaling) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Group:
+    """A segment of the packed row from ``start``: a shared prompt of ``prefix`` tokens followed by
+    each branch's own tokens, or (no branches) one sample's ``prefix`` tokens alone, causal."""
+    start: int
+    prefix: int
+    branches: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return self.prefix + sum(self.branches)
+
+    def mask(self) -> torch.Tensor:
+        """``[size, size]`` bool: the prefix causal, each branch the whole prefix and itself causally."""
+        n = self.size
+        own = torch.zeros(n, dtype=torch.long)  # 0: the prefix, i: branch i
+        own[self.prefix:] = torch.repeat_interleave(torch.arange(1, len(self.branches) + 1),
+                                                    torch.tensor(self.branches, dtype=torch.long))
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        return causal & ((own[:, None] == own[None, :]) | (own[None, :] == 0))
+
+
+def _shared(query, key, value, groups: tuple[Group, ...], scaling) -> torch.Tensor:
+    gqa = key.shape[1] != query.shape[1]
+    parts = []
+    for g in groups:
+        s, e = g.start, g.start + g.size
+        mask = g.mask().to(query.device) if g.branches else None  # no branches: a causal segment
+        parts.append(F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                                                    attn_mask=mask, is_causal=mask is None, scale=scaling,
+                                                    enable_gqa=gqa))
+    return torch.cat(parts, dim=2).transpose(1, 2)
+
+
+def prompt_lengths(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[b]``: each right-padded row's tokens before its first loss token (its prompt)."""
+    lm = loss_mask > 0
+    first = torch.where(lm.any(1), lm.int().argmax(1), attention_mask.sum(1))
+    return first.long()
+
+
+def prompt_keys(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor]) -> list[tuple[bytes, int]]:
+    """Per sample: its prompt (the tokens before its first loss token) as bytes, and its length."""
+    keys = []
+    for ids, lm in zip(input_ids, loss_masks):
+        nz = (lm > 0).nonzero()
+        n = int(nz[0]) if nz.numel() else int(ids.numel())
+        keys.append((ids[:n].to(torch.int64).numpy().tobytes(), n))
+    return keys
+
+
+def plan_shared(lengths: list[int], keys: list[tuple[bytes, int]], max_tokens: int) -> list[list[int]]:
+    """``plan`` for shared prompts: the samples of one prompt stay together (their prompt counted
+    once) where they fit ``max_tokens``, else in as few pieces as fit; pieces first fit, largest first."""
+    by_key: dict[tuple[bytes, int], list[int]] = {}
+    for i, k in enumerate(keys):
+        by_key.setdefault(k, []).append(i)
+    units: list[tuple[int, list[int]]] = []  # (packed tokens, samples)
+    for (_, p), idx in by_key.items():
+        piece, cost = [], p
+        for i in sorted(idx, key=lambda i: -lengths[i]):
+            if piece and cost + lengths[i] - p > max_tokens:
+                units.append((cost, piece))
+                piece, cost = [], p
+            piece.append(i)
+            cost += lengths[i] - p
+        units.append((cost if len(piece) > 1 else lengths[piece[0]], piece))
+    order = plan([c for c, _ in units], max_tokens)
+    return [[i for u in grp for i in units[u][1]] for grp in order]
+
+
+@dataclass(frozen=True)
 class Layout:
     """Where a right-padded ``[b, L]`` micro-batch's tokens sit packed, and which rows the head runs on.
 
@@ -169,6 +245,7 @@ class Layout:
     max_len: int
     shape: tuple[int, int]   # (b, L)
     scored: bool             # False: nothing wanted; one weight-0 head row keeps every weight in the graph
+    groups: tuple[Group, ...] | None = None  # prompts shared (``shared_of``); None: one segment per sample
 
     @classmethod
     def of(cls, attention_mask: torch.Tensor, need: torch.Tensor) -> Layout:
@@ -186,6 +263,56 @@ class Layout:
                    (am.long().cumsum(1) - 1).reshape(-1)[real][None], keep, dest,
                    int(lengths.max()) if b else 0, (b, length), scored)
 
+    @classmethod
+    def shared_of(cls, attention_mask: torch.Tensor, need: torch.Tensor, input_ids: torch.Tensor,
+                  prompt_len: torch.Tensor) -> Layout:
+        """``of`` with each prompt once: rows whose first ``prompt_len`` tokens are equal share one
+        copy of them (the prefix), and each row's remaining tokens follow as a branch that attends
+        to the prefix and to itself. The logits at a prefix token score that token's successor in
+        every row of the group (the prefix's last one scores each branch's first token)."""
+        am = attention_mask.bool()
+        b, length = am.shape
+        lengths = am.sum(1).tolist()
+        plen = [min(int(p), n) for p, n in zip(prompt_len.tolist(), lengths)]
+        members: dict[bytes, list[int]] = {}
+        for i in range(b):
+            key = input_ids[i, :plen[i]].to(torch.int64).numpy().tobytes() + plen[i].to_bytes(4, "little")
+            members.setdefault(key, []).append(i)
+        row = torch.full((b, length), -1, dtype=torch.long)  # packed row of each (sample, position)
+        real, positions, groups, at = [], [], [], 0
+
+        def put(i: int, lo: int, hi: int) -> None:  # sample i's positions lo..hi-1, next in the row
+            nonlocal at
+            row[i, lo:hi] = torch.arange(at, at + hi - lo)
+            real.append(i * length + torch.arange(lo, hi))
+            positions.append(torch.arange(lo, hi))
+            at += hi - lo
+
+        for idx in members.values():
+            p = plen[idx[0]]
+            if len(idx) == 1 or p == 0:  # nothing to share: each sample its own causal segment
+                for i in idx:
+                    groups.append(Group(at, lengths[i], ()))
+                    put(i, 0, lengths[i])
+                continue
+            start = at
+            put(idx[0], 0, p)
+            row[idx[1:], :p] = row[idx[0], :p]
+            for i in idx:
+                put(i, p, lengths[i])
+            groups.append(Group(start, p, tuple(lengths[i] - p for i in idx)))
+        wanted = F.pad(need.bool()[:, 1:] & am[:, 1:], (0, 1), value=False) & am
+        src = wanted.nonzero()  # (sample, position) whose logits score the next token
+        keep = row[src[:, 0], src[:, 1]]
+        dest = src[:, 0] * length + src[:, 1] + 1
+        scored = keep.numel() > 0
+        if not scored:
+            keep, dest = keep.new_zeros(1), dest.new_zeros(1)
+        cu = torch.tensor([0] + [g.start + g.size for g in groups], dtype=torch.int32)
+        flat = torch.cat(real) if real else torch.zeros(0, dtype=torch.long)
+        pos = torch.cat(positions)[None] if positions else torch.zeros(1, 0, dtype=torch.long)
+        return cls(flat, cu, pos, keep, dest, int(max(lengths, default=0)), (b, length), scored, tuple(groups))
+
     def to(self, device: torch.device) -> Layout:
         move = {k: getattr(self, k).to(device, non_blocking=True) for k in ("real", "cu", "positions", "keep", "dest")}
         return replace(self, **move)
@@ -196,6 +323,8 @@ def logprobs(model, input_ids: torch.Tensor, layout: Layout, temperature: float,
     """See the module docstring; ``logprob(logits [K, V], target [K], temperature)`` -> ``[K]``."""
     kwargs = {"cu_seq_lens_q": layout.cu, "cu_seq_lens_k": layout.cu, "max_length_q": layout.max_len,
               "max_length_k": layout.max_len}
+    if layout.groups is not None:
+        kwargs["conveyor_groups"] = layout.groups
     if keeps_logits:
         kwargs["logits_to_keep"] = layout.keep
     flat = input_ids.reshape(-1)
@@ -231,8 +360,12 @@ def enable(cfg, device: torch.device, models: list) -> bool:
     return True
 
 
-def micro_batches(cfg, lengths: list[int], packed: bool, budget: int | None = None) -> list[list[int]]:
-    """Micro-batches of ``budget`` tokens (default ``cfg.micro_batch_tokens``): real tokens packed,
-    padded ones otherwise (``microbatch.plan_microbatches``)."""
+def micro_batches(cfg, lengths: list[int], packed: bool, budget: int | None = None,
+                  keys: list[tuple[bytes, int]] | None = None) -> list[list[int]]:
+    """Micro-batches of ``budget`` tokens (default ``cfg.micro_batch_tokens``): real tokens packed
+    (each prompt counted once with ``keys``, ``prompt_keys``), padded ones otherwise
+    (``microbatch.plan_microbatches``)."""
     budget = budget or cfg.micro_batch_tokens
+    if packed and keys is not None:
+        return plan_shared(lengths, keys, budget)
     return plan(lengths, budget) if packed else plan_microbatches(lengths, budget, cfg.pad_multiple)

@@ -225,6 +225,7 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
             if self.critic is not None:
                 enable_checkpointing(self.critic.backbone)
         self._packed = packing.enable(cfg, self.device, [self.model, self.compute, self.reference])
+        self._shared = self._packed and cfg.pack_sequences == "shared"  # each group's prompt once
         fuse_layers(cfg, self.compute, self.device)
         if cfg.compile:
             compile_layers(self.compute)
@@ -284,8 +285,19 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         """The packed layout of a host micro-batch (its loss tokens, or every token), or None: padded."""
         if not self._packed or "routes" in cpu_mb:
             return None
-        need = cpu_mb["loss_mask"] > 0 if loss_only else cpu_mb["attention_mask"].bool()
-        return packing.Layout.of(cpu_mb["attention_mask"], need).to(self.device)
+        am = cpu_mb["attention_mask"]
+        need = cpu_mb["loss_mask"] > 0 if loss_only else am.bool()
+        if self._shared:
+            plen = packing.prompt_lengths(cpu_mb["loss_mask"], am)
+            return packing.Layout.shared_of(am, need, cpu_mb["input_ids"], plen).to(self.device)
+        return packing.Layout.of(am, need).to(self.device)
+
+    def _micro_batches(self, batch: Batch, budget: int | None = None) -> list[list[int]]:
+        """The micro-batches of ``batch`` (sample indices): packed or padded, prompts shared or not."""
+        lengths = [int(x.numel()) for x in batch.input_ids]
+        packs = self._packs(batch)
+        keys = packing.prompt_keys(batch.input_ids, batch.loss_mask) if packs and self._shared else None
+        return packing.micro_batches(self.cfg, lengths, packs, budget, keys)
 
     def _policy_out(self, model: nn.Module, mb: dict[str, torch.Tensor],
                     with_entropy: bool, start: int = 0,
@@ -322,7 +334,7 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
     def _per_sample(self, batch: Batch, fn) -> list[torch.Tensor]:
         lengths = [int(x.numel()) for x in batch.input_ids]
         result: list[torch.Tensor | None] = [None] * len(batch)
-        for idx in packing.micro_batches(self.cfg, lengths, self._packs(batch)):
+        for idx in self._micro_batches(batch):
             mb = collate(batch, idx, self.pad_token_id, self.cfg.pad_multiple)
             values = fn(self._to_device(mb), self._layout(mb, loss_only=False)).float().cpu()
             for row, i in enumerate(idx):
@@ -432,9 +444,8 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
                   means: MetricMean, totals: dict, where: str) -> None:
         """Forward and backward of ``mini`` in micro-batches of ``budget`` tokens, gradients summed."""
         needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-        lengths = [int(x.numel()) for x in mini.input_ids]
         pending = []  # per micro-batch: loss, metrics, loss tokens, still on the device
-        for j, idx in enumerate(packing.micro_batches(self.cfg, lengths, self._packs(mini), budget)):
+        for j, idx in enumerate(self._micro_batches(mini, budget)):
             cpu_mb = collate(mini, idx, self.pad_token_id, self.cfg.pad_multiple)
             mb = self._to_device(cpu_mb)
             layout = self._layout(cpu_mb, loss_only=True)

@@ -34,7 +34,10 @@ def test_modes_and_bad_input():
     assert packing.wanted("on", cpu, compiled=False) and not packing.wanted("off", cpu, compiled=False)
     with pytest.raises(ValueError, match="trainer.pack_sequences=on does not combine with trainer.compile"):
         packing.wanted("on", cpu, compiled=True)
-    with pytest.raises(ValueError, match="use auto, on or off"):
+    assert packing.wanted("shared", cpu, compiled=False)
+    with pytest.raises(ValueError, match="trainer.pack_sequences=shared does not combine"):
+        packing.wanted("shared", cpu, compiled=True)
+    with pytest.raises(ValueError, match="use auto, on, shared or off"):
         packing.wanted("yes", cpu, compiled=False)
 
 
@@ -122,3 +125,76 @@ def test_lora_adapters_train_the_same_packed(make_model, make_batch, pg_loss):
     m1, m2 = padded.train(batch, pg_loss), packed.train(batch, pg_loss)
     assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-5)
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
+
+
+def _groups(make_batch, prompts=(6, 5), n=4, seed=0):
+    """GRPO-shaped batch: ``n`` samples per prompt, the prompt's tokens the same in each (loss 0)."""
+    from conveyor.types import Batch
+    gen = torch.Generator().manual_seed(seed)
+    base = make_batch([p + 2 * n for p in prompts for _ in range(n)], seed=seed)
+    ids, masks, adv = [], [], []
+    k = 0
+    for p in prompts:
+        prompt = base.input_ids[k][:p]
+        for j in range(n):
+            reply = base.input_ids[k][p:p + 1 + (3 * j + k) % 7]
+            ids.append(torch.cat([prompt, reply]))
+            masks.append(torch.cat([torch.zeros(p), torch.ones(len(reply))]))
+            adv.append(torch.randn(len(ids[-1]), generator=gen) * masks[-1])
+            k += 1
+    return Batch(ids, masks, {"adv": adv, "returns": [a.clone() for a in adv]})
+
+
+def test_shared_layout_computes_each_prompt_once_and_scores_every_branch():
+    am = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 3, 4, 2], [5, 6, 7, 1, 0, 0], [9, 9, 1, 0, 0, 0]])
+    lm = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 0, 0], [0, 0, 1, 0, 0, 0]])
+    lay = packing.Layout.shared_of(am, lm > 0, ids, packing.prompt_lengths(lm, am))
+    assert lay.groups == (packing.Group(0, 3, (2, 3, 1)), packing.Group(9, 3, ()))  # 12 of 18 tokens
+    assert lay.real.numel() == 12 and lay.positions[0, :6].tolist() == [0, 1, 2, 3, 4, 3]
+    # The prompt's last token (packed row 2) scores each branch's first token.
+    assert sorted(lay.dest[lay.keep == 2].tolist()) == [3, 9, 15]
+    assert lay.dest.numel() == int(lm.sum())
+    allowed = packing.Group(0, 2, (2, 1)).mask()
+    assert allowed.int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                                      [1, 1, 0, 0, 1]]
+
+
+def test_plan_shared_keeps_a_prompts_samples_together_and_counts_the_prompt_once():
+    keys = [(b"a", 10)] * 4 + [(b"b", 8)] * 2
+    lengths = [14, 12, 11, 13, 9, 10]
+    plan = packing.plan_shared(lengths, keys, 30)
+    assert sorted(i for g in plan for i in g) == list(range(6))
+    assert [0, 1, 2, 3] in [sorted(g) for g in plan]  # 10 + 4 + 2 + 1 + 3 = 20 tokens, not 50
+    split = packing.plan_shared(lengths, keys, 16)  # a prompt's samples do not fit together: pieces
+    assert all(sum(lengths[i] for i in g) - 10 * (sum(keys[i][0] == b"a" for i in g) - 1) <= 16
+               for g in split if all(keys[i][0] == b"a" for i in g))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_shared_prompt_step_equals_the_padded_step(make_model, make_batch, pg_value_loss, checkpointing):
+    batch = _groups(make_batch)
+    kw = {"critic": True, "gradient_checkpointing": checkpointing, "micro_batch_tokens": 40}
+    padded = LocalTrainer(make_model(), cfg(pack_sequences="off", **kw), total_steps=1)
+    shared = LocalTrainer(make_model(), cfg(pack_sequences="shared", **kw), total_steps=1)
+    assert shared._shared
+    for a, b in zip(padded.logprobs(batch), shared.logprobs(batch)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)  # as the packed test: float32, |logprob| ~ 6
+    m1, m2 = padded.train(batch, pg_value_loss), shared.train(batch, pg_value_loss)
+    assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-5)
+    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
+    assert max_diff(padded.model, shared.model) <= 5e-6  # 5% of the lr-1e-4 Adam step, as above
+    assert max_diff(padded.critic, shared.critic) <= 5e-6
+    assert max_diff(shared.model, make_model()) > 5e-5
+
+
+def test_shared_prompts_run_fewer_tokens(make_model, make_batch, pg_loss, monkeypatch):
+    batch = _groups(make_batch, prompts=(8, 8, 7), n=4)
+    trainer = LocalTrainer(make_model(), cfg(pack_sequences="shared"), total_steps=1)
+    seen = []
+    model = trainer.compute.model
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: seen.append(k["input_ids"].shape[1]) or forward(*a, **k))
+    trainer.train(batch, pg_loss)
+    real = sum(int(x.numel()) for x in batch.input_ids)
+    assert seen == [real - 3 * 8 - 3 * 8 - 3 * 7]  # one forward; each prompt once, not four times
