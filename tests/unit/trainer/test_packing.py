@@ -17,6 +17,24 @@ def max_diff(a, b):
     return max(float((x - y).abs().max()) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+def _groups(make_batch, prompts=(6, 5), n=4, seed=0):
+    """GRPO-shaped batch: ``n`` samples per prompt, the prompt's tokens the same in each (loss 0)."""
+    from conveyor.types import Batch
+    gen = torch.Generator().manual_seed(seed)
+    base = make_batch([p + 2 * n for p in prompts for _ in range(n)], seed=seed)
+    ids, masks, adv = [], [], []
+    k = 0
+    for p in prompts:
+        prompt = base.input_ids[k][:p]
+        for j in range(n):
+            reply = base.input_ids[k][p:p + 1 + (3 * j + k) % 7]
+            ids.append(torch.cat([prompt, reply]))
+            masks.append(torch.cat([torch.zeros(p), torch.ones(len(reply))]))
+            adv.append(torch.randn(len(ids[-1]), generator=gen) * masks[-1])
+            k += 1
+    return Batch(ids, masks, {"adv": adv, "returns": [a.clone() for a in adv]})
+
+
 def test_plan_fits_real_tokens_and_covers_every_sample():
     lengths = [30, 5, 17, 17, 1, 40, 9, 1]
     groups = packing.plan(lengths, 40)
@@ -68,11 +86,13 @@ def test_packed_logprobs_equal_the_padded_ones(make_model, make_batch):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_a_packed_step_equals_the_padded_step(make_model, make_batch, pg_value_loss, checkpointing):
-    batch = make_batch(LENGTHS)
-    kw = {"critic": True, "gradient_checkpointing": checkpointing, "micro_batch_tokens": 20}
+@pytest.mark.parametrize("mode", ["on", "shared"])
+def test_a_packed_step_equals_the_padded_step(make_model, make_batch, pg_value_loss, checkpointing, mode):
+    # shared: GRPO-shaped groups, each prompt computed once and every reply attending to it
+    batch = make_batch(LENGTHS) if mode == "on" else _groups(make_batch)
+    kw = {"critic": True, "gradient_checkpointing": checkpointing, "micro_batch_tokens": 20 if mode == "on" else 40}
     padded = LocalTrainer(make_model(), cfg(pack_sequences="off", **kw), total_steps=1)
-    packed = LocalTrainer(make_model(), cfg(pack_sequences="on", **kw), total_steps=1)
+    packed = LocalTrainer(make_model(), cfg(pack_sequences=mode, **kw), total_steps=1)
     m1, m2 = padded.train(batch, pg_value_loss), packed.train(batch, pg_value_loss)
     assert m2["microbatches"] < m1["microbatches"]  # no padding in the budget: fewer, fuller passes
     assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-5)
@@ -127,24 +147,6 @@ def test_lora_adapters_train_the_same_packed(make_model, make_batch, pg_loss):
     assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
 
 
-def _groups(make_batch, prompts=(6, 5), n=4, seed=0):
-    """GRPO-shaped batch: ``n`` samples per prompt, the prompt's tokens the same in each (loss 0)."""
-    from conveyor.types import Batch
-    gen = torch.Generator().manual_seed(seed)
-    base = make_batch([p + 2 * n for p in prompts for _ in range(n)], seed=seed)
-    ids, masks, adv = [], [], []
-    k = 0
-    for p in prompts:
-        prompt = base.input_ids[k][:p]
-        for j in range(n):
-            reply = base.input_ids[k][p:p + 1 + (3 * j + k) % 7]
-            ids.append(torch.cat([prompt, reply]))
-            masks.append(torch.cat([torch.zeros(p), torch.ones(len(reply))]))
-            adv.append(torch.randn(len(ids[-1]), generator=gen) * masks[-1])
-            k += 1
-    return Batch(ids, masks, {"adv": adv, "returns": [a.clone() for a in adv]})
-
-
 def test_shared_layout_computes_each_prompt_once_and_scores_every_branch():
     am = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
     ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 3, 4, 2], [5, 6, 7, 1, 0, 0], [9, 9, 1, 0, 0, 0]])
@@ -171,21 +173,13 @@ def test_plan_shared_keeps_a_prompts_samples_together_and_counts_the_prompt_once
                for g in split if all(keys[i][0] == b"a" for i in g))
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_a_shared_prompt_step_equals_the_padded_step(make_model, make_batch, pg_value_loss, checkpointing):
+def test_shared_prompt_logprobs_equal_the_padded_ones(make_model, make_batch):
     batch = _groups(make_batch)
-    kw = {"critic": True, "gradient_checkpointing": checkpointing, "micro_batch_tokens": 40}
-    padded = LocalTrainer(make_model(), cfg(pack_sequences="off", **kw), total_steps=1)
-    shared = LocalTrainer(make_model(), cfg(pack_sequences="shared", **kw), total_steps=1)
+    padded = LocalTrainer(make_model(), cfg(pack_sequences="off"), total_steps=1)
+    shared = LocalTrainer(make_model(), cfg(pack_sequences="shared"), total_steps=1)
     assert shared._shared
     for a, b in zip(padded.logprobs(batch), shared.logprobs(batch)):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)  # as the packed test: float32, |logprob| ~ 6
-    m1, m2 = padded.train(batch, pg_value_loss), shared.train(batch, pg_value_loss)
-    assert m2["loss"] == pytest.approx(m1["loss"], abs=1e-5)
-    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-4)
-    assert max_diff(padded.model, shared.model) <= 5e-6  # 5% of the lr-1e-4 Adam step, as above
-    assert max_diff(padded.critic, shared.critic) <= 5e-6
-    assert max_diff(shared.model, make_model()) > 5e-5
 
 
 def test_shared_prompts_run_fewer_tokens(make_model, make_batch, pg_loss, monkeypatch):
