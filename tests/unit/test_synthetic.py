@@ -1,4 +1,9 @@
-from conveyor.data.synthetic import partial_credit, score_text, sft_pairs, synthetic_source
+from conveyor.data.synthetic import (
+    partial_credit,
+    score_text,
+    sft_pairs,
+    synthetic_source,
+)
 from conveyor.types import Task, Trajectory
 
 
@@ -101,3 +106,80 @@ def test_run_renders_synthetic_prompts_through_the_templates():
     with pytest.raises(SetupError, match=r"data.prompt_template names 'a' which task 'reverse' does not have; "
                                          r"its fields: prompt, text"):
         load_sources(bad, tok)
+
+
+def test_sums_of_more_terms_name_every_part():
+    from conveyor.data.synthetic import fields
+    for terms in (3, 5):
+        ev = synthetic_source("addition", "eval", {"digits": 2, "terms": terms}, eval_size=20, seed=0)
+        for t in ev.tasks:
+            parts = t.info["fields"]
+            assert list(parts) == list("abcde"[:terms])
+            assert t.prompt == "+".join(parts.values()) + "="
+            assert all(0 <= int(v) <= 99 for v in parts.values())
+            assert t.answer == str(sum(int(v) for v in parts.values()))
+    assert fields("addition", "4+7+3=") == {"a": "4", "b": "7", "c": "3"}
+    src = synthetic_source("addition", "eval", {"digits": 1, "terms": 3}, eval_size=4, seed=0,
+                           render=lambda p, f: "What is {a} + {b} + {c}?".format(**f))
+    a, b, c = src[0].info["fields"].values()
+    assert src[0].prompt == f"What is {a} + {b} + {c}?" and src[0].answer == str(int(a) + int(b) + int(c))
+    assert partial_credit(_traj(src[0], src[0].answer)) == {"reward": 1.0, "exact": 1.0}
+
+
+def test_two_terms_are_the_sums_drawn_before_the_option():
+    """Recipes and tests rely on the seed's sums: naming terms=2 or leaving it out changes none of them."""
+    plain = synthetic_source("addition", "eval", {"digits": 2}, eval_size=5, seed=0)
+    named = synthetic_source("addition", "eval", {"digits": 2, "terms": 2}, eval_size=5, seed=0)
+    # the first sums of seed 0 as drawn by rng.randint(0, 99) twice per sum from Random("addition-0")
+    import random
+    rng = random.Random("addition-0")
+    first = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(5)]
+    assert [t.prompt for t in plain.tasks] == [f"{a}+{b}=" for a, b in first]
+    assert [(t.prompt, t.answer, t.info) for t in named.tasks] == [(t.prompt, t.answer, t.info) for t in plain.tasks]
+
+
+def test_bad_terms_are_refused_naming_the_setting():
+    import pytest
+
+    from conveyor.data.api import DataError  # the CLI prints it as one line
+    for bad in (1, 6, 0, 2.5, "three", True):
+        with pytest.raises(DataError, match=r"^data.options.terms must be an integer from 2 to 5 "):
+            synthetic_source("addition", "eval", {"terms": bad}, eval_size=4, seed=0)
+    assert len(synthetic_source("addition", "eval", {"terms": "4"}, eval_size=4, seed=0)[0].info["fields"]) == 4
+
+
+def test_imperfect_teacher_drops_the_carries_of_every_term():
+    import random
+
+    from conveyor.data.synthetic import sum_without_carry
+    assert sum_without_carry(47, 38, 9) == "74"       # units 7+8+9=24 -> 4, tens 4+3 -> 7
+    assert sum_without_carry(99, 99, 99, 99) == "66"  # 36 per column, every carry dropped
+    assert sum_without_carry(10, 20, 30) == "60"      # no carry: the true sum
+    src = synthetic_source("addition", "train", {"digits": 2, "terms": 3, "teacher_error": 1.0}, eval_size=10, seed=0)
+    rng = random.Random(0)
+    differ = 0
+    for t in src.tasks[:200]:
+        ops = [int(v) for v in t.info["fields"].values()]
+        shown = src.demonstration(t, rng)
+        assert shown == sum_without_carry(*ops) and t.answer == str(sum(ops))
+        differ += shown != t.answer
+    assert differ > 150  # three two-digit terms almost always carry, so the teacher is almost always wrong
+
+
+def test_run_renders_every_term_and_names_the_fields_of_a_two_term_sum():
+    import pytest
+
+    from conveyor.config import load_config
+    from conveyor.controller.run import SetupError, load_sources
+    from conveyor.data.tiny import build_tokenizer
+    tok = build_tokenizer()
+    cfg = load_config(None, ["data.source=synthetic:addition", "data.options={digits: 1, terms: 3}",
+                             "data.prompt_template=What is {a} + {b} + {c}?", "data.eval_size=4"])
+    train, held_out = load_sources(cfg, tok)
+    a, b, c = held_out[0].info["fields"].values()
+    assert held_out[0].prompt == f"What is {a} + {b} + {c}?" and held_out[0].answer == str(int(a) + int(b) + int(c))
+    assert train[0].prompt == "What is {a} + {b} + {c}?".format(**train[0].info["fields"])
+    two = load_config(None, ["data.source=synthetic:addition", "data.prompt_template=What is {a} + {b} + {c}?",
+                             "data.eval_size=4"])
+    with pytest.raises(SetupError, match=r"names 'c' which task 'addition' does not have; its fields: prompt, a, b"):
+        load_sources(two, tok)

@@ -8,18 +8,21 @@ policy that is almost right gets a gradient, and ``sft_pairs`` gives the
 (prompt, answer) pairs of the supervised warm-start.
 
 Tasks
-- ``addition``: ``"47+38="`` -> ``"85"``; operands have ``digits`` digits.
+- ``addition``: ``"47+38="`` -> ``"85"``; operands have ``digits`` digits;
+  ``terms`` (2..5, default 2) operands per sum (``"4+7+3="`` -> ``"14"``).
 - ``reverse``: ``"rev:kxqa="`` -> ``"aqxk"``; strings of ``length`` letters.
 - ``code``: Python functions with unit tests, from ``data/code_tasks.py``.
 
-``data.prompt_template`` may name a task's parts (``{a}`` and ``{b}`` of a
-sum, ``{text}`` of a string to reverse) besides ``{prompt}``: the tasks of a
-pretrained model read as questions ("What is {a} + {b}?"), rendered through
-its chat template with ``data.chat_template``.
+``data.prompt_template`` may name a task's parts (``{a}``, ``{b}`` and, with
+more ``terms``, ``{c}``, ``{d}``, ``{e}`` of a sum; ``{text}`` of a string to
+reverse) besides ``{prompt}``: the tasks of a pretrained model read as
+questions ("What is {a} + {b}?"), rendered through its chat template with
+``data.chat_template``.
 
 ``options.teacher_error`` p makes the warm-start's demonstrations imperfect
 (``SyntheticSource.demonstration``): with probability p the teacher drops the
-carries (addition) or copies the string instead of reversing it (reverse).
+carries of every column of a sum (addition) or copies the string instead of
+reversing it (reverse).
 Tasks, evaluation and rewards always use the true answer.
 
 Partial credit (both): the completion is compared with the answer position
@@ -36,34 +39,51 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from conveyor.data.api import DataError
 from conveyor.types import Task, Trajectory
 
 TASKS = ("addition", "reverse")
 
 
-def _addition(rng: random.Random, digits: int) -> tuple[str, str]:
+TERM_NAMES = "abcde"  # the template fields of a sum's operands, in order
+
+
+def _addition(rng: random.Random, digits: int, terms: int) -> tuple[str, str]:
+    # operands drawn in order from one stream: two terms give the same sums as before the option existed
     lo, hi = 0, 10 ** digits - 1
-    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-    return f"{a}+{b}=", str(a + b)
+    ops = [rng.randint(lo, hi) for _ in range(terms)]
+    return "+".join(map(str, ops)) + "=", str(sum(ops))
+
+
+def _terms(options: dict) -> int:
+    """``options.terms``, checked: an integer in 2..len(TERM_NAMES)."""
+    value = options.get("terms", 2)
+    whole = (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and value.isdigit())
+    if not whole or not 2 <= int(value) <= len(TERM_NAMES):
+        raise DataError(f"data.options.terms must be an integer from 2 to {len(TERM_NAMES)} "
+                         f"(operands per sum), got {value!r}")
+    return int(value)
 
 
 def fields(name: str, prompt: str) -> dict[str, str]:
-    """The named parts of a task's prompt, for ``data.prompt_template`` (``{a}``, ``{b}`` of a sum,
+    """The named parts of a task's prompt, for ``data.prompt_template`` (``{a}``, ``{b}``, ... of a sum,
     ``{text}`` of a string to reverse) besides ``{prompt}`` itself."""
     if name == "addition":
-        a, b = prompt[:-1].split("+")
-        return {"a": a, "b": b}
+        ops = prompt[:-1].split("+")
+        if not 2 <= len(ops) <= len(TERM_NAMES):
+            raise ValueError(f"{prompt!r} is not a sum of 2 to {len(TERM_NAMES)} terms")
+        return dict(zip(TERM_NAMES, ops))
     if name == "reverse":
         return {"text": prompt[len("rev:"):-1]}
     return {}
 
 
-def sum_without_carry(a: int, b: int) -> str:
-    """The classic slip: add digit by digit and drop every carry (47+38 -> 75)."""
+def sum_without_carry(*terms: int) -> str:
+    """The classic slip: add digit by digit and drop every carry (47+38 -> 75; 47+38+9 -> 74)."""
     out, place = 0, 1
-    while a or b:
-        out += ((a % 10 + b % 10) % 10) * place
-        a, b, place = a // 10, b // 10, place * 10
+    while any(terms):
+        out += (sum(t % 10 for t in terms) % 10) * place
+        terms, place = tuple(t // 10 for t in terms), place * 10
     return str(out)
 
 
@@ -74,7 +94,7 @@ def _reverse(rng: random.Random, length: int) -> tuple[str, str]:
 
 def _make(name: str, rng: random.Random, options: dict) -> tuple[str, str]:
     if name == "addition":
-        return _addition(rng, int(options.get("digits", 2)))
+        return _addition(rng, int(options.get("digits", 2)), int(options.get("terms", 2)))
     if name == "reverse":
         return _reverse(rng, int(options.get("length", 5)))
     raise ValueError(f"unknown synthetic task {name!r}; choose one of {', '.join(TASKS)}, code, multiply, guess")
@@ -98,15 +118,15 @@ class SyntheticSource:
     def demonstration(self, task: Task, rng: random.Random) -> str:
         """The answer shown by the warm-start's teacher. With ``teacher_error`` p
         the teacher is imperfect, like most real demonstration data: with
-        probability p it drops the carries of a sum (the flawed answer only
-        differs where a carry happens) or copies a string it should reverse.
+        probability p it drops the carries of a sum, of all its terms (the flawed
+        answer only differs where a carry happens) or copies a string it should reverse.
         The verifier always checks the true answer, so RL can learn what
         imitation of this teacher cannot."""
         if self.teacher_error and rng.random() < self.teacher_error:
             parts = task.info["fields"]
             if self.name == "reverse":  # the teacher copies the string instead of reversing it
                 return parts["text"]
-            return sum_without_carry(int(parts["a"]), int(parts["b"]))
+            return sum_without_carry(*(int(v) for v in parts.values()))
         return task.answer or ""
 
 
@@ -128,7 +148,9 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
     train_size = int(options.pop("train_size", train_size or 20000))
     teacher_error = float(options.pop("teacher_error", 0.0))
     if not 0.0 <= teacher_error <= 1.0:
-        raise ValueError(f"data.options.teacher_error must be in [0, 1], got {teacher_error}")
+        raise DataError(f"data.options.teacher_error must be in [0, 1], got {teacher_error}")
+    if name == "addition":
+        options["terms"] = _terms(options)  # checked once, before any problem is drawn
     rng = random.Random(f"{name}-{seed}")
     seen: dict[str, str] = {}
     want = eval_size + train_size
