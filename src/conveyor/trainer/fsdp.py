@@ -191,7 +191,6 @@ class FSDPTrainer(LocalTrainer):
             if critic is not None:
                 enable_checkpointing(critic.backbone)
         self._packed = packing.enable(cfg, self.device, [model, reference])
-        self._shared = self._packed and cfg.pack_sequences == "shared"  # prompts within a rank's micro-batch
         fuse_layers(cfg, model, self.device)
         if cfg.compile:  # before sharding, as FSDP2 expects
             compile_layers(model)

@@ -23,6 +23,10 @@ Contract
 - ``Layout.of(attention_mask, need)`` (host tensors, ``[b, L]``, right-padded;
   ``need`` marks the tokens to score) says where each token sits packed and
   which rows the head runs on; ``layout.to(device)`` moves it.
+- ``Layout.shared_of(attention_mask, need, input_ids, loss_mask)`` (``pack_sequences:
+  shared``): rows with equal prompts (``prompt_keys``: the tokens before the first loss
+  token) share one copy of the prompt, each row's rest a branch attending to it (``Group``,
+  a masked attention per group); ``plan_shared`` keeps a prompt's rows in one micro-batch.
 - ``logprobs(model, input_ids, layout, temperature, with_entropy, logprob)``:
   the padded ``input_ids`` forwarded packed; returns ``[b, L]`` float32
   logprobs (and entropy) where ``need`` was set and 0.0 elsewhere, in the
@@ -171,14 +175,18 @@ class Group:
     def size(self) -> int:
         return self.prefix + sum(self.branches)
 
-    def mask(self) -> torch.Tensor:
+    def mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[size, size]`` bool: the prefix causal, each branch the whole prefix and itself causally."""
-        n = self.size
-        own = torch.zeros(n, dtype=torch.long)  # 0: the prefix, i: branch i
-        own[self.prefix:] = torch.repeat_interleave(torch.arange(1, len(self.branches) + 1),
-                                                    torch.tensor(self.branches, dtype=torch.long))
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
-        return causal & ((own[:, None] == own[None, :]) | (own[None, :] == 0))
+        return _branch_mask(self.prefix, self.branches, str(device))
+
+
+@functools.lru_cache(maxsize=256)  # every layer of a forward asks for the same masks
+def _branch_mask(prefix: int, branches: tuple[int, ...], device: str) -> torch.Tensor:
+    n = prefix + sum(branches)
+    own = torch.zeros(n, dtype=torch.long)  # 0: the prefix, i: branch i
+    own[prefix:] = torch.repeat_interleave(torch.arange(1, len(branches) + 1), torch.tensor(branches, dtype=torch.long))
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    return (causal & ((own[:, None] == own[None, :]) | (own[None, :] == 0))).to(device)
 
 
 def _shared(query, key, value, groups: tuple[Group, ...], scaling) -> torch.Tensor:
@@ -186,18 +194,11 @@ def _shared(query, key, value, groups: tuple[Group, ...], scaling) -> torch.Tens
     parts = []
     for g in groups:
         s, e = g.start, g.start + g.size
-        mask = g.mask().to(query.device) if g.branches else None  # no branches: a causal segment
+        mask = g.mask(query.device) if g.branches else None  # no branches: a causal segment
         parts.append(F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
                                                     attn_mask=mask, is_causal=mask is None, scale=scaling,
                                                     enable_gqa=gqa))
     return torch.cat(parts, dim=2).transpose(1, 2)
-
-
-def prompt_lengths(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[b]``: each right-padded row's tokens before its first loss token (its prompt)."""
-    lm = loss_mask > 0
-    first = torch.where(lm.any(1), lm.int().argmax(1), attention_mask.sum(1))
-    return first.long()
 
 
 def prompt_keys(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor]) -> list[tuple[bytes, int]]:
@@ -225,7 +226,7 @@ def plan_shared(lengths: list[int], keys: list[tuple[bytes, int]], max_tokens: i
                 piece, cost = [], p
             piece.append(i)
             cost += lengths[i] - p
-        units.append((cost if len(piece) > 1 else lengths[piece[0]], piece))
+        units.append((cost, piece))
     order = plan([c for c, _ in units], max_tokens)
     return [[i for u in grp for i in units[u][1]] for grp in order]
 
@@ -265,18 +266,19 @@ class Layout:
 
     @classmethod
     def shared_of(cls, attention_mask: torch.Tensor, need: torch.Tensor, input_ids: torch.Tensor,
-                  prompt_len: torch.Tensor) -> Layout:
-        """``of`` with each prompt once: rows whose first ``prompt_len`` tokens are equal share one
-        copy of them (the prefix), and each row's remaining tokens follow as a branch that attends
-        to the prefix and to itself. The logits at a prefix token score that token's successor in
-        every row of the group (the prefix's last one scores each branch's first token)."""
+                  loss_mask: torch.Tensor) -> Layout:
+        """``of`` with each prompt once: rows whose prompts (``prompt_keys``: the tokens before the
+        first loss token) are equal share one copy of them (the prefix), and each row's remaining
+        tokens follow as a branch that attends to the prefix and to itself. The logits at a prefix
+        token score that token's successor in every row of the group (the prefix's last one scores
+        each branch's first token)."""
         am = attention_mask.bool()
         b, length = am.shape
         lengths = am.sum(1).tolist()
-        plen = [min(int(p), n) for p, n in zip(prompt_len.tolist(), lengths)]
-        members: dict[bytes, list[int]] = {}
-        for i in range(b):
-            key = input_ids[i, :plen[i]].to(torch.int64).numpy().tobytes() + plen[i].to_bytes(4, "little")
+        keys = prompt_keys([input_ids[i, :n] for i, n in enumerate(lengths)],
+                           [loss_mask[i, :n] for i, n in enumerate(lengths)])
+        members: dict[tuple[bytes, int], list[int]] = {}
+        for i, key in enumerate(keys):
             members.setdefault(key, []).append(i)
         row = torch.full((b, length), -1, dtype=torch.long)  # packed row of each (sample, position)
         real, positions, groups, at = [], [], [], 0
@@ -288,8 +290,7 @@ class Layout:
             positions.append(torch.arange(lo, hi))
             at += hi - lo
 
-        for idx in members.values():
-            p = plen[idx[0]]
+        for (_, p), idx in members.items():
             if len(idx) == 1 or p == 0:  # nothing to share: each sample its own causal segment
                 for i in idx:
                     groups.append(Group(at, lengths[i], ()))

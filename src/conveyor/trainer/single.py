@@ -225,7 +225,6 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
             if self.critic is not None:
                 enable_checkpointing(self.critic.backbone)
         self._packed = packing.enable(cfg, self.device, [self.model, self.compute, self.reference])
-        self._shared = self._packed and cfg.pack_sequences == "shared"  # each group's prompt once
         fuse_layers(cfg, self.compute, self.device)
         if cfg.compile:
             compile_layers(self.compute)
@@ -277,6 +276,11 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
     def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
 
+    @property
+    def _shared(self) -> bool:
+        """Whether packed micro-batches compute each group's prompt once (``pack_sequences: shared``)."""
+        return self._packed and self.cfg.pack_sequences == "shared"
+
     def _packs(self, batch: Batch) -> bool:
         """Whether ``batch`` trains packed: packing is on and it replays no MoE routes (padded)."""
         return self._packed and batch.routes is None
@@ -288,8 +292,7 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         am = cpu_mb["attention_mask"]
         need = cpu_mb["loss_mask"] > 0 if loss_only else am.bool()
         if self._shared:
-            plen = packing.prompt_lengths(cpu_mb["loss_mask"], am)
-            return packing.Layout.shared_of(am, need, cpu_mb["input_ids"], plen).to(self.device)
+            return packing.Layout.shared_of(am, need, cpu_mb["input_ids"], cpu_mb["loss_mask"]).to(self.device)
         return packing.Layout.of(am, need).to(self.device)
 
     def _micro_batches(self, batch: Batch, budget: int | None = None) -> list[list[int]]:

@@ -151,7 +151,7 @@ def test_shared_layout_computes_each_prompt_once_and_scores_every_branch():
     am = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]])
     ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 3, 4, 2], [5, 6, 7, 1, 0, 0], [9, 9, 1, 0, 0, 0]])
     lm = torch.tensor([[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 0, 0], [0, 0, 1, 0, 0, 0]])
-    lay = packing.Layout.shared_of(am, lm > 0, ids, packing.prompt_lengths(lm, am))
+    lay = packing.Layout.shared_of(am, lm > 0, ids, lm)
     assert lay.groups == (packing.Group(0, 3, (2, 3, 1)), packing.Group(9, 3, ()))  # 12 of 18 tokens
     assert lay.real.numel() == 12 and lay.positions[0, :6].tolist() == [0, 1, 2, 3, 4, 3]
     # The prompt's last token (packed row 2) scores each branch's first token.
