@@ -49,7 +49,10 @@ def _weights(run_dir: Path):
     [],
     # two FSDP2 ranks: sharded checkpoints, resumed and exported
     ["launch.placement=disaggregated", "launch.trainer_ranks=2", "launch.weight_sync=broadcast"],
-], ids=["in-process", "fsdp2"])
+    # two whole-model ranks: rank 0's checkpoint, read by both on resume
+    ["launch.placement=disaggregated", "launch.trainer_ranks=2", "launch.weight_sync=broadcast",
+     "trainer.parallel=replicate"],
+], ids=["in-process", "fsdp2", "replicate"])
 def test_resume_matches_uninterrupted_run(tmp_path, launch):
     common = [*FAST, "loop.checkpoint_every=2", "observe.progress=false", *launch]
     full, part = tmp_path / "full", tmp_path / "part"

@@ -45,21 +45,23 @@ def test_staleness_zero_processes_equal_in_process(tmp_path):
     runs = {"shm": ["launch.placement=disaggregated"],
             "broadcast": ["launch.placement=disaggregated", "launch.weight_sync=broadcast"],
             "fsdp2": ["launch.placement=disaggregated", "launch.weight_sync=broadcast", "launch.trainer_ranks=2",
-                      "loop.checkpoint_every=3"]}
+                      "loop.checkpoint_every=3"],
+            "replicate": ["launch.placement=disaggregated", "launch.weight_sync=broadcast", "launch.trainer_ranks=2",
+                          "trainer.parallel=replicate", "loop.checkpoint_every=3"]}
     for name, over in runs.items():
         b = _run(tmp_path, name, ["loop.steps=3"] + over)
         wb = load_file(str(b / "final" / "model.safetensors"))
         assert wa.keys() == wb.keys(), name
         for k in wa:
-            if name == "fsdp2":  # the gradient is summed over two ranks: float order differs
+            if name in ("fsdp2", "replicate"):  # the gradient is summed over two ranks: float order differs
                 torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=f"{name} {k}")
             else:
                 assert torch.equal(wa[k], wb[k]), (name, k)
         train = read_metrics(b, kind="train")
         assert [m["reward"] for m in train] == ra, name
-        if name == "fsdp2":  # its sharded checkpoint exports to the same plain HF weights
-            export_hf(b / "checkpoints" / "step_000003", tmp_path / "exported")
-            we = load_file(str(tmp_path / "exported" / "model.safetensors"))
+        if name in ("fsdp2", "replicate"):  # its checkpoint (sharded or rank 0's) exports to the same weights
+            export_hf(b / "checkpoints" / "step_000003", tmp_path / f"exported-{name}")
+            we = load_file(str(tmp_path / f"exported-{name}" / "model.safetensors"))
             assert all(torch.equal(we[k], wb[k]) for k in wb)
         assert all(m["staleness_max"] == 0 for m in train), name
 

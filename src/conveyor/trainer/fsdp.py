@@ -41,6 +41,7 @@ from conveyor.trainer.microbatch import _check_aligned, balance, collate
 from conveyor.trainer.models import (ValueModel, compile_layers, decoder_layers, enable_checkpointing, fuse_layers,
                                      load_policy)
 from conveyor.trainer.precision import compute_dtype
+from conveyor.trainer.ranks import RankGroup
 from conveyor.trainer.single import (LocalTrainer, NonFiniteLossError, head_start, logprob_fn, no_cudnn_attention,
                                      resolve_device)
 from conveyor.trainer.step_metrics import MetricMean
@@ -155,7 +156,7 @@ def _shard(module: nn.Module, mesh, dtype: torch.dtype, device: torch.device, ke
     return module
 
 
-class FSDPTrainer(LocalTrainer):
+class FSDPTrainer(RankGroup, LocalTrainer):
     """Policy (+ optional reference and critic) sharded over the default process group."""
 
     streams_publish = False  # its publish is a collective gather after the step
@@ -217,32 +218,7 @@ class FSDPTrainer(LocalTrainer):
         parameter is in every rank's graph (``_pass``'s anchor)."""
         grads = [p.grad for m in self._trained() for p in _kinds(m.parameters())[1] if p.grad is not None]
         if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
-
-    # ----------------------------------------------------------- collectives
-    def _agree(self, fn: Callable[[], Any], what: str) -> Any:
-        """Run ``fn`` here; if it raised on ANY rank, raise on every rank (nobody waits in a collective)."""
-        err, result = None, None
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-            err = e
-        flags = torch.zeros(self.world, device=self.device)
-        flags[self.rank] = float(err is not None)
-        dist.all_reduce(flags)
-        bad = [r for r in range(self.world) if flags[r] > 0]
-        if err is not None:
-            raise err
-        if bad:
-            raise RuntimeError(f"{what} failed on rank(s) {bad}; see the error there")
-        return result
-
-    def _broadcast(self, obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+            self._sum(grads)
 
     def _plans(self, batch: Batch) -> list[list[list[int]]]:
         """Per rank, its micro-batches as lists of sample indices (packed unless the batch replays routes)."""
@@ -274,27 +250,9 @@ class FSDPTrainer(LocalTrainer):
             values = fn(self._to_device(mb), self._layout(mb, loss_only=False)).float().cpu()
             local += [(i, values[row, : lengths[i]].clone()) for row, i in enumerate(mine[j])]
         self._release()
-        parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, local)
-        result: list[torch.Tensor | None] = [None] * len(batch)
-        for part in parts:
-            for i, t in part:
-                result[i] = t
-        return result  # type: ignore[return-value]
+        return self._gather_samples(local, len(batch))
 
     # ------------------------------------------------------------------- train
-    def accumulate(self, part: Batch, loss_fn: LossFn, micro_batch_tokens: int | None = None,
-                   sms: int | None = None) -> None:
-        raise NotImplementedError("FSDPTrainer: a step accumulated part by part runs on one trainer rank; "
-                                  "set loop.accumulate_groups=0 or launch.trainer_ranks=1")
-
-    def train(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
-        metrics = super().train(batch, loss_fn)
-        t = torch.tensor([metrics["time_s"]], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        metrics["time_s"] = float(t)
-        return metrics
-
     def _trained(self) -> list[nn.Module]:
         return [self.model] + ([self.critic] if self.critic is not None else [])
 
@@ -362,7 +320,7 @@ class FSDPTrainer(LocalTrainer):
                     value = float(loss_j.detach()) if isinstance(loss_j, torch.Tensor) else math.nan
                 except Exception as e:  # noqa: BLE001 - raised below, after telling the other ranks
                     err = e
-            rows = self._exchange(value, err is not None)
+            rows = self._rows([value, float(err is not None)])
             failed = [r for r, (_, flag) in enumerate(rows) if flag > 0]
             bad = [r for r, (v, _) in enumerate(rows) if not math.isfinite(v)]
             if failed or bad:
@@ -385,24 +343,6 @@ class FSDPTrainer(LocalTrainer):
         self._merge_means(means, local)
         self._sum_replicated()
         self._step_optimizers(totals, where)
-
-    def _exchange(self, value: float, failed: bool) -> list[list[float]]:
-        """Every rank's ``[loss value, failed flag]``, in rank order."""
-        t = torch.zeros(self.world, 2, dtype=torch.float64, device=self.device)
-        t[self.rank, 0], t[self.rank, 1] = value, float(failed)
-        dist.all_reduce(t)  # NaN/inf survive the sum of zeros, in their own row
-        return t.tolist()
-
-    def _merge_means(self, means: MetricMean, local: MetricMean) -> None:
-        parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, (local.wsum, local.plain, local.weight, local.count))
-        for wsum, plain, weight, count in parts:  # rank order: the same sums on every rank
-            for k, v in wsum.items():
-                means.wsum[k] = means.wsum.get(k, 0.0) + v
-            for k, v in plain.items():
-                means.plain[k] = means.plain.get(k, 0.0) + v
-            means.weight += weight
-            means.count += count
 
     def _clip(self, params, where: str) -> float:
         params = [p for p in params if p.grad is not None]

@@ -132,7 +132,8 @@ class TrainerHost:
 
 def build_rank(spec: dict, init_method: str):
     """One trainer rank from its spec: bind the device; one rank is a ``LocalTrainer``, several join
-    a process group at ``init_method`` (nccl on GPUs, gloo on CPU) and are ``FSDPTrainer`` ranks."""
+    a process group at ``init_method`` (nccl on GPUs, gloo on CPU) and are ``FSDPTrainer`` ranks, or
+    ``ReplicatedTrainer`` ranks with ``trainer.parallel: replicate``."""
     from datetime import timedelta
 
     from conveyor.config import TrainerConfig
@@ -145,10 +146,13 @@ def build_rank(spec: dict, init_method: str):
         return LocalTrainer(spec["path"], cfg, **kwargs)
     import torch.distributed as dist
 
-    from conveyor.trainer.fsdp import FSDPTrainer
     backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=spec["rank"], world_size=spec["world"],
                             timeout=timedelta(seconds=spec["collective_timeout_s"]))
+    if cfg.parallel == "replicate":
+        from conveyor.trainer.replicated import ReplicatedTrainer
+        return ReplicatedTrainer(spec["path"], cfg, **kwargs)
+    from conveyor.trainer.fsdp import FSDPTrainer
     return FSDPTrainer(spec["path"], cfg, **kwargs)
 
 

@@ -1,4 +1,4 @@
-"""FSDPTrainer on 2 CPU ranks (gloo) against LocalTrainer on one device.
+"""FSDPTrainer and ReplicatedTrainer on 2 CPU ranks (gloo) against LocalTrainer on one device.
 
 One job does all the distributed work: this file, run as a script, is each
 rank's worker (pytest's importlib mode leaves test modules unimportable by
@@ -78,6 +78,20 @@ def full_weights(trainer, critic: bool = True) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ worker
+def resume_then_poison(tr, ckpt: Path, b: list[Batch], loss, res: dict, key: str) -> None:
+    """Load the step-2 checkpoint, take step 3, fail a step on one rank, then take the next one."""
+    res[f"{key}extra"], res[f"{key}step_loaded"] = tr.load(ckpt), tr.step
+    res[f"{key}m3b"] = tr.train(b[2], loss)
+    res[f"{key}w3b"] = full_weights(tr)
+    try:
+        tr.train(b[4], loss)  # poisoned on rank 1 only
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        res[f"{key}nan_error"] = (type(e).__name__, str(e))
+    res[f"{key}w_after_nan"], res[f"{key}step_after_nan"] = full_weights(tr), tr.step
+    tr.train(b[3], loss)
+    res[f"{key}w4b"] = full_weights(tr)
+
+
 def worker(rank: int, work: Path) -> None:
     import torch.distributed as dist
 
@@ -120,17 +134,7 @@ def worker(rank: int, work: Path) -> None:
     res["packed_w2"] = full_weights(packed)
     del packed
 
-    resumed = FSDPTrainer(tiny, cfg, total_steps=6)
-    res["extra"], res["step_loaded"] = resumed.load(work / "ckpt"), resumed.step
-    res["m3b"] = resumed.train(b[2], loss)
-    res["w3b"] = full_weights(resumed)
-    try:
-        resumed.train(b[4], loss)  # poisoned on rank 1 only
-    except Exception as e:  # noqa: BLE001 - recorded for the test
-        res["nan_error"] = (type(e).__name__, str(e))
-    res["w_after_nan"], res["step_after_nan"] = full_weights(resumed), resumed.step
-    resumed.train(b[3], loss)
-    res["w4b"] = full_weights(resumed)
+    resume_then_poison(FSDPTrainer(tiny, cfg, total_steps=6), work / "ckpt", b, loss, res, "")
 
     # bf16 linear weights (norms, embeddings, head float32) under autocast, as LocalTrainer's copy.
     half = FSDPTrainer(tiny, TrainerConfig(**HALF), total_steps=6)
@@ -149,6 +153,20 @@ def worker(rank: int, work: Path) -> None:
     # The critic's norm weights are whole too: its gradients are summed and stepped the same way.
     hc = FSDPTrainer(tiny, TrainerConfig(**HALF, critic=True, critic_lr=1e-3), total_steps=6)
     res["hc_m"], res["hc_w"] = hc.train(b[0], loss), full_weights(hc)
+    # Whole-model ranks (trainer.parallel=replicate): each rank trains its share alone, one gradient sum.
+    from conveyor.trainer.replicated import ReplicatedTrainer
+    rcfg = cfg.model_copy(update={"parallel": "replicate"})
+    rep = ReplicatedTrainer(tiny, rcfg, total_steps=6)
+    res["rep_lp0"], res["rep_ref0"], res["rep_v0"] = rep.logprobs(b[0]), rep.ref_logprobs(b[0]), rep.values(b[0])
+    res["rep_metrics"] = [rep.train(b[0], loss), rep.train(b[1], loss)]
+    res["rep_w2"] = full_weights(rep)
+    rep.save(work / "rep_ckpt", {"cursor": 2}, wait=False)
+    res["rep_m3"] = rep.train(b[2], loss)
+    res["rep_w3"] = full_weights(rep)
+    rep.export_hf(work / "rep_hf")
+    rep.train(b[3], loss)
+    res["rep_w4"] = full_weights(rep)
+    resume_then_poison(ReplicatedTrainer(tiny, rcfg, total_steps=6), work / "rep_ckpt", b, loss, res, "rep_")
     torch.save(res, work / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -326,6 +344,46 @@ def test_nan_on_one_rank_raises_on_every_rank_and_takes_no_step(job):
         assert max_diff(res["w_after_nan"], res["w3b"]) == 0.0
         # No gradient of the failed mini-batch lingers: the next step is the undisturbed one.
         assert max_diff(res["w4b"], res["w4"]) == 0.0
+
+
+def test_replicated_ranks_match_the_local_trainer(job):
+    """trainer.parallel=replicate: the ranks deal the samples as the FSDP ranks do and sum the same
+    per-rank gradients (one all-reduce instead of a reduce-scatter), so the local trainer's numbers
+    hold to the bound the sharded ranks meet; every rank holds the same weights."""
+    _, ranks, ref = job
+    assert max_diff(ranks[0]["rep_w2"], ranks[1]["rep_w2"]) == 0.0
+    assert max_diff(ranks[0]["rep_w2"], ref["w2"]) <= 1e-6
+    assert max_diff(ranks[0]["rep_w3"], ref["w3"]) <= 1e-6
+    assert max_diff(ranks[0]["rep_w3"], ranks[0]["rep_w2"]) > 1e-5  # the third step moved the weights
+    for got0, got1, want in zip(ranks[0]["rep_metrics"], ranks[1]["rep_metrics"], ref["metrics"]):
+        assert got0 == got1  # identical on every rank, time_s included
+        assert got0.keys() == want.keys()
+        assert got0["microbatches"] == 7.0  # each rank's own plan, as the sharded ranks plan
+        assert (got0["num_tokens"], got0["num_seqs"], got0["lr"]) == (want["num_tokens"], 8.0, want["lr"])
+        for key in sorted(set(want) - {"microbatches", "num_tokens", "num_seqs", "lr", "time_s"}):
+            assert got0[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    for key in ("lp0", "ref0", "v0"):
+        for got0, got1, want in zip(ranks[0][f"rep_{key}"], ranks[1][f"rep_{key}"], ref[key]):
+            assert torch.equal(got0, got1)
+            torch.testing.assert_close(got0, want, atol=1e-5, rtol=0)
+
+
+def test_replicated_ranks_resume_and_survive_a_nan_on_one_rank(job):
+    _, ranks, _ = job
+    for res in ranks:
+        assert res["rep_extra"] == {"cursor": 2} and res["rep_step_loaded"] == 2
+        assert res["rep_m3b"]["loss"] == res["rep_m3"]["loss"]
+        assert max_diff(res["rep_w3b"], res["rep_w3"]) == 0.0
+        kind, message = res["rep_nan_error"]
+        assert kind == "NonFiniteLossError"
+        assert "trainer step 3, epoch 0, mini-batch 0: loss is nan on rank(s) [1]" in message
+        assert res["rep_step_after_nan"] == 3 and max_diff(res["rep_w_after_nan"], res["rep_w3b"]) == 0.0
+        assert max_diff(res["rep_w4b"], res["rep_w4"]) == 0.0  # no gradient of the failed step lingers
+    work = job[0]
+    from safetensors.torch import load_file
+    exported = load_file(str(work / "rep_hf" / "model.safetensors"))
+    policy = {k[len("policy."):]: v for k, v in ranks[0]["rep_w3"].items() if k.startswith("policy.")}
+    assert exported.keys() <= policy.keys() and all(torch.equal(exported[k], policy[k]) for k in exported)
 
 
 def test_checkpoint_layout_and_both_exports(job, tmp_path):
