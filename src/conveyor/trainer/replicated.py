@@ -49,7 +49,7 @@ from conveyor.types import Batch
 class ReplicatedTrainer(RankGroup, LocalTrainer):
     """LocalTrainer on every rank of the default process group; gradients summed over the ranks."""
 
-    streams_publish = False  # every rank steps its own copy; the publish reads rank 0's after the step
+    streams_publish = False  # every rank steps its own copy, then publishes it whole
 
     def __init__(self, model_path_or_model: Any, cfg: TrainerConfig, total_steps: int,
                  temperature: float = 1.0, pad_token_id: int = 0):
@@ -63,19 +63,19 @@ class ReplicatedTrainer(RankGroup, LocalTrainer):
         elif "gloo" not in str(dist.get_backend()):
             raise ValueError(f"ReplicatedTrainer on {self.device.type} needs a gloo process group, "
                              f"got {dist.get_backend()!r}")
-        self.streams_publish = False
         with torch.no_grad():  # one starting point: a critic's fresh value head is drawn per process
             for t in self._synced_tensors():
                 dist.broadcast(t, src=0)
         self._refresh_compute()
 
+    def _trained(self) -> list[torch.nn.Module]:
+        return [self.model] + ([self.critic] if self.critic is not None else [])
+
     def _synced_tensors(self) -> list[torch.Tensor]:
-        models = [self.model] + ([self.critic] if self.critic is not None else [])
-        return [t for m in models for t in (*m.parameters(), *m.buffers())]
+        return [t for m in self._trained() for t in (*m.parameters(), *m.buffers())]
 
     def _trained_params(self) -> list[torch.nn.Parameter]:
-        models = [self.model] + ([self.critic] if self.critic is not None else [])
-        return [p for m in models for p in m.parameters() if p.requires_grad]
+        return [p for m in self._trained() for p in m.parameters() if p.requires_grad]
 
     def _share(self, batch: Batch) -> list[int]:
         """This rank's samples of ``batch``: dealt by tokens, the same deal on every rank."""
