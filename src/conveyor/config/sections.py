@@ -298,7 +298,9 @@ class LoopConfig(_Section):
     keep_best: bool = Field(True, description=(
         "also keep the checkpoint of the highest held-out reward (checkpoints at evaluated steps)"))
     seed: int = Field(0, description="seed of task order, sampling and the tiny model")
-    time_limit_s: float | None = Field(None, gt=0, description="stop RL after this many seconds")
+    time_limit_s: float | None = Field(None, gt=0, description=(
+        "stop RL after this many wall-clock seconds of the RL loop (mid-run evaluations and checkpoints "
+        "count; checked before each step, so the step in flight finishes)"))
     concurrency: int | None = Field(None, ge=1, description=(
         "groups in flight at most; default batch_size * (max_staleness + 1)"))
     buffer_size: int | None = Field(None, ge=1, description=(
