@@ -321,19 +321,7 @@ class FSDPTrainer(RankGroup, LocalTrainer):
                 except Exception as e:  # noqa: BLE001 - raised below, after telling the other ranks
                     err = e
             rows = self._rows([value, float(err is not None)])
-            failed = [r for r, (_, flag) in enumerate(rows) if flag > 0]
-            bad = [r for r, (v, _) in enumerate(rows) if not math.isfinite(v)]
-            if failed or bad:
-                self._drain()
-                if err is not None:
-                    raise err
-                if failed:
-                    raise RuntimeError(f"trainer step {self._step}, {where}, micro-batch {j}: loss_fn failed "
-                                       f"on rank(s) {failed}; see the error there")
-                raise NonFiniteLossError(
-                    f"trainer step {self._step}, {where}, micro-batch {j}: loss is {rows[bad[0]][0]} on "
-                    f"rank(s) {bad}; no optimizer step was taken (check the loss inputs, e.g. advantages "
-                    "and logprob ratios, and the learning rate)")
+            self._raise_failures(rows, err, f"{where}, micro-batch {j}", "loss_fn", cleanup=self._drain)
             loss.backward()
             totals["loss"] += sum(v for v, _ in rows)
             if real:

@@ -8,7 +8,8 @@ collective that another rank will not reach:
 
 - ``_agree(fn, what)``: run ``fn`` here; if it raised on any rank, raise on every rank;
 - ``_broadcast(obj)``: rank 0's picklable object on every rank;
-- ``_rows(values)``: every rank's list of floats, in rank order;
+- ``_rows(values)``: every rank's list of floats, in rank order; ``_raise_failures`` raises a
+  failure or a non-finite loss of any rank on every rank;
 - ``_merge_means``: the step's per-rank metric sums, merged in rank order (the same on every rank);
 - ``_sum(tensors)``: tensors summed over ranks in place (flat buckets per dtype);
 - ``_gather_samples``: per-sample results computed on the ranks, back in batch order on every rank;
@@ -16,12 +17,14 @@ collective that another rank will not reach:
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from conveyor.trainer.api import LossFn
+from conveyor.trainer.single import NonFiniteLossError
 from conveyor.trainer.step_metrics import MetricMean
 from conveyor.types import Batch
 
@@ -32,6 +35,7 @@ class RankGroup:
     rank: int
     world: int
     device: torch.device
+    _step: int
 
     def _agree(self, fn: Callable[[], Any], what: str) -> Any:
         """Run ``fn`` here; if it raised on ANY rank, raise on every rank (nobody waits in a collective)."""
@@ -61,6 +65,25 @@ class RankGroup:
         t[self.rank] = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t)  # NaN/inf survive the sum of zeros, in their own row
         return t.tolist()
+
+    def _raise_failures(self, rows: list[list[float]], err: Exception | None, where: str, failing: str,
+                        cleanup: Callable[[], None] | None = None) -> None:
+        """``rows``: every rank's ``[loss, ..., failed flag]``. A failure or a non-finite loss on any rank
+        raises on every rank (this rank's own error where it has one), after ``cleanup``."""
+        failed = [r for r, row in enumerate(rows) if row[-1] > 0]
+        bad = [r for r, row in enumerate(rows) if not math.isfinite(row[0])]
+        if not (failed or bad):
+            return
+        if cleanup is not None:
+            cleanup()
+        if err is not None:
+            raise err
+        if failed:
+            raise RuntimeError(f"trainer step {self._step}, {where}: {failing} failed on rank(s) {failed}; "
+                               "see the error there")
+        raise NonFiniteLossError(
+            f"trainer step {self._step}, {where}: loss is {rows[bad[0]][0]} on rank(s) {bad}; no optimizer step "
+            "was taken (check the loss inputs, e.g. advantages and logprob ratios, and the learning rate)")
 
     def _merge_means(self, means: MetricMean, local: MetricMean) -> None:
         parts: list[Any] = [None] * self.world

@@ -103,18 +103,8 @@ class ReplicatedTrainer(RankGroup, LocalTrainer):
             mine["loss"] = math.nan
         except Exception as e:  # noqa: BLE001 - raised below, after telling the other ranks
             err = e
-        rows = self._rows([mine["loss"], float(mine["microbatches"]), float(err is not None)])
-        failed = [r for r, row in enumerate(rows) if row[2] > 0]
-        bad = [r for r, row in enumerate(rows) if not math.isfinite(row[0])]
-        if err is not None:
-            raise err
-        if failed:
-            raise RuntimeError(f"trainer step {self._step}, {where}: the step failed on rank(s) {failed}; "
-                               "see the error there")
-        if bad:
-            raise NonFiniteLossError(
-                f"trainer step {self._step}, {where}: loss is {rows[bad[0]][0]} on rank(s) {bad}; no optimizer "
-                "step was taken (check the loss inputs, e.g. advantages and logprob ratios, and the learning rate)")
+        rows = self._rows([mine["loss"], float(mine["microbatches"]), float(err is not None)])  # flag last
+        self._raise_failures(rows, err, where, "the step")
         totals["loss"] += sum(row[0] for row in rows)
         totals["microbatches"] += int(sum(row[1] for row in rows))
         self._merge_means(means, local)
