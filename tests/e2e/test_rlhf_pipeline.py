@@ -27,7 +27,9 @@ pytestmark = pytest.mark.slow  # three trainings: about a minute on two busy cor
 
 EVAL = 100      # held-out strings (gold metric before and after RL)
 PAIRS = 4000    # preference pairs, a tenth of their prompts held out to measure the reward model
-SFT_STEPS, RM_STEPS, RL_STEPS = 300, 600, 30
+# The reward model trains until it ranks held-out pairs 0.93-0.97 right (seeds 0-2): at 600 steps
+# (0.82-0.90) RL on one CPU found the strings it scores wrongly and lost the gold metric.
+SFT_STEPS, RM_STEPS, RL_STEPS = 300, 1500, 30
 
 RECIPE = f"""\
 base: default
@@ -64,7 +66,7 @@ def pipeline(root: Path, seed: int = 0) -> dict:
     pairs = write_pairs(root / "pairs.jsonl", synthetic_pairs("reverse", PAIRS, {"length": 3}, eval_size=EVAL,
                                                               seed=seed))
     assert main(["train-rm", str(pairs), "--model", str(sft / "warmstart"), "--out", str(rm), "--lr", "1e-3",
-                 "--batch-size", "32", "--steps", str(RM_STEPS), "--eval-every", "200", "--seed", str(seed)]) == 0
+                 "--batch-size", "32", "--steps", str(RM_STEPS), "--eval-every", "500", "--seed", str(seed)]) == 0
     rm_stats = json.loads((rm / "conveyor_rm.json").read_text())
     assert main(["train", str(recipe), f"--output-dir={rl}", f"model.path={sft / 'warmstart'}", "sft.steps=0",
                  "reward.fn=rm", f"reward.model={rm}", f"loop.steps={RL_STEPS}", "trainer.lr=3e-4", f"loop.seed={seed}"]) == 0

@@ -222,10 +222,12 @@ class FSDPTrainer(RankGroup, LocalTrainer):
 
     def _plans(self, batch: Batch) -> list[list[list[int]]]:
         """Per rank, its micro-batches as lists of sample indices (packed unless the batch replays routes)."""
-        lengths = [int(x.numel()) for x in batch.input_ids]
+        lengths, packs = [int(x.numel()) for x in batch.input_ids], self._packs(batch)
+        keys = packing.prompt_keys(batch.input_ids, batch.loss_mask) if packs and self._shared else None
         return [[[share[k] for k in mb]
-                 for mb in packing.micro_batches(self.cfg, [lengths[i] for i in share], self._packs(batch))]
-                for share in balance(lengths, self.world)]
+                 for mb in packing.micro_batches(self.cfg, [lengths[i] for i in share], packs, None,
+                                                 [keys[i] for i in share] if keys else None)]
+                for share in balance(lengths, self.world, keys)]
 
     def _dummy(self) -> dict[str, torch.Tensor]:
         # A real 2-token forward (attention_mask 1: a fully masked row can give

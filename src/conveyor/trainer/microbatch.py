@@ -9,8 +9,10 @@ Contract
   first (longest) member's length rounded up to ``multiple``.
   A single sequence longer than the budget gets a micro-batch of its own: it
   is never dropped or truncated, so the budget is a target, not a hard cap.
-- ``balance(lengths, world)`` deals sample indices to ``world`` data-parallel
-  ranks by tokens, before each rank plans its own micro-batches.
+- ``balance(lengths, world, keys=None)`` deals sample indices to ``world``
+  data-parallel ranks by tokens, before each rank plans its own micro-batches;
+  with ``keys`` (each sample's prompt, ``pack_sequences: shared``) a prompt's
+  samples go to one rank together, so its prompt is computed once, not once per rank.
 - ``split_even(n, parts)`` cuts a batch into ``parts`` mini-batches of nearly
   equal size (in order).
 - ``collate(batch, idx, pad_id, multiple=1)`` right-pads the selected samples
@@ -113,17 +115,28 @@ def _pad_routes(routes: list[torch.Tensor], length: int) -> torch.Tensor:
     return out
 
 
-def balance(lengths: list[int], world: int) -> list[list[int]]:
+def balance(lengths: list[int], world: int, keys: list[tuple[bytes, int]] | None = None) -> list[list[int]]:
     """Deal sample indices to ``world`` ranks by tokens: longest first onto the least-loaded rank.
 
-    Deterministic (ties go to the lower index and rank), so every rank computes
-    every rank's share without communicating.
+    With ``keys`` (per sample its prompt's tokens and length, ``packing.prompt_keys``)
+    the unit dealt is a prompt's group, costing its prompt once plus each sample's tokens after
+    it, so a rank that packs prompts computes each of its prompts once. With fewer groups than
+    ranks it deals samples, so no rank is left idle. Deterministic (ties go to the lower index
+    and rank), so every rank computes every rank's share without communicating.
     """
+    units: list[tuple[int, list[int]]]  # (tokens, samples)
+    by_key: dict[tuple[bytes, int], list[int]] = {}
+    for i, k in enumerate(keys or ()):
+        by_key.setdefault(k, []).append(i)
+    if keys is not None and len(by_key) >= world:
+        units = [(p + sum(lengths[i] - p for i in idx), idx) for (_, p), idx in by_key.items()]
+    else:
+        units = [(n, [i]) for i, n in enumerate(lengths)]
     loads, shares = [0] * world, [[] for _ in range(world)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for cost, idx in sorted(units, key=lambda u: (-u[0], u[1][0])):
         r = min(range(world), key=lambda r: (loads[r], r))
-        shares[r].append(i)
-        loads[r] += lengths[i]
+        shares[r].extend(idx)
+        loads[r] += cost
     return shares
 
 

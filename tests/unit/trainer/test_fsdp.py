@@ -50,14 +50,25 @@ class Loss(PolicyLoss):
         return (loss * float("nan") if float(mb["poison"].sum()) > 0 else loss), metrics
 
 
-def make_batch(seed: int, behaviour: list[torch.Tensor], poison: bool = False) -> Batch:
+# pack_sequences=shared: per sample (prompt, completion) tokens; neighbours with equal prompt
+# lengths repeat one prompt, so the batch holds four prompts of two samples each.
+SHARED = [(4, 5), (4, 3), (2, 4), (2, 6), (6, 1), (6, 2), (3, 3), (3, 3)]
+
+
+def make_batch(seed: int, behaviour: list[torch.Tensor], poison: bool = False, shared: bool = False) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     ids, masks, fields = [], [], {k: [] for k in ("advantages", "behaviour_logprobs", "old_values", "returns",
                                                    "poison")}
-    for i, n in enumerate(LENGTHS):
-        ids.append(torch.randint(7, 90, (n,), generator=gen))
+    for i, n in enumerate([p + c for p, c in SHARED] if shared else LENGTHS):
+        if shared:
+            p, c = SHARED[i]
+            if i == 0 or SHARED[i - 1][0] != p:
+                prompt = torch.randint(7, 90, (p,), generator=gen)
+            ids.append(torch.cat([prompt, torch.randint(7, 90, (c,), generator=gen)]))
+        else:
+            ids.append(torch.randint(7, 90, (n,), generator=gen))
         mask = torch.zeros(n)
-        mask[max(1, n // 2):] = 1.0
+        mask[SHARED[i][0] if shared else max(1, n // 2):] = 1.0
         masks.append(mask)
         fields["advantages"].append(torch.randn(n, generator=gen) * mask)
         # Near the current policy, so the PPO ratio is near 1 and mostly unclipped.
@@ -167,6 +178,11 @@ def worker(rank: int, work: Path) -> None:
     rep.train(b[3], loss)
     res["rep_w4"] = full_weights(rep)
     resume_then_poison(ReplicatedTrainer(tiny, rcfg, total_steps=6), work / "rep_ckpt", b, loss, res, "rep_")
+    # Prompts shared (pack_sequences=shared): each rank is dealt whole prompts and computes each once.
+    for key, cls, c in (("fsdp", FSDPTrainer, cfg), ("rep", ReplicatedTrainer, rcfg)):
+        tr = cls(tiny, c.model_copy(update={"pack_sequences": "shared"}), total_steps=6)
+        res[f"shared_{key}_m"] = [tr.train(sb, loss) for sb in inputs["shared"]]
+        res[f"shared_{key}_w"] = full_weights(tr)
     torch.save(res, work / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -207,7 +223,9 @@ def job(tiny_dir, tmp_path_factory):
     probe = make_batch(0, [torch.zeros(n) for n in LENGTHS])
     behaviour = initial.logprobs(probe)
     batches = [make_batch(s, behaviour) for s in range(4)] + [make_batch(3, behaviour, poison=True)]
-    torch.save({"batches": batches, "tiny_dir": str(tiny_dir)}, work / "inputs.pt")
+    probe = make_batch(0, [torch.zeros(p + c) for p, c in SHARED], shared=True)
+    shared = [make_batch(s, initial.logprobs(probe), shared=True) for s in (5, 6)]
+    torch.save({"batches": batches, "shared": shared, "tiny_dir": str(tiny_dir)}, work / "inputs.pt")
     ranks = run_job(work)
 
     loss = Loss(AlgoConfig(**ALGO))
@@ -226,6 +244,9 @@ def job(tiny_dir, tmp_path_factory):
     ref["half_w2"] = full_weights(half, critic=False)
     hc = LocalTrainer(tiny_dir, TrainerConfig(**HALF, critic=True, critic_lr=1e-3), total_steps=6)
     ref["hc_m"], ref["hc_w"] = hc.train(batches[0], loss), full_weights(hc)
+    sh = LocalTrainer(tiny_dir, TrainerConfig(**CFG, pack_sequences="shared"), total_steps=6)
+    ref["shared_m"] = [sh.train(b, loss) for b in shared]
+    ref["shared_w"] = full_weights(sh)
     return work, ranks, ref
 
 
@@ -368,6 +389,20 @@ def test_replicated_ranks_match_the_local_trainer(job):
             torch.testing.assert_close(got0, want, atol=1e-5, rtol=0)
 
 
+def test_ranks_with_shared_prompts_match_the_local_trainer(job):
+    """pack_sequences=shared on ranks: each rank is dealt whole prompts (two of the four here) and
+    computes each once; the numbers are the local trainer's, which shares all four, to float32
+    rounding (weights at 10% of lr after two Adam steps, as the packed ranks)."""
+    _, ranks, ref = job
+    for key in ("fsdp", "rep"):
+        assert max_diff(ranks[0][f"shared_{key}_w"], ranks[1][f"shared_{key}_w"]) == 0.0
+        assert max_diff(ranks[0][f"shared_{key}_w"], ref["shared_w"]) <= 1e-5
+        assert max_diff(ranks[0][f"shared_{key}_w"], ranks[0]["w2"]) > 1e-5  # other batches, other weights
+        for got, want in zip(ranks[0][f"shared_{key}_m"], ref["shared_m"]):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-5)
+            assert got["num_tokens"] == want["num_tokens"]
+
+
 def test_replicated_ranks_resume_and_survive_a_nan_on_one_rank(job):
     _, ranks, _ = job
     for res in ranks:
@@ -420,6 +455,24 @@ def test_needs_a_process_group(tiny_dir):
         FSDPTrainer(tiny_dir, TrainerConfig(device="cpu"), total_steps=1)
     assert balance([20, 3, 4, 5], 2) == [[0], [3, 2, 1]]
     assert balance([3], 2) == [[0], []]
+
+
+def test_shared_prompts_are_dealt_a_group_to_a_rank():
+    """With prompt keys (pack_sequences: shared) a prompt's samples go to one rank, costing the
+    prompt once: prompt A (5 tokens) with completions of 4, 1, 2 costs 12, B (2 tokens) with 3, 3, 3
+    costs 11, C (6 tokens) with 1 costs 7. Fewer prompts than ranks: dealt sample by sample."""
+    from conveyor.trainer.microbatch import balance
+
+    a, b, c = (b"a", 5), (b"b", 2), (b"c", 6)
+    lengths, keys = [9, 5, 5, 6, 7, 5, 7], [a, b, b, a, a, b, c]
+    assert balance(lengths, 2, keys) == [[0, 3, 4], [1, 2, 5, 6]]
+    assert balance(lengths, 3, keys) == [[0, 3, 4], [1, 2, 5], [6]]
+    groups = [[i for i in range(len(keys)) if keys[i] == k] for k in (a, b, c)]
+    for world in (2, 3):
+        shares = balance(lengths, world, keys)
+        assert sorted(i for s in shares for i in s) == list(range(len(lengths)))
+        assert all(any(set(g) <= set(s) for s in shares) for g in groups)
+    assert balance(lengths, 4, keys) == balance(lengths, 4)  # 3 prompts, 4 ranks: per sample
 
 
 if __name__ == "__main__":
