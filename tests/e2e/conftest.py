@@ -34,3 +34,14 @@ def cluster():
         else:
             os.environ["RAY_AUTH_MODE"] = saved
         assert not left, f"Ray processes left after stopping the cluster: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> Path:
+    """The README's first command (`conveyor train`: the default recipe, seed 0), run once per test
+    session: the learning test checks it, and the LoRA learning test starts its RL phase from its
+    warm start (``warmstart/``) instead of training the same warm start again."""
+    from conveyor.cli import main
+    run = tmp_path_factory.mktemp("default") / "run"
+    assert main(["train", f"--output-dir={run}", "observe.progress=false", "observe.tensorboard=false"]) == 0
+    return run

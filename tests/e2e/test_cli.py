@@ -47,12 +47,10 @@ def _weights(run_dir: Path):
 
 @pytest.mark.parametrize("launch", [
     [],
-    # two FSDP2 ranks: sharded checkpoints, resumed and exported
+    # two FSDP2 ranks: sharded checkpoints, resumed and exported (whole-model ranks write the
+    # single-device checkpoint: their resume is tests/unit/trainer/test_fsdp.py's)
     ["launch.placement=disaggregated", "launch.trainer_ranks=2", "launch.weight_sync=broadcast"],
-    # two whole-model ranks: rank 0's checkpoint, read by both on resume
-    ["launch.placement=disaggregated", "launch.trainer_ranks=2", "launch.weight_sync=broadcast",
-     "trainer.parallel=replicate"],
-], ids=["in-process", "fsdp2", "replicate"])
+], ids=["in-process", "fsdp2"])
 def test_resume_matches_uninterrupted_run(tmp_path, launch):
     common = [*FAST, "loop.checkpoint_every=2", "observe.progress=false", *launch]
     full, part = tmp_path / "full", tmp_path / "part"

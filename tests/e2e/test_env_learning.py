@@ -6,7 +6,10 @@ about half of the held-out tasks before RL and on nearly all after. guess_number
 imitates a teacher that guesses at random among the numbers still possible; RL raises the share
 of games won within four guesses and lowers the guesses used. Held-out tasks (200) are never
 trained on; the margins are about half of the smallest gains seen on seeds 0-2
-(docs/environments.md), so another CPU's rounding does not decide the result.
+(docs/environments.md), so another CPU's rounding does not decide the result. The tests run half
+the recipes' warm start (200 steps; the recipes' 400 are most of a run's time): tool_use's sampled
+success then went 0.325 -> 0.745 and its calls 0.475 -> 0.965, guess_number's games won
+0.335 -> 0.62 greedy and 0.425 -> 0.55 sampled (seed 0).
 """
 import json
 from pathlib import Path
@@ -22,7 +25,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 def _train(recipe: str, run: Path) -> dict:
     assert main(["train", str(RECIPES / recipe), f"--output-dir={run}", "observe.progress=false",
-                 "observe.tensorboard=false"]) == 0
+                 "observe.tensorboard=false", "sft.steps=200", "loop.eval_every=0"]) == 0
     return json.loads((run / "summary.json").read_text())
 
 

@@ -25,8 +25,8 @@ class SlowGuess(GuessNumber):
         return super().step(action)
 
 
-def _run(tmp_path: Path, staleness: int) -> list[dict]:
-    cfg = load_config(RECIPE, [f"loop.max_staleness={staleness}", "sft.steps=30", "loop.steps=6",
+def _run(tmp_path: Path, staleness: int, steps: int) -> list[dict]:
+    cfg = load_config(RECIPE, [f"loop.max_staleness={staleness}", "sft.steps=30", f"loop.steps={steps}",
                                "loop.batch_size=4", "rollout.n=4", "data.eval_size=8", "loop.eval_every=0",
                                "loop.eval_sampled=false", "observe.progress=false", "observe.tensorboard=false",
                                "env.name=tests.e2e.test_env_versions:SlowGuess",
@@ -36,8 +36,8 @@ def _run(tmp_path: Path, staleness: int) -> list[dict]:
 
 
 def test_sync_episodes_are_on_policy_and_streaming_ones_span_versions(tmp_path):
-    sync = _run(tmp_path, 0)
+    sync = _run(tmp_path, 0, steps=3)
     assert all(m["staleness_max"] == 0 and m["multi_version_frac"] == 0 for m in sync)
-    streaming = _run(tmp_path, 1)
+    streaming = _run(tmp_path, 1, steps=6)
     assert max(m["multi_version_frac"] for m in streaming) > 0  # a swap landed between turns
     assert all(m["reward_failures"] == 0 for m in streaming)

@@ -12,15 +12,11 @@ import json
 
 import pytest
 
-from conveyor.cli import main
-
 pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "not slow"` leaves it out
 
 
-def test_default_recipe_rl_adds_reward(tmp_path):
-    run = tmp_path / "run"
-    assert main(["train", f"--output-dir={run}", "observe.progress=false", "observe.tensorboard=false"]) == 0
-    s = json.loads((run / "summary.json").read_text())
+def test_default_recipe_rl_adds_reward(default_run):
+    s = json.loads((default_run / "summary.json").read_text())
     assert s["steps"] == 150
     assert s["eval_reward_initial"] < 0.1                      # a random model gets almost nothing
     assert s["eval_reward_warmstart"] > 0.15                   # the warm-start taught the format
