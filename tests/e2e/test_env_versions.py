@@ -26,7 +26,7 @@ class SlowGuess(GuessNumber):
 
 
 def _run(tmp_path: Path, staleness: int, steps: int) -> list[dict]:
-    cfg = load_config(RECIPE, [f"loop.max_staleness={staleness}", "sft.steps=30", f"loop.steps={steps}",
+    cfg = load_config(RECIPE, [f"loop.max_staleness={staleness}", "sft.steps=10", "sft.batch_size=16", f"loop.steps={steps}",
                                "loop.batch_size=4", "rollout.n=4", "data.eval_size=8", "loop.eval_every=0",
                                "loop.eval_sampled=false", "observe.progress=false", "observe.tensorboard=false",
                                "env.name=tests.e2e.test_env_versions:SlowGuess",
