@@ -222,8 +222,7 @@ class FSDPTrainer(RankGroup, LocalTrainer):
 
     def _plans(self, batch: Batch) -> list[list[list[int]]]:
         """Per rank, its micro-batches as lists of sample indices (packed unless the batch replays routes)."""
-        lengths, packs = [int(x.numel()) for x in batch.input_ids], self._packs(batch)
-        keys = packing.prompt_keys(batch.input_ids, batch.loss_mask) if packs and self._shared else None
+        lengths, packs, keys = [int(x.numel()) for x in batch.input_ids], self._packs(batch), self._prompt_keys(batch)
         return [[[share[k] for k in mb]
                  for mb in packing.micro_batches(self.cfg, [lengths[i] for i in share], packs, None,
                                                  [keys[i] for i in share] if keys else None)]

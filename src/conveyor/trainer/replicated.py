@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from conveyor.config import TrainerConfig
-from conveyor.trainer import packing
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.microbatch import balance
 from conveyor.trainer.ranks import RankGroup
@@ -81,8 +80,7 @@ class ReplicatedTrainer(RankGroup, LocalTrainer):
     def _share(self, batch: Batch) -> list[int]:
         """This rank's samples of ``batch``: dealt by tokens, the same deal on every rank (a prompt's
         samples together when prompts are shared)."""
-        keys = packing.prompt_keys(batch.input_ids, batch.loss_mask) if self._shared and self._packs(batch) else None
-        return balance([int(x.numel()) for x in batch.input_ids], self.world, keys)[self.rank]
+        return balance([int(x.numel()) for x in batch.input_ids], self.world, self._prompt_keys(batch))[self.rank]
 
     # ----------------------------------------------------------------- forward
     def _per_sample(self, batch: Batch, fn) -> list[torch.Tensor]:

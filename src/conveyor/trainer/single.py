@@ -295,12 +295,14 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
             return packing.Layout.shared_of(am, need, cpu_mb["input_ids"], cpu_mb["loss_mask"]).to(self.device)
         return packing.Layout.of(am, need).to(self.device)
 
+    def _prompt_keys(self, batch: Batch) -> list[tuple[bytes, int]] | None:
+        """Each sample's prompt (``packing.prompt_keys``) when ``batch`` trains with prompts shared, else None."""
+        return packing.prompt_keys(batch.input_ids, batch.loss_mask) if self._packs(batch) and self._shared else None
+
     def _micro_batches(self, batch: Batch, budget: int | None = None) -> list[list[int]]:
         """The micro-batches of ``batch`` (sample indices): packed or padded, prompts shared or not."""
         lengths = [int(x.numel()) for x in batch.input_ids]
-        packs = self._packs(batch)
-        keys = packing.prompt_keys(batch.input_ids, batch.loss_mask) if packs and self._shared else None
-        return packing.micro_batches(self.cfg, lengths, packs, budget, keys)
+        return packing.micro_batches(self.cfg, lengths, self._packs(batch), budget, self._prompt_keys(batch))
 
     def _policy_out(self, model: nn.Module, mb: dict[str, torch.Tensor],
                     with_entropy: bool, start: int = 0,
