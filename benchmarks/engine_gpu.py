@@ -11,7 +11,10 @@ bandwidth utilisation against the bound
     step time >= (weight bytes + B x L x KV bytes per token) / bandwidth
 
 with L the mean context over the run (prompt + new / 2) and the card's
-datasheet bandwidth (3.35 TB/s H100, 4.8 TB/s H200). A breakdown times one
+datasheet bandwidth (3.35 TB/s H100, 4.8 TB/s H200), and against the roofline,
+where the weights' GEMMs take the longer of their bytes and their FLOPs (2 per
+weight per row at 800 TFLOP/s): from about 170 rows on an H200 a decode step's
+GEMMs are bound by arithmetic, not bytes. A breakdown times one
 decode graph replay and one sampling call (reference and fused) at each batch
 size, so the host's share of a step is the rest; ``--profile-batch`` prints the
 top GPU kernels of the decode forward for the first model; ``--tune-attn`` times
@@ -50,6 +53,7 @@ CONFIGS = {
                  intermediate_size=8960, tie_word_embeddings=True),
 }
 VOCAB, EOS = 151936, 151643
+PEAK_FLOPS = 800e12  # bf16 matrix products on an H100 / H200 (BENCHMARKS.md)
 
 
 def bandwidth(name: str) -> float:
@@ -288,12 +292,17 @@ def run_model(size: str, args, card: str) -> list[dict]:
         out, total, prefill = timed_generate(engine, prompts, params)
         tokens = sum(len(c.token_ids) for g in out for c in g)
         ctx = args.prompt_len + args.new / 2
-        bound_step = (wbytes + batch * ctx * kv_per_token) / bandwidth(card)
+        kv_step = batch * ctx * kv_per_token / bandwidth(card)
+        bound_step = wbytes / bandwidth(card) + kv_step
+        # The roofline: the weights' GEMMs take at least their bytes or their FLOPs (2 per weight per
+        # row, at the matrix rate BENCHMARKS.md uses), whichever is longer; attention reads its KV.
+        roofline_step = max(wbytes / bandwidth(card), 2 * (wbytes / 2) * batch / PEAK_FLOPS) + kv_step
         decode_tok_s = tokens / max(total - prefill, 1e-9)
         row = {"card": card, "model": f"qwen2.5-{size}-config", "dtype": "bfloat16", "batch": batch, "group": n,
                "prompt_len": args.prompt_len, "new_tokens": args.new, "tokens": tokens, "seconds": total,
                "prefill_seconds": prefill, "tok_s": tokens / total, "decode_tok_s": decode_tok_s,
                "bound_tok_s": batch / bound_step, "mbu": decode_tok_s / (batch / bound_step),
+               "roofline_tok_s": batch / roofline_step, "of_roofline": decode_tok_s * roofline_step / batch,
                "weight_bytes": wbytes, "kv_bytes_per_token": kv_per_token, "parity": check,
                "breakdown": breakdown(engine, batch)}
         if batch == args.profile_batch and size == args.models.split(",")[0]:
@@ -316,16 +325,17 @@ def run_model(size: str, args, card: str) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | batch | tok/s (e2e) | decode tok/s | bound tok/s | MBU | graph ms | sample ms (ref / fused) "
-             "| HF generate tok/s | HF continuous batching tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | batch | tok/s (e2e) | decode tok/s | bound tok/s | MBU | roofline tok/s | of roofline "
+             "| graph ms | sample ms (ref / fused) | HF generate tok/s | HF continuous batching tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = r["breakdown"]
         hf = r.get("hf_generate", {}).get("tok_s")
         cb = r.get("hf_continuous_batching", {})
         cb_cell = f"{cb['tok_s']:,.0f}" if "tok_s" in cb else cb.get("error", "")[:60]
-        lines.append(f"| {r['model']} | {r['batch']} | {r['tok_s']:,.0f} | {r['decode_tok_s']:,.0f} | "
-                     f"{r['bound_tok_s']:,.0f} | {r['mbu']:.1%} | {b.get('graph_ms', float('nan')):.2f} | "
+        lines.append(f"| {r['model']} | {r['batch']} | {r['tok_s']:,.0f} | "
+                     f"{r['decode_tok_s']:,.0f} | {r['bound_tok_s']:,.0f} | {r['mbu']:.1%} | "
+                     f"{r['roofline_tok_s']:,.0f} | {r['of_roofline']:.1%} | {b.get('graph_ms', float('nan')):.2f} | "
                      f"{b['sample_ms']:.2f} / {b.get('fused_sample_ms', float('nan')):.2f} | "
                      f"{'' if hf is None else f'{hf:,.0f}'} | {cb_cell} |")
     return "\n".join(lines)
