@@ -176,12 +176,15 @@ class TrainerConfig(_Section):
         "on a GPU with Triton, our fused kernels for the logprob head (one read of the logits per pass) "
         "and for RMSNorm, the SwiGLU product and the rotary embedding, with one GEMM for q/k/v and one for "
         "gate/up (Llama/Qwen2/Mistral); false = plain torch ops"))
-    parallel: Literal["fsdp", "replicate"] = Field("fsdp", description=(
+    parallel: Literal["auto", "fsdp", "replicate"] = Field("auto", description=(
         "several trainer ranks: fsdp shards the weights, gradients and optimizer state over the ranks "
         "(FSDP2: any size of model; each layer's weights gathered for its forward and backward); replicate "
         "keeps the whole model and its optimizer state on every rank, each rank trains its share of a "
         "mini-batch alone and one all-reduce sums the gradients (a model that fits on one device: no "
-        "gathers, the single-device trainer's kernels and copies on every rank)"))
+        "gathers, the single-device trainer's kernels and copies on every rank); auto: replicate on GPUs "
+        "where the training state (weights, gradients, AdamW state, the bf16 copy, reference and critic) "
+        "takes at most half of every rank's memory, else fsdp; fsdp on CPU ranks; a resumed run keeps its "
+        "checkpoint's kind"))
     fsdp_reshard: Literal["micro-batch", "step"] = Field("micro-batch", description=(
         "several trainer ranks (FSDP2): when a decoder layer's gathered weights are freed. micro-batch: "
         "after its forward and again after its backward (least memory; gathered twice per micro-batch); "

@@ -40,6 +40,7 @@ from conveyor.observe.timers import PhaseTimer
 from conveyor.reward.api import RewardHandle
 from conveyor.rollout.api import SamplingParams
 from conveyor.trainer.api import TrainerHandle
+from conveyor.trainer.checkpoint import reader_of
 from conveyor.trainer import sm_share
 from conveyor.trainer.fit import check_micro_batches, needs_time_share
 from conveyor.transport.buffer import TrajectoryBuffer
@@ -309,6 +310,9 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool, launcher: Callable[[RunConf
     ckpt = latest_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise SetupError(f"--resume {run_dir}: no checkpoints/step_* inside; nothing to resume")
+    if ckpt is not None and cfg.trainer.parallel == "auto":
+        # Trainer ranks read their own kind's checkpoints: sharded ones FSDP ranks wrote, or whole ones.
+        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"parallel": reader_of(ckpt)})})
     base = resolve_model_path(cfg, run_dir)
     check_lora(cfg, base)
     if cfg.algo.routing_replay:

@@ -12,6 +12,9 @@ Contract
 - ``load_checkpoint(trainer, dir) -> extra`` restores it in place (parameters
   keep their identity). The frozen reference is not saved: resume from the
   same initial model.
+- ``reader_of(dir)``: the kind of trainer ranks that resume ``dir``: ``fsdp``
+  for a sharded checkpoint, ``replicate`` for a whole one (one rank's, or
+  whole-model ranks').
 - ``export_hf(dir, out)`` writes a plain HF checkpoint, also from a sharded
   one (``dir/fsdp.json``, weights in ``dir/dcp``) in a single process;
   ``export_policy(trainer, out)`` writes the current policy.
@@ -46,6 +49,10 @@ TOKENIZER_FILES = (
 
 # Marks a sharded (FSDP) checkpoint directory; its content names the format.
 SHARDED_MARKER = "fsdp.json"
+
+
+def reader_of(path: str | Path) -> str:
+    return "fsdp" if (Path(path) / SHARDED_MARKER).is_file() else "replicate"
 
 
 def _prepare_tmp(final: str | Path) -> Path:

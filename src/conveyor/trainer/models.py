@@ -7,6 +7,11 @@ Contract
 - ``ValueModel(backbone, hidden_size, seed)``: the critic, the decoder without
   its head plus ``Linear(hidden, 1)`` initialised from a private generator
   (the global RNG is neither read nor moved), one float32 value per position.
+- ``training_state_bytes(path, cfg)``: the device memory one rank's whole-model
+  trainer keeps for the model at ``path`` (built on the meta device, nothing
+  loaded): float32 weights, gradients and AdamW's two moments, the bf16 compute
+  copy, the reference and the critic ``cfg`` asks for; LoRA trains a few
+  adapters on frozen float32 weights. Activations are not counted.
 - ``decoder_layers(module)``: the repeated blocks of a Hugging Face model (its
   ``_no_split_modules`` classes), outermost first (FSDP units, compile units).
 - ``enable_checkpointing``, ``fuse_layers``, ``compile_layers``: the in-place
@@ -62,6 +67,20 @@ def load_policy(src: Any) -> tuple[nn.Module, Path | None]:
         raise TypeError(f"LocalTrainer: expected a checkpoint path or a torch model, got {type(src).__name__}")
     name = getattr(src, "name_or_path", "") or ""
     return src, Path(name) if name and Path(name).is_dir() else None
+
+
+def training_state_bytes(path: str | Path, cfg: TrainerConfig) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
+                     .parameters())
+    per_param = 4 if cfg.lora.enabled else 4 + 4 + 8 + 2  # weights (+ gradients, moments, the bf16 copy)
+    if cfg.reference:
+        per_param += 4
+    if cfg.critic:
+        per_param += 16
+    return params * per_param
 
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:

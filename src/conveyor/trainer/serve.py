@@ -26,12 +26,15 @@ It knows nothing of the loop's schedule, the admission rule or engines.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 from conveyor.trainer.api import LossFn, Trainer
 from conveyor.transport.api import WeightWriter
 from conveyor.transport.messages import Span, Trained
 from conveyor.transport.weights import publish_all
+
+logger = logging.getLogger(__name__)
 
 
 class TrainerHost:
@@ -130,10 +133,36 @@ class TrainerHost:
                 w.close()
 
 
+def choose_parallel(cfg, path: str, device: str) -> str:
+    """What ``trainer.parallel`` means on this rank: fsdp or replicate as asked; auto is replicate on
+    a GPU whose memory holds the whole model's training state twice over (the rest is for
+    activations), fsdp otherwise and on CPU ranks (where replicate was not measured faster)."""
+    if cfg.parallel != "auto":
+        return cfg.parallel
+    if not device.startswith("cuda"):
+        return "fsdp"
+    import torch
+
+    from conveyor.trainer.models import training_state_bytes
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return "replicate" if 2 * training_state_bytes(path, cfg) <= total else "fsdp"
+
+
+def _agreed_parallel(mine: str, device: str) -> str:
+    """Every rank builds the same kind: replicate only if it fits on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if mine == "replicate" else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return "replicate" if int(flag.item()) else "fsdp"
+
+
 def build_rank(spec: dict, init_method: str):
     """One trainer rank from its spec: bind the device; one rank is a ``LocalTrainer``, several join
-    a process group at ``init_method`` (nccl on GPUs, gloo on CPU) and are ``FSDPTrainer`` ranks, or
-    ``ReplicatedTrainer`` ranks with ``trainer.parallel: replicate``."""
+    a process group at ``init_method`` (nccl on GPUs, gloo on CPU) and are ``FSDPTrainer`` or
+    ``ReplicatedTrainer`` ranks (``trainer.parallel``; auto chooses with ``choose_parallel``, the
+    same on every rank)."""
     from datetime import timedelta
 
     from conveyor.config import TrainerConfig
@@ -149,7 +178,12 @@ def build_rank(spec: dict, init_method: str):
     backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=spec["rank"], world_size=spec["world"],
                             timeout=timedelta(seconds=spec["collective_timeout_s"]))
-    if cfg.parallel == "replicate":
+    parallel = choose_parallel(cfg, spec["path"], spec["device"])
+    if cfg.parallel == "auto":
+        parallel = _agreed_parallel(parallel, spec["device"])
+        if spec["rank"] == 0:
+            logger.info("trainer.parallel=auto: %s ranks", parallel)
+    if parallel == "replicate":
         from conveyor.trainer.replicated import ReplicatedTrainer
         return ReplicatedTrainer(spec["path"], cfg, **kwargs)
     from conveyor.trainer.fsdp import FSDPTrainer
