@@ -2,7 +2,8 @@
 
 - disaggregated, 1 trainer GPU + 1 engine GPU, weights by NCCL broadcast, max_staleness 0:
   the same rewards and (to float tolerance) the same weights as the in-process run;
-- colocated over 2 GPUs: 2 FSDP2 ranks, engine i beside rank i, weights by CUDA IPC;
+- colocated over 2 GPUs: 2 FSDP2 ranks, and 2 whole-model ranks (what ``trainer.parallel:
+  auto`` picks for a model this small), engine i beside rank i, weights by CUDA IPC;
 - a placement that needs more GPUs than are visible is refused by name.
 """
 import pytest
@@ -32,7 +33,8 @@ def _run(tmp_path, name, extra):
 def test_broadcast_and_fsdp_runs_match_the_in_process_run(tmp_path):
     _, ma, wa = _run(tmp_path, "inprocess", [])
     for name, extra in {"broadcast": ["launch.placement=disaggregated"],
-                        "colocated-fsdp2": ["launch.trainer_ranks=2", "launch.engines=2"]}.items():
+                        "colocated-fsdp2": ["launch.trainer_ranks=2", "launch.engines=2", "trainer.parallel=fsdp"],
+                        "colocated-auto": ["launch.trainer_ranks=2", "launch.engines=2"]}.items():
         _, mb, wb = _run(tmp_path, name, extra)
         assert len(mb) == 3 and all(m["staleness_max"] == 0 for m in mb), name
         assert all(m["weight_publish_ms"] > 0 for m in mb), name
