@@ -97,8 +97,11 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = Fals
     quiet_libraries()
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     if cfg.sft.steps == 0 and not resume:
-        say("warm-start: skipped (sft.steps is 0); RL starts from the base model. "
-            "Set sft.steps=N to teach the answer format first")
+        if cfg.model.path:
+            say(f"warm-start: skipped (sft.steps is 0); RL starts from {cfg.model.path} as it is")
+        else:
+            say("warm-start: skipped (sft.steps is 0); RL starts from the untrained tiny model. "
+                "Set sft.steps=N to teach the answer format first")
     raw = run_roles(cfg, run_dir, resume=resume)
     return summary_of(raw, run_dir)
 

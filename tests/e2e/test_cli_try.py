@@ -155,12 +155,22 @@ def test_held_out_set_with_nothing_left_is_an_error(tmp_path, capsys):
     assert "model.tiny.max_position_embeddings" in err[-1]
 
 
+def test_skipped_warm_start_names_the_model_rl_starts_from(tmp_path, capsys):
+    from conveyor.data.tiny import build_tiny
+    model = build_tiny(tmp_path / "model", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                       intermediate_size=64)
+    assert main(["train", *FAST, "sft.steps=0", "loop.steps=1", f"model.path={model}",
+                 f"--output-dir={tmp_path / 'run'}"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert f"warm-start: skipped (sft.steps is 0); RL starts from {model} as it is" in err
+
+
 def test_skipped_warm_start_and_prompts_skipped_for_length_are_said(tmp_path, capsys):
     # a context of 6 tokens: prompts of 6 characters ("12+34=") are skipped, shorter ones kept
     assert main(["train", *FAST, "sft.steps=0", "loop.steps=1", "model.tiny.max_position_embeddings=6",
                  "rollout.max_new_tokens=1", f"--output-dir={tmp_path / 'run'}"]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert any(l.startswith("warm-start: skipped (sft.steps is 0)") for l in err)
+    assert any(l.startswith("warm-start: skipped (sft.steps is 0); RL starts from the untrained tiny model") for l in err)
     notes = [l for l in err if "held-out prompts skipped" in l]
     assert len(notes) == 1 and notes[0].startswith("note: 12 of 16 held-out prompts skipped: longer than the "
                                                    "model's context (5 prompt tokens)")
