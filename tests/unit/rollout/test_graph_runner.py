@@ -147,9 +147,9 @@ def test_next_step_is_queued_before_the_one_before_is_read(tok, prompts, device)
     eng = fast(model, tok, device, max_batch=4, refill=1)
     real, calls = eng.runner.decode, []
 
-    def decode(running, last=None, src=None):
+    def decode(running, last=None, src=None, rows=None):
         calls.append((len(running), last is not None, src))
-        return real(running, last, src)
+        return real(running, last, src, rows)
     eng.runner.decode = decode
     # Sampled: stop tokens end samples at many different steps, mid-batch.
     params = SamplingParams(temperature=1.0, n=2, max_new_tokens=30, stop_token_ids=stops, seed=0)
@@ -208,8 +208,8 @@ def test_tiny_pool_preempts_and_keeps_outputs(tok, prompts, device):
 
 
 def _recording(real, sink):
-    def wrapped(running):
-        out = real(running)
+    def wrapped(running, *rows):
+        out = real(running, *rows)
         sink.extend(out)
         return out
     return wrapped

@@ -254,7 +254,8 @@ class PagedGraphRunner:
             upd = staged.to(self.device, non_blocking=True)
         self._bt[upd[0], upd[1]] = upd[2].to(torch.int32)
 
-    def _rows_of(self, running) -> np.ndarray:
+    def rows_of(self, running) -> np.ndarray:
+        """The batch rows of ``running`` (to pass to ``ensure_slots`` and ``decode`` of one step)."""
         # Built per call: a step decodes the running batch less the requests that end with
         # the token still in flight, so the list is not always the one of the step before.
         return np.fromiter((r.kv.row for r in running), dtype=np.int64, count=len(running))
@@ -292,9 +293,10 @@ class PagedGraphRunner:
 
         return fits
 
-    def ensure_slots(self, running: list) -> list:
-        """Give each running request a slot for its next token; preempt from the end when the pool is full."""
-        rows = self._rows_of(running)
+    def ensure_slots(self, running: list, rows: np.ndarray | None = None) -> list:
+        """Give each running request a slot for its next token; preempt from the end when the pool is full.
+        ``rows``: ``rows_of(running)`` if the caller has it."""
+        rows = self.rows_of(running) if rows is None else rows
         need = np.flatnonzero(self._cached[rows] % self.block_size == 0)
         end, preempted = len(running), []
         for i in need.tolist():
@@ -475,15 +477,17 @@ class PagedGraphRunner:
 
     def room_for_next_tokens(self, running: list) -> bool:
         """Whether every running request's next token fits the pool without preempting."""
-        rows = self._rows_of(running)
+        rows = self.rows_of(running)
         return int(np.count_nonzero(self._cached[rows] % self.block_size == 0)) <= self.allocator.num_free
 
-    def decode(self, running: list, last: torch.Tensor | None = None, src: list[int] | None = None) -> torch.Tensor:
+    def decode(self, running: list, last: torch.Tensor | None = None, src: list[int] | None = None,
+               rows: np.ndarray | None = None) -> torch.Tensor:
         """One token for every running request (call ``ensure_slots`` first). A request whose
         last token is still on the device (sampled by the step before, not read back yet)
-        has its index into ``last`` in ``src`` (-1 for the others): the input is taken there."""
+        has its index into ``last`` in ``src`` (-1 for the others): the input is taken there.
+        ``rows``: ``rows_of(running)`` if the caller has it."""
         b = len(running)
-        rows = self._rows_of(running)
+        rows = self.rows_of(running) if rows is None else rows
         pos = self._cached[rows]
         size = self._bucket(b)
         host, bt_host = _rows(self._hosts[self._turn], 6, size), self._bt_hosts[self._turn]

@@ -128,6 +128,7 @@ class PagedLoop:
         prev, nxt = self.ahead, None
         with self.engine._lock:
             version = self.engine.version
+            rows = None
             if prev is None:
                 sched.preempt(self.runner.ensure_slots(sched.running))
                 batch = list(sched.running)
@@ -135,11 +136,12 @@ class PagedLoop:
                 # A request whose token in flight is its last (by length) is not decoded again;
                 # one that ends on a stop token is, and that token is dropped when read.
                 batch = [r for r in sched.running
-                         if not (id(r) in prev.index and len(r.token_ids) + 1 >= r.max_new_tokens)]
-                self.runner.ensure_slots(batch)  # room was checked: nothing is preempted
+                         if not (len(r.token_ids) + 1 >= r.max_new_tokens and id(r) in prev.index)]
+                rows = self.runner.rows_of(batch)
+                self.runner.ensure_slots(batch, rows)  # room was checked: nothing is preempted
             if batch:
                 src = None if prev is None else [prev.index.get(id(r), -1) for r in batch]
-                logits = self.runner.decode(batch, None if prev is None else prev.tokens, src)
+                logits = self.runner.decode(batch, None if prev is None else prev.tokens, src, rows)
                 # The index of the token each row draws counts the one in flight, not read yet.
                 drawn = ([len(r.token_ids) for r in batch] if src is None
                          else [len(r.token_ids) + (i >= 0) for r, i in zip(batch, src)])
@@ -191,14 +193,25 @@ class PagedLoop:
         _wait(step.done)
         both = step.host.numpy()
         toks, lps = both[0].astype(np.int64).tolist(), both[1].tolist()
+        # StopRule.finish_reason, inlined for the common case (no stop strings): this runs for
+        # every row of every step, and the host's work must hide under the device's step.
+        stop_ids, version = self.stop.stop_token_ids, step.version
+        rule = self.stop.finish_reason if self.stop.stop_strings else None
         for req, tok, lp in zip(step.reqs, toks, lps, strict=True):
-            if req.finished:
+            if req.finish_reason is not None:
                 continue  # it ended on the step before; this token was decoded ahead of that news
-            req.append(tok, lp, step.version)
-            req.finish_reason = self.stop.finish_reason(req)
+            req.token_ids.append(tok)
+            req.logprobs.append(lp)
+            req.versions.append(version)
+            if rule is not None:
+                req.finish_reason = rule(req)
+            elif tok in stop_ids:
+                req.finish_reason = "stop"
+            elif len(req.token_ids) >= req.max_new_tokens:
+                req.finish_reason = "length"
 
     def _retire(self, sched: Scheduler) -> None:
-        done = [r for r in sched.running if r.finished]
+        done = [r for r in sched.running if r.finish_reason is not None]
         for r in done:
             self.runner.free(r)
         sched.retire()

@@ -122,6 +122,6 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     def retire(self) -> list[int]:
-        keep = [i for i, r in enumerate(self.running) if not r.finished]
+        keep = [i for i, r in enumerate(self.running) if r.finish_reason is None]
         self.running = [self.running[i] for i in keep]
         return keep
