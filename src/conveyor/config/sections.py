@@ -183,7 +183,8 @@ class TrainerConfig(_Section):
         "mini-batch alone and one all-reduce sums the gradients (a model that fits on one device: no "
         "gathers, the single-device trainer's kernels and copies on every rank); auto: replicate on GPUs "
         "where the training state (weights, gradients, AdamW state, the bf16 copy, reference and critic) "
-        "takes at most half of every rank's memory, else fsdp; fsdp on CPU ranks; a resumed run keeps its "
+        "takes at most half of every rank's free memory as the ranks start (after any engine on the same "
+        "GPU), else fsdp; fsdp on CPU ranks; a resumed run keeps its "
         "checkpoint's kind"))
     fsdp_reshard: Literal["micro-batch", "step"] = Field("micro-batch", description=(
         "several trainer ranks (FSDP2): when a decoder layer's gathered weights are freed. micro-batch: "

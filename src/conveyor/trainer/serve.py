@@ -135,8 +135,9 @@ class TrainerHost:
 
 def choose_parallel(cfg, path: str, device: str) -> str:
     """What ``trainer.parallel`` means on this rank: fsdp or replicate as asked; auto is replicate on
-    a GPU whose memory holds the whole model's training state twice over (the rest is for
-    activations), fsdp otherwise and on CPU ranks (where replicate was not measured faster)."""
+    a GPU whose free memory (engines on the same GPU start first and have taken theirs) holds the
+    whole model's training state twice over (the rest is for activations), fsdp otherwise and on
+    CPU ranks (where replicate was not measured faster)."""
     if cfg.parallel != "auto":
         return cfg.parallel
     if not device.startswith("cuda"):
@@ -144,8 +145,8 @@ def choose_parallel(cfg, path: str, device: str) -> str:
     import torch
 
     from conveyor.trainer.models import training_state_bytes
-    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    return "replicate" if 2 * training_state_bytes(path, cfg) <= total else "fsdp"
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return "replicate" if 2 * training_state_bytes(path, cfg) <= free else "fsdp"
 
 
 def _agreed_parallel(mine: str, device: str) -> str:

@@ -2,8 +2,6 @@
 sharded ranks elsewhere and on CPU ranks; a resume keeps the kind that wrote its checkpoint."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -37,9 +35,9 @@ def test_auto_is_replicate_only_where_the_state_fits_twice(tiny, monkeypatch):
     for asked in ("fsdp", "replicate"):  # asked for: kept, wherever
         assert serve.choose_parallel(TrainerConfig(parallel=asked), str(tiny), "cpu") == asked
     assert serve.choose_parallel(TrainerConfig(), str(tiny), "cpu") == "fsdp"  # auto on CPU ranks
-    # The GPU's memory, as its properties report it (no GPU here: the query is what varies).
-    for total, want in ((2 * need, "replicate"), (2 * need - 1, "fsdp")):
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d, t=total: SimpleNamespace(total_memory=t))
+    # The GPU's free memory, as CUDA reports it (no GPU here: the query is what varies).
+    for free, want in ((2 * need, "replicate"), (2 * need - 1, "fsdp")):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda _d, f=free: (f, 4 * f))
         assert serve.choose_parallel(TrainerConfig(), str(tiny), "cuda:0") == want
 
 
