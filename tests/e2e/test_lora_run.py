@@ -21,16 +21,18 @@ FAST = ["sft.steps=0", "loop.steps=3", "loop.batch_size=4", "rollout.n=4", "data
         "trainer.lora.rank=4", "trainer.lora.publish=adapter"]
 
 
-@pytest.mark.parametrize("placement,ranks", [("colocated", 1), ("disaggregated", 1), ("disaggregated", 2)])
-def test_adapter_publish_serves_the_trained_policy_and_exports(tmp_path, placement, ranks):
-    """In this process, in an engine process, and from 2 FSDP2 trainer ranks (sharded checkpoints)."""
+@pytest.mark.parametrize("placement,ranks,parallel", [("colocated", 1, "auto"), ("disaggregated", 1, "auto"),
+                                                     ("disaggregated", 2, "auto"), ("disaggregated", 2, "replicate")])
+def test_adapter_publish_serves_the_trained_policy_and_exports(tmp_path, placement, ranks, parallel):
+    """In this process, in an engine process, from 2 FSDP2 trainer ranks (what auto picks on CPU:
+    sharded checkpoints) and from 2 whole-model ranks."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
     assert main(["train", f"--output-dir={run}", f"launch.placement={placement}", f"launch.trainer_ranks={ranks}",
-                 *FAST]) == 0
-    assert ((run / "checkpoints" / "step_000003" / "fsdp.json").is_file()) == (ranks > 1)
+                 f"trainer.parallel={parallel}", *FAST]) == 0
+    assert ((run / "checkpoints" / "step_000003" / "fsdp.json").is_file()) == (ranks > 1 and parallel == "auto")
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in steps if "ratio_max" in m]
     assert len(trained) == 3
