@@ -163,6 +163,7 @@ def test_skipped_warm_start_names_the_model_rl_starts_from(tmp_path, capsys):
                  f"--output-dir={tmp_path / 'run'}"]) == 0
     err = capsys.readouterr().err.splitlines()
     assert f"warm-start: skipped (sft.steps is 0); RL starts from {model} as it is" in err
+    assert "trainer: one rank on cpu" in err
 
 
 def test_skipped_warm_start_and_prompts_skipped_for_length_are_said(tmp_path, capsys):

@@ -23,7 +23,7 @@ FAST = ["sft.steps=0", "loop.steps=3", "loop.batch_size=4", "rollout.n=4", "data
 
 @pytest.mark.parametrize("placement,ranks,parallel", [("colocated", 1, "auto"), ("disaggregated", 1, "auto"),
                                                      ("disaggregated", 2, "auto"), ("disaggregated", 2, "replicate")])
-def test_adapter_publish_serves_the_trained_policy_and_exports(tmp_path, placement, ranks, parallel):
+def test_adapter_publish_serves_the_trained_policy_and_exports(tmp_path, capsys, placement, ranks, parallel):
     """In this process, in an engine process, from 2 FSDP2 trainer ranks (what auto picks on CPU:
     sharded checkpoints) and from 2 whole-model ranks."""
     from peft import PeftModel
@@ -33,6 +33,9 @@ def test_adapter_publish_serves_the_trained_policy_and_exports(tmp_path, placeme
     assert main(["train", f"--output-dir={run}", f"launch.placement={placement}", f"launch.trainer_ranks={ranks}",
                  f"trainer.parallel={parallel}", *FAST]) == 0
     assert ((run / "checkpoints" / "step_000003" / "fsdp.json").is_file()) == (ranks > 1 and parallel == "auto")
+    said = {"auto": "FSDP2, the model sharded over them (fsdp, chosen by trainer.parallel=auto)",
+            "replicate": "the whole model on every rank (replicate)"}[parallel]
+    assert (f"trainer: 2 ranks on cpu, {said}" if ranks > 1 else "trainer: one rank on cpu") in capsys.readouterr().err
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in steps if "ratio_max" in m]
     assert len(trained) == 3

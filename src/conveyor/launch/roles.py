@@ -88,6 +88,9 @@ class TrainerProxy:
     def fits(self, tokens: int, length: int) -> bool:
         return all(self._call("fits", tokens, length))  # every rank's memory must hold it
 
+    def describe(self) -> str:
+        return self._all("describe")
+
     def finish_and_publish(self, version: int) -> Trained:
         answers = self._call("finish_and_publish", version)
         return dataclasses.replace(answers[0], spans=tuple(s for a in answers for s in a.spans))

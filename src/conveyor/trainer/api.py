@@ -161,6 +161,10 @@ class TrainerHandle(Protocol):
         """The optimizer step over the parts accumulated since the last step, published as ``version``."""
         ...
 
+    def describe(self) -> str:
+        """One line for the run's log: how many ranks train, and as what kind of trainer."""
+        ...
+
     def publish(self, version: int) -> float:
         """Publish the current weights as ``version`` (a resume, a warm start); returns host seconds."""
         ...

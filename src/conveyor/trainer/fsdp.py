@@ -160,6 +160,7 @@ class FSDPTrainer(RankGroup, LocalTrainer):
     """Policy (+ optional reference and critic) sharded over the default process group."""
 
     streams_publish = False  # its publish is a collective gather after the step
+    parallel = "fsdp"  # what trainer.parallel names it
 
     def __init__(self, model_path_or_model: Any, cfg: TrainerConfig, total_steps: int,
                  temperature: float = 1.0, pad_token_id: int = 0):

@@ -50,6 +50,7 @@ class ReplicatedTrainer(RankGroup, LocalTrainer):
     """LocalTrainer on every rank of the default process group; gradients summed over the ranks."""
 
     streams_publish = False  # every rank steps its own copy, then publishes it whole
+    parallel = "replicate"  # what trainer.parallel names it
 
     def __init__(self, model_path_or_model: Any, cfg: TrainerConfig, total_steps: int,
                  temperature: float = 1.0, pad_token_id: int = 0):

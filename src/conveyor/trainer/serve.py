@@ -13,7 +13,9 @@ Contract
   group inside the publish. Neither waits for the engines' receives: each
   engine waits for the version its chunks were admitted for. ``accumulate(part,
   loss_fn, micro_batch_tokens)`` and ``finish_and_publish(version)`` are the
-  same step taken part by part as a step's groups arrive (one rank). Its answer's
+  same step taken part by part as a step's groups arrive (one rank). ``describe()``
+  is one line for the run's log: the ranks, and with several, which kind of
+  trainer they are (``trainer.parallel``). Its answer's
   ``spans`` are this rank's train and publish spans (wall time), after those
   of the forward-only calls (``logprobs``, ``ref_logprobs``, ``values``)
   since the previous train call, for the run's timeline.
@@ -60,6 +62,15 @@ class TrainerHost:
 
     def fits(self, tokens: int, length: int) -> bool:
         return self.trainer.fits(tokens, length)
+
+    def describe(self) -> str:
+        t = self.trainer
+        kind = getattr(t, "parallel", None)
+        if kind is None:
+            return f"one rank on {t.device}"
+        how = {"replicate": "the whole model on every rank", "fsdp": "FSDP2, the model sharded over them"}[kind]
+        auto = ", chosen by trainer.parallel=auto" if t.cfg.parallel == "auto" else ""
+        return f"{t.world} ranks on {t.device.type}, {how} ({kind}{auto})"
 
     def finish_and_publish(self, version: int) -> Trained:
         """The optimizer step over the accumulated parts; its weights leave as ``version``."""
