@@ -1,5 +1,6 @@
 """trainer.parallel=auto: whole-model ranks where the training state fits twice in a GPU's memory,
-sharded ranks elsewhere and on CPU ranks; a resume keeps the kind that wrote its checkpoint."""
+sharded ranks elsewhere and on CPU ranks, the same on every rank (two gloo processes); a resume keeps
+the kind that wrote its checkpoint."""
 from __future__ import annotations
 
 import pytest
@@ -47,3 +48,26 @@ def test_a_resume_reads_its_checkpoint_with_the_kind_that_wrote_it(tmp_path):
     sharded.mkdir()
     (sharded / SHARDED_MARKER).write_text("{}")
     assert reader_of(whole) == "replicate" and reader_of(sharded) == "fsdp"
+
+
+_AGREE = """
+import sys, torch.distributed as dist
+from conveyor.trainer.serve import _agreed_parallel
+rank, mine, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+print(_agreed_parallel(mine, "cpu"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("answers,agreed", [(("replicate", "replicate"), "replicate"),
+                                            (("replicate", "fsdp"), "fsdp"), (("fsdp", "replicate"), "fsdp")])
+def test_the_ranks_agree_on_replicate_only_if_every_rank_can(tmp_path, answers, agreed):
+    import subprocess
+    import sys
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE, str(r), mine, str(store)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r, mine in enumerate(answers)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    assert [out.strip() for out, _ in outs] == [agreed, agreed]
