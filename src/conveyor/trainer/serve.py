@@ -28,15 +28,12 @@ It knows nothing of the loop's schedule, the admission rule or engines.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 
 from conveyor.trainer.api import LossFn, Trainer
 from conveyor.transport.api import WeightWriter
 from conveyor.transport.messages import Span, Trained
 from conveyor.transport.weights import publish_all
-
-logger = logging.getLogger(__name__)
 
 
 class TrainerHost:
@@ -193,8 +190,6 @@ def build_rank(spec: dict, init_method: str):
     parallel = choose_parallel(cfg, spec["path"], spec["device"])
     if cfg.parallel == "auto":
         parallel = _agreed_parallel(parallel, spec["device"])
-        if spec["rank"] == 0:
-            logger.info("trainer.parallel=auto: %s ranks", parallel)
     if parallel == "replicate":
         from conveyor.trainer.replicated import ReplicatedTrainer
         return ReplicatedTrainer(spec["path"], cfg, **kwargs)

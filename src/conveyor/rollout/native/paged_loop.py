@@ -193,22 +193,16 @@ class PagedLoop:
         _wait(step.done)
         both = step.host.numpy()
         toks, lps = both[0].astype(np.int64).tolist(), both[1].tolist()
-        # StopRule.finish_reason, inlined for the common case (no stop strings): this runs for
-        # every row of every step, and the host's work must hide under the device's step.
-        stop_ids, version = self.stop.stop_token_ids, step.version
-        rule = self.stop.finish_reason if self.stop.stop_strings else None
+        # This runs for every row of every step, and the host's work must hide under the device's
+        # step: the appends are inline, and the stop rule is the one call per row.
+        rule, version = self.stop.finish_reason, step.version
         for req, tok, lp in zip(step.reqs, toks, lps, strict=True):
             if req.finish_reason is not None:
                 continue  # it ended on the step before; this token was decoded ahead of that news
             req.token_ids.append(tok)
             req.logprobs.append(lp)
             req.versions.append(version)
-            if rule is not None:
-                req.finish_reason = rule(req)
-            elif tok in stop_ids:
-                req.finish_reason = "stop"
-            elif len(req.token_ids) >= req.max_new_tokens:
-                req.finish_reason = "length"
+            req.finish_reason = rule(req)
 
     def _retire(self, sched: Scheduler) -> None:
         done = [r for r in sched.running if r.finish_reason is not None]
