@@ -61,6 +61,11 @@ def _trainer(args, path: str, rank: int, world: int):
             "param_dtype": args.param_dtype, "kernels": not args.no_kernel, "fsdp_reshard": args.fsdp_reshard,
             "pack_sequences": args.pack}
     cfg = TrainerConfig(**over)
+    if args.torch_varlen:  # the A/B of kernels/flash_varlen.py: torch's custom op instead
+        from torch.nn.attention.varlen import varlen_attn
+
+        from conveyor.trainer import packing
+        packing._flash_varlen = lambda: varlen_attn
     if world == 1:
         from conveyor.trainer.single import LocalTrainer
         return LocalTrainer(path, cfg, total_steps=100)
@@ -114,14 +119,22 @@ def _run(rank: int, world: int, args, path: str, port: int, q) -> None:
     if args.profile and cuda and rank == 0:
         from torch.profiler import ProfilerActivity, profile
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.gaps) as pr:
             trainer.train(pbatch, loss)
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
         avg = pr.key_averages()
+        gaps = ""
+        if args.gaps:
+            from benchmarks.gpu_gaps import idle_report
+            trace = Path(args.out) / f"trainer-{args.model}-r{world}-trace.json"
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            pr.export_chrome_trace(str(trace))
+            gaps = idle_report(str(trace), top=args.profile) + "\n"
+            trace.unlink()  # hundreds of MB; the report is what is kept
         # Wall time against the sum of kernel time tells a GPU-bound step from one stalled on the host.
         kernels = sum(e.self_device_time_total for e in avg if e.device_type.name == "CUDA") / 1e6
-        prof = (f"profiled step: wall {wall:.3f} s (under the profiler), kernels {kernels:.3f} s\n"
+        prof = (f"profiled step: wall {wall:.3f} s (under the profiler), kernels {kernels:.3f} s\n" + gaps
                 + avg.table(sort_by="cuda_time_total", row_limit=args.profile) + "\n"
                 + avg.table(sort_by="self_cpu_time_total", row_limit=min(args.profile, 20)))
     elif args.profile and world > 1:
@@ -168,6 +181,10 @@ def main(argv=None) -> int:
     p.add_argument("--logprob-chunk-rows", type=int, default=1024, help="0: the plain logprob head")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, help="rows of the kernel table (0: no profile)")
+    p.add_argument("--torch-varlen", action="store_true",
+                   help="packed attention through torch's varlen_attn instead of the direct aten call (A/B)")
+    p.add_argument("--gaps", action="store_true",
+                   help="with --profile: the GPU's idle gaps by the host code that was running (benchmarks/gpu_gaps.py)")
     p.add_argument("--pad-multiple", type=int, default=1, help="trainer.pad_multiple")
     p.add_argument("--attention-mask", action="store_true", help="trainer.attention_mask=true (the padding mask)")
     p.add_argument("--param-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -210,12 +227,13 @@ def main(argv=None) -> int:
               "compile": args.compile, "logprob_chunk_rows": args.logprob_chunk_rows, "pad_multiple": args.pad_multiple,
               "attention_mask": args.attention_mask, "param_dtype": args.param_dtype,
               "kernels": not args.no_kernel, "fsdp_reshard": args.fsdp_reshard, "pack_sequences": args.pack,
+              "torch_varlen": args.torch_varlen,
               "peak_mem_gb": [r["peak_mem_gb"] for r in results], "date": time.strftime("%Y-%m-%d")}
     tag = ("" if args.logprob_chunk_rows == 1024 else f"-chunk{args.logprob_chunk_rows}") + args.tag
     (out / f"trainer-{args.model}-r{args.ranks}{tag}.json").write_text(json.dumps(record, indent=2))
     from benchmarks.harness import append_record
     cfg_keys = ("model", "ranks", "alloc_conf", "micro_batch_tokens", "checkpointing", "compile", "logprob_chunk_rows",
-                "pad_multiple", "attention_mask", "param_dtype", "kernels", "fsdp_reshard", "pack_sequences")
+                "pad_multiple", "attention_mask", "param_dtype", "kernels", "fsdp_reshard", "pack_sequences", "torch_varlen")
     gpu = torch.cuda.is_available()
     append_record("trainer", {k: v for k, v in record.items() if k not in cfg_keys and k not in ("device", "date")},
                   config={k: record[k] for k in cfg_keys}, name=f"trainer-{args.model}-r{args.ranks}{tag}",

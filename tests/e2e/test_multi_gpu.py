@@ -30,12 +30,18 @@ def _run(tmp_path, name, extra):
     return run_dir, read_metrics(run_dir, kind="train"), load_file(str(run_dir / "final" / "model.safetensors"))
 
 
-def test_broadcast_and_fsdp_runs_match_the_in_process_run(tmp_path):
+def test_broadcast_and_fsdp_runs_match_the_in_process_run(tmp_path, capsys):
     _, ma, wa = _run(tmp_path, "inprocess", [])
     for name, extra in {"broadcast": ["launch.placement=disaggregated"],
                         "colocated-fsdp2": ["launch.trainer_ranks=2", "launch.engines=2", "trainer.parallel=fsdp"],
                         "colocated-auto": ["launch.trainer_ranks=2", "launch.engines=2"]}.items():
+        capsys.readouterr()
         _, mb, wb = _run(tmp_path, name, extra)
+        said = capsys.readouterr().err
+        if name == "colocated-fsdp2":
+            assert "FSDP2, the model sharded over them (fsdp)" in said, said
+        if name == "colocated-auto":  # a tiny model fits every GPU: the ranks agree (over NCCL) on whole copies
+            assert "(replicate, chosen by trainer.parallel=auto)" in said, said
         assert len(mb) == 3 and all(m["staleness_max"] == 0 for m in mb), name
         assert all(m["weight_publish_ms"] > 0 for m in mb), name
         assert all(torch.isfinite(t).all() for t in wb.values()), name

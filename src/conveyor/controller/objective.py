@@ -219,7 +219,9 @@ class PolicyLoss:
             tok = tok + c.value_coef * v_tok
             m.update(vm)
         loss = algo.aggregate(tok, mask, c.loss_agg, num_tokens, num_seqs, norm_len=self.norm_len)
-        return loss, {k: float(v) for k, v in m.items()}
+        # Metrics stay on the device: the trainer reads them once per mini-batch (a read here
+        # would make the host wait for each micro-batch's forward before launching its backward).
+        return loss, {k: v.detach() if isinstance(v, torch.Tensor) else float(v) for k, v in m.items()}
 
 
 def sft_loss(out, mb, num_tokens, num_seqs):

@@ -2,7 +2,9 @@
 
 Contract
 - ``LossFn`` is any callable ``loss_fn(out, mb, num_tokens, num_seqs) ->
-  (loss, metrics)``. The trainer calls it once per micro-batch and sums the
+  (loss, metrics)``; a metric is a float or a 0-d tensor (tensors are read in one
+  transfer per mini-batch, sparing the GPU a wait per micro-batch; they are averaged
+  over micro-batches weighted by loss tokens). The trainer calls it once per micro-batch and sums the
   gradients of the returned losses, then takes one optimizer step per
   mini-batch. Because ``num_tokens`` / ``num_seqs`` are totals over the whole
   mini-batch, a loss that divides by them gives the same gradient however the
@@ -66,7 +68,7 @@ class LossFn(Protocol):
         mb: dict[str, "torch.Tensor"],
         num_tokens: float,
         num_seqs: int,
-    ) -> tuple["torch.Tensor", dict[str, float]]: ...
+    ) -> tuple["torch.Tensor", dict[str, "float | torch.Tensor"]]: ...
 
 
 @runtime_checkable

@@ -76,11 +76,14 @@ def plan(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 @functools.cache
 def _flash_varlen() -> Callable | None:
+    """torch's variable-length flash attention, called straight into aten where it can be
+    (``kernels/flash_varlen.py``: the same kernels without the custom op's host time)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    from conveyor.trainer.kernels import flash_varlen
+    return flash_varlen.varlen_attn if flash_varlen.available() else varlen_attn
 
 
 def wanted(mode: str, device: torch.device, compiled: bool) -> bool:

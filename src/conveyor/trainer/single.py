@@ -450,11 +450,14 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         """Forward and backward of ``mini`` in micro-batches of ``budget`` tokens, gradients summed."""
         needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         pending = []  # per micro-batch: loss, metrics, loss tokens, still on the device
-        for j, idx in enumerate(self._micro_batches(mini, budget)):
-            cpu_mb = collate(mini, idx, self.pad_token_id, self.cfg.pad_multiple)
-            mb = self._to_device(cpu_mb)
-            layout = self._layout(cpu_mb, loss_only=True)
+        plans = self._micro_batches(mini, budget)
+        ahead = self._host_part(mini, plans[0]) if plans else None
+        for j in range(len(plans)):
+            cpu_mb, mb, layout = ahead
             out = self._policy_out(self.compute, mb, needs_entropy, head_start(cpu_mb), layout)
+            # The next micro-batch's host work (collate, packed layout, copies) while the GPU runs
+            # this forward: done after the backward, it left the GPU idle for its whole length.
+            ahead = self._host_part(mini, plans[j + 1]) if j + 1 < len(plans) else None
             if self.critic is not None:
                 out["values"] = self._values_out(mb)
             loss, metrics = loss_fn(out, mb, num_tokens, num_seqs)
@@ -467,6 +470,11 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
             totals["loss"] += self._check_finite(value, f"{where}, micro-batch {j}")
             totals["microbatches"] += 1
             means.add(metrics, weight)
+
+    def _host_part(self, mini: Batch, idx: list[int]):
+        """A micro-batch's host tensors, their device copies and its packed layout (or None)."""
+        cpu_mb = collate(mini, idx, self.pad_token_id, self.cfg.pad_multiple)
+        return cpu_mb, self._to_device(cpu_mb), self._layout(cpu_mb, loss_only=True)
 
     def _step_optimizers(self, totals: dict, where: str) -> None:
         """Clip (and log the norms of) the accumulated gradients, then step policy and critic."""

@@ -33,7 +33,10 @@ def test_accumulated_parts_take_the_whole_batchs_step(tmp_path, runner):
     # ... and the same gradient, up to float32 summation order over the step's ~1e3 loss tokens.
     eps = torch.finfo(torch.float32).eps
     assert again["loss"] == pytest.approx(first["loss"], abs=1e3 * eps * max(1.0, abs(first["loss"])))
-    assert again["grad_norm"] == pytest.approx(first["grad_norm"], rel=1e-4)
+    # On a GPU the trainer computes in bf16, and parts are other GEMM shapes than the whole batch:
+    # each gradient element may differ by about one bf16 rounding (2^-8 relative), the norm no more.
+    rel = 2 ** -8 if torch.cuda.is_available() else 1e-4
+    assert again["grad_norm"] == pytest.approx(first["grad_norm"], rel=rel)
     assert all(r["staleness_max"] == 0 for r in parts)  # max_staleness = 0: every token on policy
     assert all(r["time/release"] > 0 and r["time/reacquire"] > 0 for r in parts)
     spans = read_timeline(out)

@@ -192,3 +192,12 @@ def test_shared_prompts_run_fewer_tokens(make_model, make_batch, pg_loss, monkey
     trainer.train(batch, pg_loss)
     real = sum(int(x.numel()) for x in batch.input_ids)
     assert seen == [real - 3 * 8 - 3 * 8 - 3 * 7]  # one forward; each prompt once, not four times
+
+
+def test_the_direct_flash_call_takes_only_causal_windows_and_says_so():
+    from conveyor.trainer.kernels import flash_varlen
+    q = torch.zeros(4, 2, 8)
+    with pytest.raises(ValueError, match="only causal"):
+        flash_varlen.varlen_attn(q, q, q, None, None, 4, 4, window_size=(-1, -1))
+    with pytest.raises(ValueError, match="not a multiple"):
+        flash_varlen.varlen_attn(torch.zeros(4, 3, 8), q, q, None, None, 4, 4)

@@ -5,6 +5,7 @@ so they cannot agree bit for bit; what must hold is that the packed logprobs and
 as close to the float32 ones as the padded path's are. (``test_packing.py`` checks exact
 agreement on CPU in float32.)"""
 import copy
+import itertools
 
 import pytest
 import torch
@@ -69,3 +70,39 @@ def test_packed_is_as_close_to_float32_as_padded_on_gpu(monkeypatch):
     g_ref, g_pad, g_pk = _grads(exact, batch), _grads(padded, batch), _grads(packed, batch)
     rel = {name: float((g - g_ref).norm() / g_ref.norm()) for name, g in (("padded", g_pad), ("packed", g_pk))}
     assert rel["packed"] <= 1.25 * rel["padded"] + 1e-3, rel
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_direct_flash_call_equals_torchs_varlen_attn(kv_heads):
+    """kernels/flash_varlen.py calls the aten flash kernels that torch's varlen_attn wraps. With as
+    many key/value heads as query heads: the same output to the bit, and gradients equal up to the
+    backward's float32 accumulation order. With fewer (shared by groups of query heads, native in
+    the kernel), against torch's call on the heads repeated: within two bf16 roundings."""
+    from conveyor.trainer.kernels import flash_varlen
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        pytest.skip("this torch has no variable-length flash attention")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [37, 180, 5, 96, 250]
+    total, heads, d = sum(lengths), 4, 64
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
+    make = lambda h: torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q, k, v, grad = make(heads), make(kv_heads), make(kv_heads), make(heads)
+
+    def torchs(q, k, v, *args, **kw):
+        group = q.shape[1] // k.shape[1]
+        return varlen_attn(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), *args, **kw)
+
+    results = []
+    for fn in (torchs, flash_varlen.varlen_attn):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves, cu, cu, max(lengths), max(lengths), scale=d ** -0.5, window_size=(-1, 0))
+        out.backward(grad)
+        results.append([out.detach()] + [x.grad for x in leaves])
+    (ref_out, *ref_grads), (out, *grads) = results
+    if kv_heads == heads:
+        assert torch.equal(out, ref_out)
+    for g, r in zip([out] + grads, [ref_out] + ref_grads):
+        # the same kernel; its float32 sums may run in another order, then one bf16 rounding
+        assert float((g.float() - r.float()).abs().max()) <= 2 * 2 ** -8 * float(r.float().abs().max())
