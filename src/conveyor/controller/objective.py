@@ -188,6 +188,17 @@ class PolicyLoss:
         # Which batch total the loss divides by (a step accumulated part by part divides at the end).
         self.normaliser = "tokens" if cfg.loss_agg == "token-mean" else "seqs"
 
+    def inert(self, batch) -> list[bool]:
+        """Samples whose every loss term is zero whatever the policy (``LossFn.inert``): the policy
+        terms scale with the advantage, so a sample with a zero advantage at every loss token (a
+        GRPO group whose rewards are all equal) adds nothing, unless a term that does not scale
+        with it is on (a KL loss, an entropy bonus, a value loss)."""
+        c = self.cfg
+        if self.needs_entropy or self.needs.values or (c.kl_coef > 0 and not c.kl_in_reward):
+            return [False] * len(batch)
+        return [not bool(torch.count_nonzero(adv[mask > 0]))
+                for adv, mask in zip(batch.fields["advantages"], batch.loss_mask)]
+
     def __call__(self, out, mb, num_tokens, num_seqs):
         c = self.cfg
         lp, mask, adv = out["logprobs"], mb["loss_mask"], mb["advantages"]

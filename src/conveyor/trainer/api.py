@@ -60,6 +60,10 @@ class LossFn(Protocol):
     Optional attribute ``needs_entropy: bool`` (read with ``getattr``, default
     False) asks the trainer for ``out["entropy"]``; computing it costs one
     more pass over the vocabulary, so it is off unless asked for.
+    Optional method ``inert(batch) -> list[bool]`` marks samples whose loss terms
+    are zero whatever the policy (a zero advantage everywhere); a trainer may
+    leave them out of forward and backward, passing the same ``num_tokens`` /
+    ``num_seqs`` (the whole mini-batch's), so the gradient is the same.
     """
 
     def __call__(

@@ -408,6 +408,8 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         }
         if self.critic is not None:
             metrics["critic_grad_norm"] = totals["critic_grad_norm"] / updates
+        # Samples left out of forward and backward, having no loss term (LossFn.inert; one rank only).
+        metrics["inert_frac"] = totals.get("inert", 0) / max(num_seqs * self.cfg.ppo_epochs, 1)
         for key, value in means.result().items():
             metrics[f"loss_fn/{key}" if key in metrics else key] = value
         differs = routing.replay_differs(self.compute)  # routing replay: how often it overrode the router
@@ -439,10 +441,24 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
             self.critic_optimizer.zero_grad(set_to_none=True)
 
     def _update(self, mini: Batch, loss_fn: LossFn, means: MetricMean, totals: dict, where: str) -> None:
-        """One optimizer step on one mini-batch: accumulate micro-batch gradients, clip, step."""
+        """One optimizer step on one mini-batch: accumulate micro-batch gradients, clip, step.
+
+        Samples the loss declares inert (``LossFn.inert``) are not computed: the normalisers stay
+        the whole mini-batch's, so the gradient is the same (up to summation order). With none
+        left the step still runs on zero gradients, as it would have (AdamW decays and follows
+        its moments)."""
         self._zero_grad()
-        self._backward(mini, loss_fn, max(float(mini.num_tokens), 1.0), len(mini), self.cfg.micro_batch_tokens,
-                       means, totals, where)
+        inert = getattr(loss_fn, "inert", None)
+        live = [i for i, dead in enumerate(inert(mini)) if not dead] if inert is not None else list(range(len(mini)))
+        totals["inert"] = totals.get("inert", 0) + len(mini) - len(live)
+        if live:
+            self._backward(mini.select(live) if len(live) < len(mini) else mini, loss_fn,
+                           max(float(mini.num_tokens), 1.0), len(mini), self.cfg.micro_batch_tokens, means, totals,
+                           where)
+        else:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
         self._step_optimizers(totals, where)
 
     def _backward(self, mini: Batch, loss_fn: LossFn, num_tokens: float, num_seqs: int, budget: int,

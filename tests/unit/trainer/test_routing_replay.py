@@ -224,7 +224,10 @@ FAST = ["sft.steps=0", "loop.batch_size=2", "rollout.n=4", "data.eval_size=4", "
         "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
         "model.tiny.num_experts=4", "model.tiny.experts_per_token=2", "model.tiny.moe_intermediate_size=32",
         "loop.time_limit_s=null", "loop.eval_every=0", "observe.tensorboard=false", "observe.progress=false",
-        "rollout.dtype=bfloat16"]
+        "rollout.dtype=bfloat16",
+        # An entropy term makes every sample count (none inert, trainer/single.py), so every step runs
+        # the forward that replays the routes, whatever rewards the untrained model earns.
+        "algo.entropy_coef=0.001"]
 
 
 @pytest.mark.parametrize("replay", [True, False])
