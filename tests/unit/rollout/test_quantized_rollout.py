@@ -288,7 +288,10 @@ def test_rl_steps_with_fp8_rollouts(tmp_path, capsys):
             "loop.eval_every=0", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",
             "model.tiny.intermediate_size=64", "observe.tensorboard=false", "observe.progress=false",
             "trainer.lr=1e-3", "rollout.runner=fast", "rollout.quantization=fp8", "rollout.device=cpu",
-            "trainer.device=cpu", "launch.timeout_s=120"]
+            "trainer.device=cpu", "launch.timeout_s=120",
+            # an entropy term makes every sample count (none inert, trainer/single.py): each step's
+            # forward runs and reports its ratios, whatever rewards the untrained model earns
+            "algo.entropy_coef=0.001"]
     cfg = load_config(None, over)
     assert cfg.algo.importance_sampling == "truncated"
     run_local(cfg, tmp_path / "run")
