@@ -15,6 +15,8 @@ Contract
   samples go to one rank together, so its prompt is computed once, not once per rank.
 - ``split_even(n, parts)`` cuts a batch into ``parts`` mini-batches of nearly
   equal size (in order).
+- ``live_samples(batch, loss_fn)``: the indices of the samples to compute, all
+  but those the loss's optional ``inert(batch)`` marks (``LossFn`` in api.py).
 - ``collate(batch, idx, pad_id, multiple=1)`` right-pads the selected samples
   into ``[b, L]`` tensors, L the longest rounded up to ``multiple`` (few
   distinct shapes let per-shape work — attention plans, allocator blocks —
@@ -138,6 +140,13 @@ def balance(lengths: list[int], world: int, keys: list[tuple[bytes, int]] | None
         shares[r].extend(idx)
         loads[r] += cost
     return shares
+
+
+def live_samples(batch, loss_fn) -> list[int]:
+    """Indices of ``batch``'s samples whose loss terms may be nonzero (see the module docstring)."""
+    inert = getattr(loss_fn, "inert", None)
+    dead = inert(batch) if inert is not None else [False] * len(batch)
+    return [i for i, d in enumerate(dead) if not d]
 
 
 def split_even(n: int, parts: int) -> list[list[int]]:

@@ -47,7 +47,7 @@ from conveyor.trainer.accumulation import AccumulatingTrainer, Accumulation
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.fit import MemoryProbe
 from conveyor.trainer.logprobs import target_logprobs, token_logprobs
-from conveyor.trainer.microbatch import collate, split_even
+from conveyor.trainer.microbatch import collate, live_samples, split_even
 from conveyor.trainer.models import (
     ValueModel,
     compile_layers,
@@ -374,7 +374,7 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         chunks = split_even(len(batch), self.cfg.mini_batches)
         lr = self.optimizer.param_groups[0]["lr"]
         means = MetricMean()
-        totals = {"loss": 0.0, "grad_norm": 0.0, "critic_grad_norm": 0.0, "microbatches": 0}
+        totals = {"loss": 0.0, "grad_norm": 0.0, "critic_grad_norm": 0.0, "microbatches": 0, "inert": 0}
         self.compute.train()
         if self.critic is not None:
             self.critic.train()
@@ -441,24 +441,17 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
             self.critic_optimizer.zero_grad(set_to_none=True)
 
     def _update(self, mini: Batch, loss_fn: LossFn, means: MetricMean, totals: dict, where: str) -> None:
-        """One optimizer step on one mini-batch: accumulate micro-batch gradients, clip, step.
-
-        Samples the loss declares inert (``LossFn.inert``) are not computed: the normalisers stay
-        the whole mini-batch's, so the gradient is the same (up to summation order). With none
-        left the step still runs on zero gradients, as it would have (AdamW decays and follows
-        its moments)."""
+        """One optimizer step on one mini-batch: accumulate micro-batch gradients, clip, step. Samples
+        the loss declares inert (``LossFn.inert``) are left out with the whole mini-batch's normalisers
+        (the same gradient); with none left the step runs on zero gradients, as AdamW would have."""
         self._zero_grad()
-        inert = getattr(loss_fn, "inert", None)
-        live = [i for i, dead in enumerate(inert(mini)) if not dead] if inert is not None else list(range(len(mini)))
-        totals["inert"] = totals.get("inert", 0) + len(mini) - len(live)
-        if live:
-            self._backward(mini.select(live) if len(live) < len(mini) else mini, loss_fn,
-                           max(float(mini.num_tokens), 1.0), len(mini), self.cfg.micro_batch_tokens, means, totals,
-                           where)
-        else:
-            for group in self.optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = torch.zeros_like(p)
+        live = live_samples(mini, loss_fn)
+        totals["inert"] += len(mini) - len(live)
+        self._backward(mini.select(live), loss_fn, max(float(mini.num_tokens), 1.0), len(mini),
+                       self.cfg.micro_batch_tokens, means, totals, where)
+        if not live:
+            for p in (p for group in self.optimizer.param_groups for p in group["params"]):
+                p.grad = torch.zeros_like(p)
         self._step_optimizers(totals, where)
 
     def _backward(self, mini: Batch, loss_fn: LossFn, num_tokens: float, num_seqs: int, budget: int,

@@ -52,7 +52,7 @@ def test_leaving_inert_samples_out_gives_the_same_gradient(make_model, make_batc
     grads, seen = [], []
     for fn in (loss, Plain(loss)):
         trainer = _trainer(make_model)
-        totals = {"loss": 0.0, "grad_norm": 0.0, "critic_grad_norm": 0.0, "microbatches": 0}
+        totals = {"loss": 0.0, "grad_norm": 0.0, "critic_grad_norm": 0.0, "microbatches": 0, "inert": 0}
         original = trainer._backward
         trainer._backward = lambda mini, *a, **k: seen.append(len(mini)) or original(mini, *a, **k)
         trainer._update(batch, fn, MetricMean(), totals, "test")
