@@ -73,6 +73,29 @@ def test_attention_per_sample_equals_a_block_diagonal_mask():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # float32 softmax of values ~1
 
 
+
+def test_shared_attention_runs_in_float32_on_a_cpu_under_bf16_autocast():
+    # Under bf16 autocast torch would run the attention in bf16 (errors of a bf16 rounding, 2**-9
+    # of values ~1, plus the rounded scores); the CPU path runs it in float32, whose error on
+    # these ~1-sized values, against float64, stays below 1e-5.
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, d = 6, 2, 16
+    groups = (packing.Group(0, 7, (5, 3)), packing.Group(15, 9, ()))
+    n = 24
+    q = torch.randn(1, heads, n, d, generator=gen)
+    k, v = (torch.randn(1, kv_heads, n, d, generator=gen) for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = packing.attention(None, q, k, v, None, scaling=d ** -0.5, conveyor_groups=groups)
+    assert got.dtype == torch.float32
+    want = []
+    for g in groups:
+        s, e = g.start, g.start + g.size
+        want.append(torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, s:e].double(), k[:, :, s:e].double(), v[:, :, s:e].double(), attn_mask=g.mask(),
+            scale=d ** -0.5, enable_gqa=True))
+    want = torch.cat(want, dim=2).transpose(1, 2)
+    assert (got.double() - want).abs().max().item() < 1e-5
+
 def test_packed_logprobs_equal_the_padded_ones(make_model, make_batch):
     batch = make_batch(LENGTHS)
     padded = LocalTrainer(make_model(), cfg(pack_sequences="off"), total_steps=1)

@@ -36,8 +36,11 @@ import torch
 _M64 = (1 << 64) - 1
 _M32 = 0xFFFFFFFF
 _LOG2E = 1.4426950408889634
-# Row blocks of the reference sampler's noise: bounds its int64 temporaries on a large vocabulary.
+# Row blocks of the reference sampler's noise: bounds its temporaries on a large vocabulary.
 _NOISE_ELEMS = 1 << 24
+# The Gumbel noise -log2(-log2 u) of a uniform u in [2**-24, 1 - 2**-24] lies in
+# [-log2(24), 24 - log2(log2 e)] = [-4.585, 23.471]: 28.06 wide, rounded up for float32.
+_NOISE_SPAN = 29.0
 # splitmix64: the golden-ratio increment and the finaliser's two multipliers (as Python ints
 # for request keys, as uint64 for the per-step seeds on numpy arrays).
 _GOLDEN, _C1, _C2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -73,17 +76,30 @@ def draw_seeds(keys, index) -> np.ndarray:
     return z.view(np.int64)
 
 
+def _int32(x: torch.Tensor | int):
+    """The low 32 bits of an integer (tensor) as a signed 32-bit value (int32 for a tensor)."""
+    if isinstance(x, int):
+        return ((x & _M32) ^ (1 << 31)) - (1 << 31)
+    return (((x.to(torch.int64) & _M32) ^ (1 << 31)) - (1 << 31)).to(torch.int32)
+
+
 def uniforms(seeds: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Uniform numbers in (0, 1), ``[B, len(cols)]``: the "lowbias32" hash of (seed, column) that
-    the fused GPU sampler computes (``triton_ops._uniform``), in int64 without overflow."""
-    x = (cols[None, :] * 0x9E3779B9 + seeds[:, None]) & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32  # < 2**63: no wrap-around
-    x = x ^ (x >> 15)
-    # x * 0x846CA68B would pass 2**63: multiply by its two 16-bit halves instead.
-    x = (x * 0xA68B + (((x * 0x846C) & 0xFFFF) << 16)) & _M32
-    x = x ^ (x >> 16)
-    return ((x >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    """Uniform numbers in (0, 1) for ``seeds`` and ``cols`` broadcast together: the "lowbias32"
+    hash of (seed, column) that the fused GPU sampler computes (``triton_ops._uniform``), kept to
+    its top 23 bits ``k`` as ``(k + 1/2) / 2**23``. Every such number is exact in float32 and lies
+    in [2**-24, 1 - 2**-24]. (From 24 bits the largest, 1 - 2**-25, rounds to 1.0, whose noise is
+    infinite: that column would win the draw whatever its probability, once in 2**24 columns.)
+
+    Computed in int32, whose products wrap modulo 2**32 as the hash's unsigned ones do; a
+    logical right shift is the arithmetic one masked to the bits it keeps."""
+    x = _int32(cols) * _int32(0x9E3779B9) + _int32(seeds)
+    x ^= (x >> 16) & 0xFFFF
+    x *= _int32(0x7FEB352D)
+    x ^= (x >> 15) & 0x1FFFF
+    x *= _int32(0x846CA68B)
+    x ^= (x >> 16) & 0xFFFF
+    x = (x >> 9) & 0x7FFFFF
+    return (x.to(torch.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 def _top_k_mask(scaled: torch.Tensor, k: int) -> torch.Tensor:
@@ -110,18 +126,32 @@ def _top_p_mask(scaled: torch.Tensor, p: float) -> torch.Tensor:
 
 def _gumbel_argmax(allowed: torch.Tensor, temperature: float, seeds: torch.Tensor) -> torch.Tensor:
     """argmax(logits / T - log(-log U)) per row: an exact draw from softmax(allowed logits / T).
-    In base 2 as the fused sampler computes it (the same argmax, the same rounding)."""
+    In base 2 as the fused sampler computes it (the same argmax, the same rounding).
+
+    Noise is drawn only for the columns that can win: the noise lies within ``_NOISE_SPAN`` of
+    itself, so a column scored further below its row's best loses to it whatever both draw.
+    After a little training most rows keep a few columns, and hashing the whole vocabulary was
+    most of a CPU decode step; when most columns can win, every column is drawn in row blocks."""
     b, v = allowed.shape
     # float32 division, as the kernel computes it
     to_base2 = (torch.tensor(_LOG2E, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
                 ).to(allowed.device)
-    cols = torch.arange(v, dtype=torch.int64, device=allowed.device)
+    scores = allowed * to_base2
     seeds = seeds.to(device=allowed.device, dtype=torch.int64)
+    live = scores >= scores.amax(dim=-1, keepdim=True) - _NOISE_SPAN
+    per_row = live.count_nonzero(dim=-1)
+    if int(per_row.sum()) * 4 <= b * v and bool((per_row > 0).all()):  # every row keeps its best (no NaN)
+        rows, cols = live.nonzero(as_tuple=True)
+        keys = scores[rows, cols] - torch.log2(-torch.log2(uniforms(seeds[rows], cols)))
+        best = torch.full((b,), float("-inf"), device=allowed.device).scatter_reduce(0, rows, keys, "amax")
+        # The first column among a row's ties, as argmax takes.
+        tied = torch.where(keys == best[rows], cols, v)
+        return torch.full((b,), v, device=allowed.device).scatter_reduce(0, rows, tied, "amin")
+    all_cols = torch.arange(v, dtype=torch.int64, device=allowed.device)
     step = max(1, _NOISE_ELEMS // v)
     out = []
     for r in range(0, b, step):
-        u = uniforms(seeds[r:r + step], cols)
-        keys = allowed[r:r + step] * to_base2 - torch.log2(-torch.log2(u))
+        keys = scores[r:r + step] - torch.log2(-torch.log2(uniforms(seeds[r:r + step, None], all_cols)))
         out.append(torch.argmax(keys, dim=-1))
     return torch.cat(out)
 

@@ -237,7 +237,8 @@ def _uniform(seed, idx):
     """Uniform numbers in (0, 1) from a 32-bit integer hash of (seed, index) (the "lowbias32" mixer).
 
     Cheaper than Philox per element; int64 arithmetic masked to 32 bits keeps the
-    wrap-around of unsigned 32-bit products.
+    wrap-around of unsigned 32-bit products. The top 23 bits k give (k + 1/2) / 2**23, exact in
+    float32 and never 1.0 (``sampling.uniforms`` says why that matters).
     """
     x = (idx.to(tl.int64) * 0x9E3779B9 + seed) & 0xFFFFFFFF
     x = x ^ (x >> 16)
@@ -245,7 +246,7 @@ def _uniform(seed, idx):
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & 0xFFFFFFFF
     x = x ^ (x >> 16)
-    return ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
 
 @triton.jit
