@@ -128,8 +128,8 @@ def _gumbel_argmax(allowed: torch.Tensor, temperature: float, seeds: torch.Tenso
     """argmax(logits / T - log(-log U)) per row: an exact draw from softmax(allowed logits / T).
     In base 2 as the fused sampler computes it (the same argmax, the same rounding).
 
-    Noise is drawn only for the columns that can win: the noise lies within ``_NOISE_SPAN`` of
-    itself, so a column scored further below its row's best loses to it whatever both draw.
+    Noise is drawn only for the columns that can win: two columns' noises differ by less than
+    ``_NOISE_SPAN``, so a column scored further below its row's best loses to it whatever both draw.
     After a little training most rows keep a few columns, and hashing the whole vocabulary was
     most of a CPU decode step; when most columns can win, every column is drawn in row blocks."""
     b, v = allowed.shape
