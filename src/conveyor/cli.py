@@ -250,11 +250,16 @@ def _build_tiny(ns) -> int:
     return 0
 
 
+# What stops a run with a message that already says why and what to do: a dead or failing role
+# (RoleError: the role, its exit code or traceback, its last log lines) or dynamic sampling that
+# cannot fill a step (NoLearningSignal: the bound, and the settings to change).
+_RUN_STOPS = ("RoleError", "NoLearningSignal")
+
+
 def _role_failure(e: BaseException) -> BaseException | None:
-    """The RoleError behind an exception (a dead or failing role), if any: its message
-    already names the role, the exit code or traceback, and the last log lines."""
+    """The run-stopping error behind an exception (``_RUN_STOPS``), if any."""
     while e is not None:
-        if type(e).__name__ == "RoleError":
+        if type(e).__name__ in _RUN_STOPS:
             return e
         e = e.__cause__ or e.__context__
     return None

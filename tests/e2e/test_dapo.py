@@ -7,6 +7,9 @@ whose groups can never differ (exact match from a model that never matches) stop
 first step with the error that names the bound, instead of drawing forever.
 """
 import math
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -46,7 +49,12 @@ def test_dynamic_sampling_trains_only_groups_with_signal(tmp_path, staleness):
 
 
 def test_groups_that_never_differ_stop_the_run_naming_the_bound(tmp_path):
-    cfg = load_config(None, TINY + ["sft.steps=0", "reward.fn=exact", "algo.dynamic_sampling=true",
-                                    "algo.max_draws_per_step=2", "loop.steps=3"])
-    with pytest.raises(Exception, match=r"dynamic sampling: step 1 drew 8 groups .*algo.max_draws_per_step=2"):
-        train(cfg, run_dir=tmp_path / "run")
+    cmd = [sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={tmp_path / 'run'}", *TINY, "sft.steps=0",
+           "reward.fn=exact", "algo.dynamic_sampling=true", "algo.max_draws_per_step=2", "loop.steps=3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    # one line that names the bound and the fix, not a traceback
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"^conveyor: run stopped: dynamic sampling: step 1 drew 8 groups "
+                     r"\(algo.max_draws_per_step=2 x loop.batch_size=4\).*raise algo.max_draws_per_step",
+                     proc.stderr, re.M), proc.stderr[-3000:]
