@@ -2,7 +2,9 @@
 
 Contract: user mistakes (bad recipe, missing file, unknown reward, a device
 this machine lacks) end with one line ``conveyor: error: ...`` and exit code
-2; anything else is a bug and keeps its traceback. The commands call the
+2; a run stopped by a failing role, a non-finite loss, or dynamic sampling that
+cannot fill a step ends with one line ``conveyor: run stopped: ...`` and exit
+code 1; anything else is a bug and keeps its traceback. The commands call the
 Python API (``conveyor.api``); the CLI knows nothing of training itself.
 """
 from __future__ import annotations
@@ -251,9 +253,10 @@ def _build_tiny(ns) -> int:
 
 
 # What stops a run with a message that already says why and what to do: a dead or failing role
-# (RoleError: the role, its exit code or traceback, its last log lines) or dynamic sampling that
+# (RoleError: the role, its exit code or traceback, its last log lines), a non-finite loss or
+# gradient (NonFiniteLossError: the trainer step, and what to check) or dynamic sampling that
 # cannot fill a step (NoLearningSignal: the bound, and the settings to change).
-_RUN_STOPS = ("RoleError", "NoLearningSignal")
+_RUN_STOPS = ("RoleError", "NonFiniteLossError", "NoLearningSignal")
 
 
 def _role_failure(e: BaseException) -> BaseException | None:

@@ -46,3 +46,16 @@ def test_killed_role_stops_the_run(tmp_path, role, extra):
     assert proc.returncode == 1
     assert f"conveyor: run stopped: {role} process exited with code -9" in err, err[-3000:]
     assert "last lines of" in err and f"{role}.log" in err
+
+
+def test_a_non_finite_loss_stops_the_run_in_one_line(tmp_path):
+    # lr 1e30 without clipping: the first mini-batch's update leaves weights whose loss is not finite
+    cmd = [sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={tmp_path / 'run'}", "sft.steps=0",
+           "trainer.lr=1e30", "trainer.max_grad_norm=null", "loop.steps=6", "loop.batch_size=4", "rollout.n=4",
+           "data.eval_size=8", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",
+           "model.tiny.intermediate_size=64", "observe.tensorboard=false", "observe.progress=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"^conveyor: run stopped: trainer step \d+, .*: (loss|gradient norm) is (nan|-?inf); "
+                     r"no optimizer step was taken", proc.stderr, re.M), proc.stderr[-3000:]

@@ -136,8 +136,10 @@ class TrainerConfig(_Section):
         description="learning rate after warm-up")
     total_steps: int | None = Field(None, description="for decaying schedules; defaults to loop.steps")
     max_grad_norm: float | None = Field(1.0, description="None disables clipping")
-    micro_batch_tokens: int = Field(8192, ge=1, description=(
-        "token budget of one micro-batch (padded; real tokens with pack_sequences)"))
+    micro_batch_tokens: int = Field(16384, ge=1, description=(
+        "token budget of one micro-batch (padded; real tokens with pack_sequences). On a GPU the default is "
+        "halved before the first step until a probe micro-batch fits (the run says so); a value you set that "
+        "does not fit is refused, naming the largest that does"))
     micro_batch_tokens_shared: int | None = Field(None, ge=1, description=(
         "token budget of a micro-batch trained while a colocated engine still holds its KV pool (the parts "
         "loop.accumulate_groups trains during generation); null = micro_batch_tokens"))

@@ -389,8 +389,13 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
                              "fits beside the engines' KV pools, which stay held (on: released every step)")
         else:
             s.logger.message("launch.time_share: the engines' KV pools are released while the trainer trains")
-    if s.memory is not None or cfg.loop.accumulate_groups:  # the memory these budgets get: refused now, not mid-run
-        check_micro_batches(s.trainer, cfg, length, s.memory)
+    # The memory these budgets get: refused (or a default halved) now, not out of memory mid-run.
+    if s.memory is not None or cfg.loop.accumulate_groups or "micro_batch_tokens" not in cfg.trainer.model_fields_set:
+        notes = check_micro_batches(s.trainer, cfg, length, s.memory)
+        for note in notes:
+            s.logger.message(note)
+        if notes:  # a resume starts from the budget that fit
+            save_config(cfg, run_dir / "config.yaml")
     if ckpt is not None:
         extra = s.trainer.load_checkpoint(ckpt)
         s.cursor.load_state_dict(extra["cursor"])

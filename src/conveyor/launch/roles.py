@@ -88,6 +88,9 @@ class TrainerProxy:
     def fits(self, tokens: int, length: int) -> bool:
         return all(self._call("fits", tokens, length))  # every rank's memory must hold it
 
+    def set_micro_batch_tokens(self, tokens: int) -> None:
+        self._call("set_micro_batch_tokens", tokens)
+
     def describe(self) -> str:
         return self._all("describe")
 

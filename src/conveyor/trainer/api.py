@@ -163,6 +163,11 @@ class TrainerHandle(Protocol):
         memory now (one forward and backward, nothing kept; always true on CPU)."""
         ...
 
+    def set_micro_batch_tokens(self, tokens: int) -> None:
+        """Every rank's ``trainer.micro_batch_tokens`` from now on (a default that did not fit,
+        halved before the first step: ``trainer/fit.py``)."""
+        ...
+
     def finish_and_publish(self, version: int) -> "Trained":
         """The optimizer step over the parts accumulated since the last step, published as ``version``."""
         ...

@@ -5,8 +5,11 @@ of a micro-batch of ``trainer.micro_batch_tokens`` tokens (rows of ``length`` to
 longest a sample can be) through ``trainer.fits`` with the colocated engine's KV pool
 released (``memory``, launch.time_share), as the steps will, and, with
 ``loop.accumulate_groups``, one of ``trainer.micro_batch_tokens_shared`` beside the held pool.
-A budget that runs out of memory is refused with ``ConfigError``: one line naming the field,
-the memory situation, and the largest halving of the budget that did fit (or that none did).
+A budget the recipe or the overrides set that runs out of memory is refused with ``ConfigError``:
+one line naming the field, the memory situation, and the largest halving of the budget that did
+fit (or that none did). A budget left at its default is halved until it fits instead (every rank
+told through ``trainer.set_micro_batch_tokens``), and the returned lines say so for the run's log;
+only when no halving fits is it refused too.
 Nothing changes in the model: the probe's gradients are dropped. On CPU nothing is checked
 (``fits`` is always true there). ``largest_fitting(budget, fits)`` is the search.
 ``needs_time_share(trainer, cfg, length)`` resolves ``launch.time_share=auto`` on a GPU: the
@@ -48,8 +51,8 @@ def largest_fitting(budget: int, fits: Callable[[int], bool], floor: int = 256) 
 
 
 def check_micro_batches(trainer: TrainerHandle, cfg: RunConfig, length: int,
-                        memory: EngineMemory | None) -> None:
-    tc = cfg.trainer
+                        memory: EngineMemory | None) -> list[str]:
+    tc, notes = cfg.trainer, []
     probes = []
     if cfg.loop.accumulate_groups and memory is not None:
         probes.append(("trainer.micro_batch_tokens_shared", tc.micro_batch_tokens_shared or tc.micro_batch_tokens,
@@ -67,15 +70,25 @@ def check_micro_batches(trainer: TrainerHandle, cfg: RunConfig, length: int,
                 memory.reacquire()
         if fits == budget:
             continue
+        name = field.removeprefix("trainer.")
+        if fits is not None and name not in tc.model_fields_set:  # the default, not a choice: halve it
+            setattr(tc, name, fits)
+            if name == "micro_batch_tokens":
+                trainer.set_micro_batch_tokens(fits)
+            notes.append(f"{field}: the default {budget} does not fit the trainer's GPU memory {where}; "
+                         f"using {fits}, the largest halving that fits")
+            continue
         hint = f"set {field}={fits}" if fits else "no smaller budget fit either: lower rollout.kv_fraction"
         raise ConfigError(f"{field}={budget} does not fit the trainer's GPU memory {where} (a micro-batch of "
                           f"{budget} tokens in rows of {length} ran out of memory); {hint}"
                           + ("" if memory is not None or not fits else ", or set launch.time_share=on"))
+    return notes
 
 
 class MemoryProbe:
     """``fits`` for a single-device trainer (``LocalTrainer``). The host class provides ``device``,
-    ``model`` (a Hugging Face model: its config gives the vocabulary), ``compute`` (the module
+    ``model`` (a Hugging Face model: its config gives the vocabulary), ``optimizer`` (and
+    ``critic_optimizer``, or None: their state still to come is held during the probe), ``compute`` (the module
     forward and backward run on), ``_policy_out(model, mb, with_entropy, layout=...)`` (a dict with
     ``"logprobs"``), ``_layout(cpu_mb, loss_only)`` (the packed layout, or None: padded),
     ``_to_device(mb)`` and ``_zero_grad()``. The probe runs the path training runs, packed or padded."""
@@ -85,13 +98,29 @@ class MemoryProbe:
         device's memory now; the weights and optimizer are untouched."""
         if self.device.type != "cuda":
             return True  # host memory is not probed: a CPU run swaps before it fails
+        held = None
         try:
+            # The optimizer state the first step will create is held through the probe: before
+            # the first step the memory looks larger than it will be.
+            held = torch.empty(self._state_to_come(), dtype=torch.uint8, device=self.device)
             self._probe(tokens, length)
             return True
         except torch.cuda.OutOfMemoryError:
             return False
         finally:
+            del held
             torch.cuda.empty_cache()
+
+    def _state_to_come(self) -> int:
+        """Bytes of AdamW state (two tensors the size of each trainable parameter, this rank's
+        shard of it) that the optimizers have not created yet."""
+        total = 0
+        for opt in (self.optimizer, getattr(self, "critic_optimizer", None)):
+            for p in (p for g in opt.param_groups for p in g["params"]) if opt is not None else ():
+                if not opt.state.get(p):
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    total += 2 * local.numel() * local.element_size()
+        return total
 
     def _probe(self, tokens: int, length: int) -> None:
         """One forward and backward of random ids, ``tokens`` in rows of ``length``; nothing kept."""

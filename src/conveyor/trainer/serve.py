@@ -60,6 +60,9 @@ class TrainerHost:
     def fits(self, tokens: int, length: int) -> bool:
         return self.trainer.fits(tokens, length)
 
+    def set_micro_batch_tokens(self, tokens: int) -> None:
+        self.trainer.cfg.micro_batch_tokens = tokens
+
     def describe(self) -> str:
         t = self.trainer
         kind = getattr(t, "parallel", None)

@@ -27,10 +27,13 @@ class _Trainer:
     engine's pool is released (the memory the pool gives back)."""
 
     def __init__(self, limit, released_extra):
-        self.limit, self.extra, self.released = limit, released_extra, False
+        self.limit, self.extra, self.released, self.told = limit, released_extra, False, []
 
     def fits(self, tokens, length):
         return tokens <= self.limit + (self.extra if self.released else 0)
+
+    def set_micro_batch_tokens(self, tokens):
+        self.told.append(tokens)
 
 
 class _Memory:
@@ -57,6 +60,32 @@ def test_a_budget_that_fits_only_without_the_pool_is_checked_with_it_released():
         check_micro_batches(_Trainer(limit=8192, released_extra=0), cfg, 1024, None)
 
 
+def test_a_default_budget_that_does_not_fit_is_halved_and_the_trainer_told():
+    cfg = load_config(None, ["launch.time_share=on"])
+    assert cfg.trainer.micro_batch_tokens == 16384 and "micro_batch_tokens" not in cfg.trainer.model_fields_set
+    trainer = _Trainer(limit=1024, released_extra=4000)  # 4096 fits once the pool is released
+    notes = check_micro_batches(trainer, cfg, 512, _Memory(trainer))
+    assert trainer.told == [4096] and cfg.trainer.micro_batch_tokens == 4096
+    assert notes == ["trainer.micro_batch_tokens: the default 16384 does not fit the trainer's GPU memory with the "
+                     "engine's KV pool released; using 4096, the largest halving that fits"]
+    # the same budget written out is the user's: refused, naming what fits, and nothing changed
+    cfg = load_config(None, ["launch.time_share=on", "trainer.micro_batch_tokens=16384"])
+    trainer = _Trainer(limit=1024, released_extra=4000)
+    with pytest.raises(ConfigError, match=r"micro_batch_tokens=16384 does not fit .* set trainer.micro_batch_tokens=4096"):
+        check_micro_batches(trainer, cfg, 512, _Memory(trainer))
+    assert trainer.told == [] and cfg.trainer.micro_batch_tokens == 16384
+    # a default of which no halving fits is refused too
+    with pytest.raises(ConfigError, match=r"micro_batch_tokens=16384 does not fit .* no smaller budget fit either"):
+        check_micro_batches(_Trainer(limit=0, released_extra=0), load_config(None, []), 512, None)
+
+
+def test_the_trainer_host_hands_the_new_budget_to_its_trainer(tiny_dir):
+    from conveyor.trainer.serve import TrainerHost
+    trainer = LocalTrainer(str(tiny_dir), TrainerConfig(device="cpu"), total_steps=1)
+    TrainerHost(trainer, []).set_micro_batch_tokens(2048)
+    assert trainer.cfg.micro_batch_tokens == 2048
+
+
 def test_the_shared_budget_is_checked_beside_the_held_pool():
     cfg = load_config(None, ["trainer.micro_batch_tokens=16384", "trainer.micro_batch_tokens_shared=8192",
                              "loop.accumulate_groups=2", "trainer.mini_batches=1", "launch.time_share=on"])
@@ -74,6 +103,16 @@ def test_the_probe_changes_nothing_and_fits_on_cpu(tiny_dir, pack):
     trainer._probe(512, 64)  # the forward and backward the GPU check runs
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_the_probe_counts_the_optimizer_state_the_first_step_will_create(tiny_dir):
+    trainer = LocalTrainer(str(tiny_dir), TrainerConfig(device="cpu"), total_steps=1)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert trainer._state_to_come() == 2 * sum(p.numel() * p.element_size() for p in params)  # AdamW: two moments
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()
+    assert trainer._state_to_come() == 0  # created: the memory already holds it
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="probes GPU memory")
