@@ -88,7 +88,8 @@ def check_micro_batches(trainer: TrainerHandle, cfg: RunConfig, length: int,
 class MemoryProbe:
     """``fits`` for a single-device trainer (``LocalTrainer``). The host class provides ``device``,
     ``model`` (a Hugging Face model: its config gives the vocabulary), ``optimizer`` (and
-    ``critic_optimizer``, or None: their state still to come is held during the probe), ``compute`` (the module
+    ``critic_optimizer``, or None: their state still to come is held during the probe), ``critic``
+    and ``_values_out(mb)`` (the value model, or None; the probe runs it as the step does), ``compute`` (the module
     forward and backward run on), ``_policy_out(model, mb, with_entropy, layout=...)`` (a dict with
     ``"logprobs"``), ``_layout(cpu_mb, loss_only)`` (the packed layout, or None: padded),
     ``_to_device(mb)`` and ``_zero_grad()``. The probe runs the path training runs, packed or padded."""
@@ -130,7 +131,11 @@ class MemoryProbe:
         try:
             self.compute.train()
             layout = self._layout(cpu_mb, loss_only=True)
-            self._policy_out(self.compute, self._to_device(cpu_mb), False, layout=layout)["logprobs"].sum().backward()
+            mb = self._to_device(cpu_mb)
+            loss = self._policy_out(self.compute, mb, False, layout=layout)["logprobs"].sum()
+            if self.critic is not None:  # the step's loss holds both graphs until its backward
+                loss = loss + self._values_out(mb).sum()
+            loss.backward()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         finally:

@@ -95,14 +95,21 @@ def test_the_shared_budget_is_checked_beside_the_held_pool():
         check_micro_batches(trainer, cfg, 512, _Memory(trainer))
 
 
-@pytest.mark.parametrize("pack", ["off", "on"])  # the probe runs the path training runs
-def test_the_probe_changes_nothing_and_fits_on_cpu(tiny_dir, pack):
-    trainer = LocalTrainer(str(tiny_dir), TrainerConfig(device="cpu", pack_sequences=pack), total_steps=1)
-    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+@pytest.mark.parametrize("pack, critic", [("off", False), ("on", False), ("off", True)])  # the step's path
+def test_the_probe_changes_nothing_and_fits_on_cpu(tiny_dir, pack, critic):
+    trainer = LocalTrainer(str(tiny_dir), TrainerConfig(device="cpu", pack_sequences=pack, critic=critic),
+                           total_steps=1)
+    models = [trainer.model] + ([trainer.critic] if critic else [])
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in models]
     assert trainer.fits(4096, 64)  # host memory is not probed
+    ran = []
+    for m in models:
+        m.register_forward_hook(lambda *_, m=m: ran.append(m))
     trainer._probe(512, 64)  # the forward and backward the GPU check runs
-    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
-    assert all(p.grad is None for p in trainer.model.parameters())
+    assert len(ran) == len(models) and (not critic or ran[-1] is trainer.critic)  # a critic is in the step's loss
+    for m, b in zip(models, before):
+        assert all(torch.equal(b[k], v) for k, v in m.state_dict().items())
+        assert all(p.grad is None for p in m.parameters())
 
 
 def test_the_probe_counts_the_optimizer_state_the_first_step_will_create(tiny_dir):
