@@ -119,8 +119,13 @@ def worker(rank: int, work: Path) -> None:
     cfg = TrainerConfig(**CFG, gradient_checkpointing=True)
     res = {}
     tr = FSDPTrainer(tiny, cfg, total_steps=6)
+    # The memory probe (trainer/fit.py) on sharded ranks, the critic included: every comparison
+    # below with the local trainer also checks that it left nothing behind.
+    res["to_come"] = tr._state_to_come()
+    tr._probe(40, 20)
     res["lp0"], res["ref0"], res["v0"] = tr.logprobs(b[0]), tr.ref_logprobs(b[0]), tr.values(b[0])
     res["metrics"] = [tr.train(b[0], loss), tr.train(b[1], loss)]
+    res["to_come_after"] = tr._state_to_come()
     res["w2"], res["lp2"] = full_weights(tr), tr.logprobs(b[0])
     res["bf16"] = sorted({str(v.dtype) for _, v in tr.named_weights(torch.bfloat16)})
     tr.save(work / "ckpt", {"cursor": 2})
@@ -168,6 +173,7 @@ def worker(rank: int, work: Path) -> None:
     from conveyor.trainer.replicated import ReplicatedTrainer
     rcfg = cfg.model_copy(update={"parallel": "replicate"})
     rep = ReplicatedTrainer(tiny, rcfg, total_steps=6)
+    rep._probe(40, 20)  # as above: the comparisons below check that it changed nothing
     res["rep_lp0"], res["rep_ref0"], res["rep_v0"] = rep.logprobs(b[0]), rep.ref_logprobs(b[0]), rep.values(b[0])
     res["rep_metrics"] = [rep.train(b[0], loss), rep.train(b[1], loss)]
     res["rep_w2"] = full_weights(rep)
@@ -269,6 +275,11 @@ def test_train_matches_local_trainer(job):
             assert got0[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     assert ref["metrics"][0]["grad_norm"] > CFG["max_grad_norm"]  # so clipping is exercised
     assert max_diff(ranks[0]["w3"], ref["w3"]) <= 1e-6
+
+
+def test_the_memory_probe_counts_the_optimizer_state_still_to_come_on_each_rank(job):
+    for r in job[1]:  # this rank's shards (and its whole norm weights), policy and critic; none once stepped
+        assert r["to_come"] > 0 and r["to_come_after"] == 0
 
 
 def test_weights_kept_gathered_for_a_step_give_the_same_numbers(job):
