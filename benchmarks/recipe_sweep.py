@@ -19,7 +19,6 @@ last evaluation, per variant and seed with the mean, is printed and written to O
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.harness import append_record  # noqa: E402
+from conveyor.observe.report import METRICS_FILE, read_metrics  # noqa: E402
 
 
 @dataclass
@@ -63,10 +63,9 @@ def read_variants(path: Path) -> list[tuple[str, list[str]]]:
 
 def summarize(run_dir: Path) -> dict:
     """The held-out curve and step statistics of a run directory's metrics.jsonl (empty if none)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    if not (run_dir / METRICS_FILE).is_file():
         return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir)  # a run stopped at the deadline may end in a torn line: dropped
     train = [r for r in rows if r.get("kind") == "train"]
     out: dict = {"held_out": {str(r["step"]): r["eval_reward"] for r in rows if r.get("kind") == "eval"},
                  "steps": len(train)}

@@ -259,7 +259,7 @@ def _build_tiny(ns) -> int:
 _RUN_STOPS = ("RoleError", "NonFiniteLossError", "NoLearningSignal")
 
 
-def _role_failure(e: BaseException) -> BaseException | None:
+def _run_stop(e: BaseException) -> BaseException | None:
     """The run-stopping error behind an exception (``_RUN_STOPS``), if any."""
     while e is not None:
         if type(e).__name__ in _RUN_STOPS:
@@ -447,9 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         if type(e).__name__ in _USER_ERRORS or isinstance(e, ConfigError):
             print(f"conveyor: error: {e}", file=sys.stderr)
             return 2
-        role = _role_failure(e)
-        if role is not None:
-            print(f"conveyor: run stopped: {role}", file=sys.stderr)
+        stop = _run_stop(e)
+        if stop is not None:
+            print(f"conveyor: run stopped: {stop}", file=sys.stderr)
             return 1
         raise
     except KeyboardInterrupt:

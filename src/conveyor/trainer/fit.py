@@ -116,11 +116,10 @@ class MemoryProbe:
         """Bytes of AdamW state (two tensors the size of each trainable parameter, this rank's
         shard of it) that the optimizers have not created yet."""
         total = 0
-        for opt in (self.optimizer, getattr(self, "critic_optimizer", None)):
-            for p in (p for g in opt.param_groups for p in g["params"]) if opt is not None else ():
-                if not opt.state.get(p):
-                    local = p.to_local() if hasattr(p, "to_local") else p
-                    total += 2 * local.numel() * local.element_size()
+        for opt in (o for o in (self.optimizer, self.critic_optimizer) if o is not None):
+            for p in (p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)):
+                local = p.to_local() if hasattr(p, "to_local") else p
+                total += 2 * local.numel() * local.element_size()
         return total
 
     def _probe(self, tokens: int, length: int) -> None:
