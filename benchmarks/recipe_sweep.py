@@ -3,8 +3,9 @@
     python benchmarks/recipe_sweep.py recipes/smollm2-addition.yaml --variants VARIANTS.txt \
         --seeds 0,1,2,3,4 --concurrency 10 --override rollout.kv_blocks=3000 --out runs/sweep
 
-VARIANTS.txt has one variant a line, ``name|key=value key=value ...`` (conveyor overrides; an
-empty right side is the recipe itself; ``#`` starts a comment). Every variant runs once per seed
+VARIANTS.txt has one variant a line, ``name|key=value key=value ...`` (conveyor overrides, split
+as a shell splits words, so a value with spaces is quoted; an empty right side is the recipe
+itself; ``#`` starts a comment). Every variant runs once per seed
 (``loop.seed``), at most ``--concurrency`` at a time; on one GPU give each run a fixed KV pool
 (``rollout.kv_blocks``), since ``rollout.kv_fraction`` is a share of the memory free when a run
 starts. A small model on a large GPU runs ten at a time (SmolLM2-135M on one H200: 100 steps of
@@ -19,6 +20,7 @@ last evaluation, per variant and seed with the mean, is printed and written to O
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import subprocess
 import sys
@@ -55,7 +57,10 @@ def read_variants(path: Path) -> list[tuple[str, list[str]]]:
         if "|" not in line:
             raise SystemExit(f"{path}:{n}: write a variant as name|key=value ...; got {line!r}")
         name, overrides = line.split("|", 1)
-        variants.append((name.strip(), overrides.split()))
+        try:
+            variants.append((name.strip(), shlex.split(overrides)))
+        except ValueError as e:  # an unclosed quote
+            raise SystemExit(f"{path}:{n}: {e} in {overrides.strip()!r}; close the quote") from None
     if not variants:
         raise SystemExit(f"{path}: no variants in it; write one a line as name|key=value ...")
     return variants

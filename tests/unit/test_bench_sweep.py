@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
@@ -35,3 +37,13 @@ def test_every_variant_and_seed_runs_and_is_recorded(tmp_path, monkeypatch):
     assert hot["config"]["overrides"][-1] == "rollout.temperature=1.5" and hot["config"]["seed"] == 1
     table = (tmp_path / "out" / "table.md").read_text()
     assert "| broken | exit 2 | exit 2 |  |" in table and "(step 2)" in table
+
+
+def test_a_variant_value_with_spaces_is_quoted_and_an_open_quote_is_named(tmp_path):
+    path = tmp_path / "variants.txt"
+    path.write_text('calc|"data.system_prompt=You are a calculator." data.options.digits=2  # comment\nplain|\n')
+    assert recipe_sweep.read_variants(path) == [
+        ("calc", ["data.system_prompt=You are a calculator.", "data.options.digits=2"]), ("plain", [])]
+    path.write_text('bad|"data.system_prompt=You are\n')
+    with pytest.raises(SystemExit, match=r"variants.txt:1: No closing quotation .*close the quote"):
+        recipe_sweep.read_variants(path)

@@ -183,3 +183,36 @@ def test_run_renders_every_term_and_names_the_fields_of_a_two_term_sum():
                              "data.eval_size=4"])
     with pytest.raises(SetupError, match=r"names 'c' which task 'addition' does not have; its fields: prompt, a, b"):
         load_sources(two, tok)
+
+
+def _has_short_operand(task) -> bool:
+    return min(len(v) for v in task.info["fields"].values()) == 1
+
+
+def test_short_operands_change_the_training_mix_and_never_the_held_out_sums():
+    opts = {"digits": 2}
+    uniform = synthetic_source("addition", "train", opts, eval_size=100, seed=0)
+    held_out = synthetic_source("addition", "eval", opts, eval_size=100, seed=0)
+    for share, expect in ((0.0, 0.19), (0.5, 0.47), (1.0, 0.75)):  # 1 - 0.9**2; (0.19 + 0.75) / 2; 1 - 0.5**2
+        opts_s = {**opts, "short_operands": share}
+        train = synthetic_source("addition", "train", opts_s, eval_size=100, seed=0)
+        ev = synthetic_source("addition", "eval", opts_s, eval_size=100, seed=0)
+        assert [t.prompt for t in ev.tasks] == [t.prompt for t in held_out.tasks]  # the task is unchanged
+        assert len(train) == len(uniform)
+        assert not {t.prompt for t in train.tasks} & {t.prompt for t in ev.tasks}
+        short = sum(map(_has_short_operand, train.tasks)) / len(train)
+        assert abs(short - expect) < 0.03, (share, short)  # 9,900 draws: a standard error under 0.005
+        for t in train.tasks[:50]:
+            a, b = (int(v) for v in t.info["fields"].values())
+            assert t.answer == str(a + b) and 0 <= a <= 99 and 0 <= b <= 99
+    assert [t.prompt for t in synthetic_source("addition", "train", {**opts, "short_operands": 0.0}, eval_size=100,
+                                               seed=0).tasks] == [t.prompt for t in uniform.tasks]
+
+
+def test_a_bad_short_operand_share_is_refused_naming_the_setting():
+    import pytest
+
+    from conveyor.data.api import DataError
+    for bad in (1.5, -0.1, "many", True):
+        with pytest.raises(DataError, match="data.options.short_operands must be a number in"):
+            synthetic_source("addition", "train", {"digits": 2, "short_operands": bad}, eval_size=10, seed=0)

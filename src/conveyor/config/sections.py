@@ -163,8 +163,8 @@ class TrainerConfig(_Section):
         "that share it (a group) computed once, each completion attending to it (a masked attention per "
         "group, docs/architecture.md); off: right-padded micro-batches"))
     logprob_chunk_rows: int | None = Field(1024, ge=1, description=(
-        "positions per chunk of the logprob head (no float32 copy of the vocabulary logits); "
-        "null = the plain autograd form"))
+        "positions per chunk of the logprob head (no float32 copy of the vocabulary logits; on a CPU fewer, "
+        "so that a chunk's float32 logits stay within 3 MiB of cache); null = the plain autograd form"))
     compile: bool = Field(False, description=(
         "experimental: torch.compile each decoder layer and the logprob head, fusing the small memory-bound "
         "ops of norms, rotary and activations; the first steps pay for compilation (minutes on a GPU)"))

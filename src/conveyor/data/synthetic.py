@@ -10,6 +10,12 @@ policy that is almost right gets a gradient, and ``sft_pairs`` gives the
 Tasks
 - ``addition``: ``"47+38="`` -> ``"85"``; operands have ``digits`` digits;
   ``terms`` (2..5, default 2) operands per sum (``"4+7+3="`` -> ``"14"``).
+  ``short_operands`` s (0..1, default 0) draws that share of the TRAINING sums
+  with each operand's number of digits even (1 to ``digits``, then the
+  operand among the numbers of that many digits; 0-9 have one), the rest
+  uniformly: with 2 digits, s = 1 puts a one-digit operand in 3 of 4
+  training sums against about 1 in 5 uniformly. The held-out sums are always
+  drawn uniformly (the task), and never trained on.
 - ``reverse``: ``"rev:kxqa="`` -> ``"aqxk"``; strings of ``length`` letters.
 - ``code``: Python functions with unit tests, from ``data/code_tasks.py``.
 
@@ -48,11 +54,28 @@ TASKS = ("addition", "reverse")
 TERM_NAMES = "abcde"  # the template fields of a sum's operands, in order
 
 
-def _addition(rng: random.Random, digits: int, terms: int) -> tuple[str, str]:
+def _addition(rng: random.Random, digits: int, terms: int, even_lengths: bool = False) -> tuple[str, str]:
     # operands drawn in order from one stream: two terms give the same sums as before the option existed
-    lo, hi = 0, 10 ** digits - 1
-    ops = [rng.randint(lo, hi) for _ in range(terms)]
+    if even_lengths:  # the number of digits first, even over 1..digits; then the operand
+        ops = []
+        for _ in range(terms):
+            n = rng.randint(1, digits)
+            ops.append(rng.randint(0 if n == 1 else 10 ** (n - 1), 10 ** n - 1))
+    else:
+        ops = [rng.randint(0, 10 ** digits - 1) for _ in range(terms)]
     return "+".join(map(str, ops)) + "=", str(sum(ops))
+
+
+def _share(options: dict, key: str) -> float:
+    """``options[key]``, checked: a number in [0, 1]."""
+    value = options.get(key, 0.0)
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        share = -1.0
+    if isinstance(value, bool) or not 0.0 <= share <= 1.0:
+        raise DataError(f"data.options.{key} must be a number in [0, 1], got {value!r}")
+    return share
 
 
 def _terms(options: dict) -> int:
@@ -146,9 +169,10 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
         return agentic_source(name, split, options, eval_size, seed)
     options = dict(options or {})
     train_size = int(options.pop("train_size", train_size or 20000))
-    teacher_error = float(options.pop("teacher_error", 0.0))
-    if not 0.0 <= teacher_error <= 1.0:
-        raise DataError(f"data.options.teacher_error must be in [0, 1], got {teacher_error}")
+    teacher_error = _share(options, "teacher_error")
+    options.pop("teacher_error", None)
+    short = _share(options, "short_operands") if name == "addition" else 0.0
+    options.pop("short_operands", None)
     if name == "addition":
         options["terms"] = _terms(options)  # checked once, before any problem is drawn
     rng = random.Random(f"{name}-{seed}")
@@ -164,6 +188,8 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
         raise ValueError(f"synthetic task {name!r} with options {options} has only {len(items)} distinct "
                          f"problems, not enough for eval_size={eval_size} plus training; lower data.eval_size")
     part = items[:eval_size] if split == "eval" else items[eval_size:]
+    if split != "eval" and short > 0:
+        part = _short_mix(part, dict(items[:eval_size]), short, options, seed)
     tasks = []
     for i, (p, a) in enumerate(part):
         info = {"task": name, "fields": fields(name, p)}
@@ -172,6 +198,25 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
         tasks.append(Task(id=f"{name}-{split}-{i}", prompt=render(p, info["fields"]) if render else p,
                           answer=a, info=info))
     return SyntheticSource(name, tasks, teacher_error=teacher_error)
+
+
+def _short_mix(uniform: list[tuple[str, str]], held_out: dict[str, str], share: float, options: dict,
+               seed: int) -> list[tuple[str, str]]:
+    """As many training sums as ``uniform`` holds: each, with probability ``share``, drawn with even operand lengths (never a
+    held-out sum; a sum may come more than once), else the next of the uniform ones in their order."""
+    rng = random.Random(f"addition-short-{seed}")
+    digits, terms = int(options.get("digits", 2)), int(options["terms"])
+    out, i = [], 0
+    while len(out) < len(uniform):
+        if rng.random() < share:
+            prompt, answer = _addition(rng, digits, terms, even_lengths=True)
+            if prompt in held_out:
+                continue
+            out.append((prompt, answer))
+        else:
+            out.append(uniform[i % len(uniform)])
+            i += 1
+    return out
 
 
 def sft_pairs(source) -> list[tuple[str, str]]:

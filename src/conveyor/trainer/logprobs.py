@@ -18,6 +18,8 @@ Contract
 - ``target_logprobs(logits, target, temperature)``: the same head on ``[N, V]``
   logits and ``[N]`` targets (the packed forward's rows, ``packing.py``).
 - ``chunk_rows=None`` (or ``with_entropy``) is the plain autograd form.
+- On a CPU a chunk is also held to ``CPU_CHUNK_BYTES`` of float32 logits, so that
+  it is still in the cache when the next operation reads it (``cpu_chunk``).
 
 It knows nothing of models, losses or devices.
 """
@@ -27,6 +29,18 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+
+# A CPU chunk's float32 logits at most (a few rows of a large vocabulary): converted, reduced and
+# differentiated while in the cache instead of streamed through memory. On a 2-core AMD EPYC (1 MiB
+# of L2 per core, 32 MiB L3), 512 positions of bf16 logits, forward and backward: 44 against 128 ms at
+# SmolLM2's 49,152 ids (16 rows a chunk against 1,024), 131-147 against 384 ms at Qwen's 151,936.
+CPU_CHUNK_BYTES = 3 << 20
+
+
+def cpu_chunk(rows: int, vocab: int) -> int:
+    """``rows`` held to what keeps a chunk's float32 logits within ``CPU_CHUNK_BYTES`` (at least 1)."""
+    return max(1, min(rows, CPU_CHUNK_BYTES // (4 * max(vocab, 1))))
 
 
 class TargetLogprob(torch.autograd.Function):
@@ -40,6 +54,8 @@ class TargetLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, temperature: float, chunk: int, kernel: bool):
+        if logits.device.type == "cpu":
+            chunk = cpu_chunk(chunk, logits.shape[-1])
         ctx.temperature, ctx.chunk, ctx.kernel = temperature, chunk, kernel
         if kernel:
             from conveyor.trainer.kernels import logprob as logprob_kernel

@@ -39,6 +39,7 @@ It knows nothing of losses, optimizers or where the batch came from.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable
@@ -158,24 +159,31 @@ def _parameters(fn: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
-def _sdpa(query, key, value, **kwargs) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``, in float32 on a CPU (bf16 autocast or bf16 / fp16
-    inputs would run it in half precision): torch's CPU kernels took twice as long in bf16 for a
-    SmolLM2 group (142 tokens, forward and backward: 3.05 against 1.50 ms with the conversions,
-    2-core AMD EPYC), and are less exact. Returns the inputs' dtype."""
-    if query.device.type != "cpu":
-        return F.scaled_dot_product_attention(query, key, value, **kwargs)
-    with torch.autocast("cpu", enabled=False):
-        out = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), **kwargs)
-    return out.to(query.dtype)
+def _segments(query, key, value, sizes: list[int], calls: list[dict]) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on consecutive segments of the packed row (``sizes``
+    along the token axis, ``calls[i]`` the keyword arguments of segment i), ``[1, T, H, D]`` out.
+
+    The row is split once (``torch.split``: its backward is one concatenation, where a slice per
+    segment made a zero gradient of the whole row for each). On a CPU the scores are computed
+    in float32, cast once for the row (bf16 autocast or bf16 / fp16 inputs would run torch's CPU
+    kernels in half precision, twice as slow for a SmolLM2 group of 142 tokens, forward and
+    backward: 3.05 against 1.50 ms with the conversions, 2-core AMD EPYC, and less exact)."""
+    dtype = query.dtype
+    cpu = query.device.type == "cpu"
+    with torch.autocast("cpu", enabled=False) if cpu else contextlib.nullcontext():
+        if cpu:
+            query, key, value = query.float(), key.float(), value.float()
+        parts = [F.scaled_dot_product_attention(q, k, v, **kw)
+                 for q, k, v, kw in zip(query.split(sizes, dim=2), key.split(sizes, dim=2),
+                                        value.split(sizes, dim=2), calls)]
+        out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    return out.to(dtype).transpose(1, 2)
 
 
 def _per_sample(query, key, value, cu: list[int], scaling) -> torch.Tensor:
     gqa = key.shape[1] != query.shape[1]
-    parts = [_sdpa(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling,
-                   enable_gqa=gqa)
-             for s, e in itertools.pairwise(cu)]
-    return torch.cat(parts, dim=2).transpose(1, 2)
+    sizes = [e - s for s, e in itertools.pairwise(cu)]
+    return _segments(query, key, value, sizes, [dict(is_causal=True, scale=scaling, enable_gqa=gqa)] * len(sizes))
 
 
 @dataclass(frozen=True)
@@ -206,13 +214,11 @@ def _branch_mask(prefix: int, branches: tuple[int, ...], device: str) -> torch.T
 
 def _shared(query, key, value, groups: tuple[Group, ...], scaling) -> torch.Tensor:
     gqa = key.shape[1] != query.shape[1]
-    parts = []
+    calls = []
     for g in groups:
-        s, e = g.start, g.start + g.size
         mask = g.mask(query.device) if g.branches else None  # no branches: a causal segment
-        parts.append(_sdpa(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], attn_mask=mask,
-                           is_causal=mask is None, scale=scaling, enable_gqa=gqa))
-    return torch.cat(parts, dim=2).transpose(1, 2)
+        calls.append(dict(attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa))
+    return _segments(query, key, value, [g.size for g in groups], calls)  # the groups cover the row
 
 
 def prompt_keys(input_ids: list[torch.Tensor], loss_masks: list[torch.Tensor]) -> list[tuple[bytes, int]]:

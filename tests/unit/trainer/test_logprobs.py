@@ -92,3 +92,23 @@ def test_negative_targets_are_skipped_by_the_torch_form():
     (out.sum()).backward()
     assert logits.grad[2, 1:].eq(0).all() and logits.grad[:, -1].eq(0).all()
     assert logits.grad[0, :-1].abs().sum() > 0
+
+
+def test_a_cpu_chunk_is_held_to_the_cache_budget_and_changes_nothing(monkeypatch):
+    from conveyor.trainer import logprobs
+    assert logprobs.cpu_chunk(1024, 49152) == 16 and logprobs.cpu_chunk(1024, 151936) == 5
+    assert logprobs.cpu_chunk(4, 10) == 4 and logprobs.cpu_chunk(1024, 10 ** 9) == 1
+    la, ids, mask = _inputs(torch.float32)
+    plain, _ = token_logprobs(la, ids, mask, 0.7, chunk_rows=None)
+    monkeypatch.setattr(logprobs, "CPU_CHUNK_BYTES", 3 * 4 * 50)  # three rows of the 50 ids
+    reductions = []
+    logsumexp = torch.logsumexp
+    monkeypatch.setattr(torch, "logsumexp", lambda x, dim: reductions.append(x.shape[0]) or logsumexp(x, dim))
+    lb = la.detach().clone().requires_grad_(True)
+    chunked, _ = token_logprobs(lb, ids, mask, 0.7, chunk_rows=1024, kernel=False)
+    assert reductions == [3] * 7  # 21 positions, three at a time
+    torch.testing.assert_close(chunked, plain, rtol=0, atol=1e-6)
+    w = torch.randn(3, 7, generator=torch.Generator().manual_seed(1))
+    (plain * w).sum().backward()
+    (chunked * w).sum().backward()
+    torch.testing.assert_close(lb.grad, la.grad, rtol=0, atol=1e-6)
