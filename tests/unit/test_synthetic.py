@@ -216,3 +216,5 @@ def test_a_bad_short_operand_share_is_refused_naming_the_setting():
     for bad in (1.5, -0.1, "many", True):
         with pytest.raises(DataError, match="data.options.short_operands must be a number in"):
             synthetic_source("addition", "train", {"digits": 2, "short_operands": bad}, eval_size=10, seed=0)
+    with pytest.raises(DataError, match="short_operands is an option of synthetic:addition, not synthetic:reverse"):
+        synthetic_source("reverse", "train", {"length": 4, "short_operands": 0.5}, eval_size=10, seed=0)

@@ -171,7 +171,10 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
     train_size = int(options.pop("train_size", train_size or 20000))
     teacher_error = _share(options, "teacher_error")
     options.pop("teacher_error", None)
-    short = _share(options, "short_operands") if name == "addition" else 0.0
+    if "short_operands" in options and name != "addition":
+        raise DataError(f"data.options.short_operands is an option of synthetic:addition, not synthetic:{name}; "
+                         "remove it")
+    short = _share(options, "short_operands")
     options.pop("short_operands", None)
     if name == "addition":
         options["terms"] = _terms(options)  # checked once, before any problem is drawn
@@ -202,8 +205,9 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
 
 def _short_mix(uniform: list[tuple[str, str]], held_out: dict[str, str], share: float, options: dict,
                seed: int) -> list[tuple[str, str]]:
-    """As many training sums as ``uniform`` holds: each, with probability ``share``, drawn with even operand lengths (never a
-    held-out sum; a sum may come more than once), else the next of the uniform ones in their order."""
+    """As many training sums as ``uniform`` holds: each, with probability ``share``, drawn with even
+    operand lengths (never a held-out sum; a sum may come more than once), else the next of the
+    uniform ones in their order."""
     rng = random.Random(f"addition-short-{seed}")
     digits, terms = int(options.get("digits", 2)), int(options["terms"])
     out, i = [], 0
