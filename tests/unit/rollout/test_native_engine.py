@@ -436,3 +436,22 @@ def test_stream_seed_validation_and_abort(model, tok, prompts):
     assert eng.runner.allocator.num_free == eng.runner.allocator.capacity
     with pytest.raises(NotImplementedError, match="fast runner"):
         engine(model, tok).generate_stream(params, lambda: [], lambda *_: None)
+
+
+def test_a_prefill_hands_the_head_contiguous_rows_and_the_same_logits(tok, prompts):
+    """The last position of each prompt reaches the output head contiguous (torch's matmul copied
+    the head weight once per row for the strided view), and the logits are the plain forward's."""
+    from conveyor.rollout.native.runner import HFModelRunner
+    model = tiny(tok).eval()
+    runner = HFModelRunner(model)
+    HFModelRunner(model)  # a second runner on the same model adds nothing
+    head = model.get_output_embeddings()
+    assert len(head._forward_pre_hooks) == 1
+    seen = []  # what the head's forward gets, after the runner's hook
+    head.register_forward_pre_hook(lambda module, args: seen.append(args[0].is_contiguous()))
+    with torch.inference_mode():
+        _, logits = runner.prefill(prompts)
+        assert seen == [True]  # one prefill chunk
+        for p, row in zip(prompts, logits, strict=True):
+            plain = model(input_ids=torch.tensor([p])).logits[0, -1].float()
+            torch.testing.assert_close(row, plain, rtol=1e-5, atol=1e-5)  # float32, a different mask path

@@ -73,6 +73,22 @@ def context_limit(config) -> int:
     return limit
 
 
+def _contiguous_input(module, args):
+    return (args[0].contiguous(), *args[1:])
+
+
+def _contiguous_head_input(model) -> None:
+    """Give the model's output head contiguous inputs (once per model). A prefill keeps the logits of
+    each prompt's last position (``logits_to_keep``): a ``[B, 1, H]`` view with the whole prompt's
+    batch stride, which torch's matmul does not fold into one GEMM; it multiplied each row by its own
+    copy of the ``[H, V]`` head weight instead (32 SmolLM2 prompts of 46 tokens, 2-core AMD EPYC:
+    a prefill took 1.8 s, 0.56 s with the copy of the ``[B, 1, H]`` input)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, torch.nn.Module) and not getattr(head, "_conveyor_contiguous_input", False):
+        head.register_forward_pre_hook(_contiguous_input)
+        head._conveyor_contiguous_input = True
+
+
 class HFModelRunner:
     """Runs prefill and decode forwards of one HF causal LM (eval mode, caller holds inference_mode)."""
 
@@ -82,6 +98,7 @@ class HFModelRunner:
             raise ValueError(f"NativeEngine: attention implementation {impl!r} is not supported; load the model "
                              f"with attn_implementation='sdpa' (or 'eager')")
         self.model = model
+        _contiguous_head_input(model)
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
         params = inspect.signature(model.forward).parameters
