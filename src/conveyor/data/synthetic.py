@@ -67,8 +67,8 @@ def _addition(rng: random.Random, digits: int, terms: int, even_lengths: bool = 
 
 
 def _share(options: dict, key: str) -> float:
-    """``options[key]``, checked: a number in [0, 1]."""
-    value = options.get(key, 0.0)
+    """``options[key]`` taken out of ``options``, checked: a number in [0, 1] (default 0)."""
+    value = options.pop(key, 0.0)
     try:
         share = float(value)
     except (TypeError, ValueError):
@@ -170,12 +170,10 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
     options = dict(options or {})
     train_size = int(options.pop("train_size", train_size or 20000))
     teacher_error = _share(options, "teacher_error")
-    options.pop("teacher_error", None)
     if "short_operands" in options and name != "addition":
         raise DataError(f"data.options.short_operands is an option of synthetic:addition, not synthetic:{name}; "
                          "remove it")
     short = _share(options, "short_operands")
-    options.pop("short_operands", None)
     if name == "addition":
         options["terms"] = _terms(options)  # checked once, before any problem is drawn
     rng = random.Random(f"{name}-{seed}")
@@ -218,7 +216,7 @@ def _short_mix(uniform: list[tuple[str, str]], held_out: dict[str, str], share: 
                 continue
             out.append((prompt, answer))
         else:
-            out.append(uniform[i % len(uniform)])
+            out.append(uniform[i])  # i < len(out) < len(uniform)
             i += 1
     return out
 
