@@ -84,3 +84,23 @@ def test_pruned_draws_follow_the_distribution():
     tol = 4 * torch.sqrt(probs[:4] * (1 - probs[:4]) / rows)
     assert bool(((freq - probs[:4]).abs() < tol).all()), freq
     assert int((drawn >= 4).sum()) == 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_the_dense_draw_in_row_blocks_is_the_hash_of_every_column(temperature, monkeypatch):
+    # Most columns can win: every column is drawn, a few rows at a time (the last block short),
+    # with the hash's column term computed once; the draw is the argmax of the spec's noise.
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 37, 3001
+    logits = torch.randn(rows, vocab, generator=gen) * 3.0
+    seeds = torch.randint(0, 2 ** 31, (rows,), generator=gen)
+    monkeypatch.setattr(sampling, "_NOISE_ELEMS", vocab * 5)
+    drawn = _gumbel_argmax(logits, temperature, seeds)
+    to_base2 = torch.tensor(sampling._LOG2E, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
+    noise = -torch.log2(-torch.log2(lowbias32_spec(seeds, torch.arange(vocab))))
+    assert torch.equal(drawn, torch.argmax(logits * to_base2 + noise, dim=-1))
+    # A row with a NaN logit draws the NaN's column, as argmax does; the other rows are unchanged.
+    logits[3, 7] = float("nan")
+    with_nan = _gumbel_argmax(logits, temperature, seeds)
+    assert int(with_nan[3]) == 7
+    assert torch.equal(with_nan[torch.arange(rows) != 3], drawn[torch.arange(rows) != 3])

@@ -37,7 +37,7 @@ _M64 = (1 << 64) - 1
 _M32 = 0xFFFFFFFF
 _LOG2E = 1.4426950408889634
 # Row blocks of the reference sampler's noise: bounds its temporaries on a large vocabulary.
-_NOISE_ELEMS = 1 << 24
+_NOISE_ELEMS = 1 << 20
 # The Gumbel noise -log2(-log2 u) of a uniform u in [2**-24, 1 - 2**-24] lies in
 # [-log2(24), 24 - log2(log2 e)] = [-4.585, 23.471]: 28.06 wide, rounded up for float32.
 _NOISE_SPAN = 29.0
@@ -88,11 +88,14 @@ def uniforms(seeds: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     hash of (seed, column) that the fused GPU sampler computes (``triton_ops._uniform``), kept to
     its top 23 bits ``k`` as ``(k + 1/2) / 2**23``. Every such number is exact in float32 and lies
     in [2**-24, 1 - 2**-24]. (From 24 bits the largest, 1 - 2**-25, rounds to 1.0, whose noise is
-    infinite: that column would win the draw whatever its probability, once in 2**24 columns.)
+    infinite: that column would win the draw whatever its probability, once in 2**24 columns.)"""
+    return _lowbias32(_int32(cols) * _int32(0x9E3779B9) + _int32(seeds))
 
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    """``uniforms`` from the hash's first term ``cols * 0x9E3779B9 + seeds`` (int32, consumed).
     Computed in int32, whose products wrap modulo 2**32 as the hash's unsigned ones do; a
     logical right shift is the arithmetic one masked to the bits it keeps."""
-    x = _int32(cols) * _int32(0x9E3779B9) + _int32(seeds)
     x ^= (x >> 16) & 0xFFFF
     x *= _int32(0x7FEB352D)
     x ^= (x >> 15) & 0x1FFFF
@@ -124,6 +127,18 @@ def _top_p_mask(scaled: torch.Tensor, p: float) -> torch.Tensor:
     return scaled.masked_fill(drop, float("-inf"))
 
 
+def _column_terms(v: int, device: torch.device) -> torch.Tensor:
+    """``cols * 0x9E3779B9`` wrapped to int32 for columns ``0..v-1``: the hash's first term, the same
+    for every row and step, so the dense draw computes it once per vocabulary size."""
+    key = (v, str(device))
+    if key not in _COLUMN_TERMS:
+        _COLUMN_TERMS[key] = _int32(torch.arange(v, dtype=torch.int64, device=device) * 0x9E3779B9)
+    return _COLUMN_TERMS[key]
+
+
+_COLUMN_TERMS: dict[tuple[int, str], torch.Tensor] = {}
+
+
 def _gumbel_argmax(allowed: torch.Tensor, temperature: float, seeds: torch.Tensor) -> torch.Tensor:
     """argmax(logits / T - log(-log U)) per row: an exact draw from softmax(allowed logits / T).
     In base 2 as the fused sampler computes it (the same argmax, the same rounding).
@@ -131,28 +146,33 @@ def _gumbel_argmax(allowed: torch.Tensor, temperature: float, seeds: torch.Tenso
     Noise is drawn only for the columns that can win: two columns' noises differ by less than
     ``_NOISE_SPAN``, so a column scored further below its row's best loses to it whatever both draw.
     After a little training most rows keep a few columns, and hashing the whole vocabulary was
-    most of a CPU decode step; when most columns can win, every column is drawn in row blocks."""
+    most of a CPU decode step; when most columns can win, every column is drawn in row blocks.
+    The columns are picked on the logits themselves (a column's score is its logit times a positive
+    constant, rounded, which keeps their order; a column more than ``_NOISE_SPAN`` + 1 scores below
+    its row's best is left out), and whether to draw them one by one is judged from every 16th
+    column: neither changes a draw, only which columns are hashed, and neither makes a pass over a
+    ``[B, V]`` temporary beyond the one comparison."""
     b, v = allowed.shape
     # float32 division, as the kernel computes it
     to_base2 = (torch.tensor(_LOG2E, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
                 ).to(allowed.device)
-    scores = allowed * to_base2
     seeds = seeds.to(device=allowed.device, dtype=torch.int64)
-    live = scores >= scores.amax(dim=-1, keepdim=True) - _NOISE_SPAN
-    per_row = live.count_nonzero(dim=-1)
-    if int(per_row.sum()) * 4 <= b * v and bool((per_row > 0).all()):  # every row keeps its best (no NaN)
-        rows, cols = live.nonzero(as_tuple=True)
-        keys = scores[rows, cols] - torch.log2(-torch.log2(uniforms(seeds[rows], cols)))
-        best = torch.full((b,), float("-inf"), device=allowed.device).scatter_reduce(0, rows, keys, "amax")
-        # The first column among a row's ties, as argmax takes.
-        tied = torch.where(keys == best[rows], cols, v)
-        return torch.full((b,), v, device=allowed.device).scatter_reduce(0, rows, tied, "amin")
-    all_cols = torch.arange(v, dtype=torch.int64, device=allowed.device)
+    top = allowed.amax(dim=-1, keepdim=True)
+    if not bool(torch.isnan(top).any()):  # a NaN row has no best column: argmax over all of it
+        live = allowed >= top - (_NOISE_SPAN + 1.0) / to_base2
+        if int(live[:, ::16].sum()) * 64 <= b * v:  # about a quarter of the columns or fewer
+            rows, cols = live.nonzero(as_tuple=True)
+            keys = allowed[rows, cols] * to_base2 - torch.log2(-torch.log2(uniforms(seeds[rows], cols)))
+            best = torch.full((b,), float("-inf"), device=allowed.device).scatter_reduce(0, rows, keys, "amax")
+            # The first column among a row's ties, as argmax takes.
+            tied = torch.where(keys == best[rows], cols, v)
+            return torch.full((b,), v, device=allowed.device).scatter_reduce(0, rows, tied, "amin")
+    terms = _column_terms(v, allowed.device)
     step = max(1, _NOISE_ELEMS // v)
     out = []
     for r in range(0, b, step):
-        keys = scores[r:r + step] - torch.log2(-torch.log2(uniforms(seeds[r:r + step, None], all_cols)))
-        out.append(torch.argmax(keys, dim=-1))
+        u = _lowbias32(terms + _int32(seeds[r:r + step, None]))
+        out.append(torch.argmax(allowed[r:r + step] * to_base2 - torch.log2(-torch.log2(u)), dim=-1))
     return torch.cat(out)
 
 
@@ -170,7 +190,7 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: f
     else:
         if seeds is None or len(seeds) != logits.shape[0]:
             raise ValueError("sample: temperature > 0 needs one seed per row (seeds=draw_seeds(keys, index))")
-        scaled = logits / temperature
+        scaled = logits if temperature == 1.0 else logits / temperature  # x / 1 is x
         # Truncation is decided on the tempered distribution; the draw scales the logits itself.
         kept = _top_p_mask(_top_k_mask(scaled, top_k), top_p)
         allowed = logits if kept is scaled else logits.masked_fill(kept == float("-inf"), float("-inf"))
