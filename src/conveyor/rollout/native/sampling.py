@@ -30,6 +30,8 @@ batch of logits.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -89,7 +91,7 @@ def uniforms(seeds: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     its top 23 bits ``k`` as ``(k + 1/2) / 2**23``. Every such number is exact in float32 and lies
     in [2**-24, 1 - 2**-24]. (From 24 bits the largest, 1 - 2**-25, rounds to 1.0, whose noise is
     infinite: that column would win the draw whatever its probability, once in 2**24 columns.)"""
-    return _lowbias32(_int32(cols) * _int32(0x9E3779B9) + _int32(seeds))
+    return _lowbias32(_column_term(cols) + _int32(seeds))
 
 
 def _lowbias32(x: torch.Tensor) -> torch.Tensor:
@@ -127,16 +129,16 @@ def _top_p_mask(scaled: torch.Tensor, p: float) -> torch.Tensor:
     return scaled.masked_fill(drop, float("-inf"))
 
 
-def _column_terms(v: int, device: torch.device) -> torch.Tensor:
-    """``cols * 0x9E3779B9`` wrapped to int32 for columns ``0..v-1``: the hash's first term, the same
-    for every row and step, so the dense draw computes it once per vocabulary size."""
-    key = (v, str(device))
-    if key not in _COLUMN_TERMS:
-        _COLUMN_TERMS[key] = _int32(torch.arange(v, dtype=torch.int64, device=device) * 0x9E3779B9)
-    return _COLUMN_TERMS[key]
+def _column_term(cols: torch.Tensor) -> torch.Tensor:
+    """The hash's first term, ``cols * 0x9E3779B9`` wrapped to int32."""
+    return _int32(cols) * _int32(0x9E3779B9)
 
 
-_COLUMN_TERMS: dict[tuple[int, str], torch.Tensor] = {}
+@functools.lru_cache(maxsize=8)
+def _vocabulary_terms(v: int, device: str) -> torch.Tensor:
+    """``_column_term`` of columns ``0..v-1``: the same for every row and step, so the dense draw
+    computes it once per vocabulary size."""
+    return _column_term(torch.arange(v, dtype=torch.int64, device=device))
 
 
 def _gumbel_argmax(allowed: torch.Tensor, temperature: float, seeds: torch.Tensor) -> torch.Tensor:
@@ -167,7 +169,7 @@ def _gumbel_argmax(allowed: torch.Tensor, temperature: float, seeds: torch.Tenso
             # The first column among a row's ties, as argmax takes.
             tied = torch.where(keys == best[rows], cols, v)
             return torch.full((b,), v, device=allowed.device).scatter_reduce(0, rows, tied, "amin")
-    terms = _column_terms(v, allowed.device)
+    terms = _vocabulary_terms(v, str(allowed.device))
     step = max(1, _NOISE_ELEMS // v)
     out = []
     for r in range(0, b, step):
