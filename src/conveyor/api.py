@@ -9,7 +9,9 @@ Contract
   before anything starts (``launch.preflight``), runs the whole run (initial
   eval, warm-start, RL, final eval, ``final/``) and returns its typed summary.
 - ``generate(run_dir, prompts, ...) -> list[str]``: completions of the run's
-  final model (or a checkpoint), the run's prompt formatting applied.
+  final model (or a checkpoint), the run's prompt formatting applied; with an
+  environment, each prompt's episode (the model's turns and the environment's
+  answers).
 - ``evaluate(run_dir, overrides=(), checkpoint=None) -> EvalResult``: held-out
   reward of that model with the run's reward and eval set, greedy and sampled.
 - ``model_dir(run_dir, checkpoint=None)``: where a run's model is (``final/``,
@@ -249,7 +251,9 @@ def format_prompt(cfg: RunConfig, tokenizer, text: str) -> str:
 def generate(run_dir: str | Path, prompts: Sequence[str], *, checkpoint: str | Path | None = None,
              temperature: float = 0.0, max_new_tokens: int | None = None, raw: bool = False,
              seed: int = 0) -> list[str]:
-    """Completions of the run's model for ``prompts`` (greedy unless ``temperature`` > 0)."""
+    """Completions of the run's model for ``prompts`` (greedy unless ``temperature`` > 0). A run
+    with an environment (``env.name``) plays one episode per prompt instead and returns its
+    transcript: the model's turns and the environment's answers (``_episodes``)."""
     from conveyor.data.api import prompt_special_tokens
     from conveyor.launch.preflight import check_devices
     from conveyor.observe.progress import quiet_libraries
@@ -257,6 +261,13 @@ def generate(run_dir: str | Path, prompts: Sequence[str], *, checkpoint: str | P
     cfg = run_config(run_dir)
     check_devices(cfg)
     quiet_libraries()
+    if cfg.env.name:
+        if raw:
+            raise ConfigError(f"--raw: a run with an environment (env.name={cfg.env.name}) writes its episodes' "
+                              "turns itself; give the task's prompt without --raw")
+        params = SamplingParams.from_config(cfg.rollout, n=1, temperature=temperature, seed=seed,
+                                            max_new_tokens=max_new_tokens or cfg.rollout.max_new_tokens)
+        return _episodes(_reader_config(cfg), run_dir, prompts, params, checkpoint)
     with _plain_model(run_dir, checkpoint) as path:
         engine, tok = _engine(cfg, path)
     special = prompt_special_tokens(cfg.data)
@@ -280,18 +291,13 @@ def evaluate(run_dir: str | Path, overrides: Sequence[str] = (), *,
     e.g. ``data.eval_size=500``), greedy and at the rollout temperature."""
     import tempfile
 
-    from conveyor.config import LaunchConfig
     from conveyor.controller.run import build
     from conveyor.launch.local import LocalLauncher
     from conveyor.launch.preflight import check_devices
     from conveyor.observe.progress import quiet_libraries
     cfg = run_config(run_dir, overrides)
-    # One engine in this process is enough to evaluate, whatever the run's placement was.
-    launch = LaunchConfig(timeout_s=cfg.launch.timeout_s)
-    cfg = cfg.model_copy(update={"launch": launch, "loop": cfg.loop.model_copy(update={"eval_sampled": True}),
-                                 # an evaluation is not a run: no trackers, no timeline of its own
-                                 "observe": cfg.observe.model_copy(update={"tensorboard": False, "progress": False,
-                                                                           "sinks": [], "timeline": False})})
+    cfg = _reader_config(cfg)
+    cfg = cfg.model_copy(update={"loop": cfg.loop.model_copy(update={"eval_sampled": True})})
     check_devices(cfg)
     quiet_libraries()
     with tempfile.TemporaryDirectory(prefix="conveyor-eval-") as tmp, \
@@ -303,3 +309,51 @@ def evaluate(run_dir: str | Path, overrides: Sequence[str] = (), *,
         finally:
             s.close()
     return EvalResult.from_metrics(m)
+
+
+def _reader_config(cfg: RunConfig) -> RunConfig:
+    """A run's config for reading its model back (evaluate, an environment's episodes): one engine
+    in this process, whatever the run's placement was; no trackers, no timeline of its own."""
+    from conveyor.config import LaunchConfig
+    return cfg.model_copy(update={"launch": LaunchConfig(timeout_s=cfg.launch.timeout_s),
+                                  "observe": cfg.observe.model_copy(update={"tensorboard": False, "progress": False,
+                                                                            "sinks": [], "timeline": False})})
+
+
+# Training tasks searched for a prompt's task after the held-out ones (a synthetic source is endless).
+TASKS_SEARCHED = 10_000
+
+
+def _episodes(cfg: RunConfig, run_dir: str | Path, prompts: Sequence[str], params,
+              checkpoint: str | Path | None) -> list[str]:
+    """One episode per prompt in the run's environment, played by its model. A prompt's task is the
+    run's own task with that prompt (the held-out ones first, then the first ``TASKS_SEARCHED``
+    training tasks), so an environment that needs the task's data (guess_number's target) has
+    it; a prompt of no task is a task of its own. An episode the environment cannot play is
+    refused in one line, with a prompt of the run's data."""
+    import tempfile
+
+    from conveyor.controller.run import build
+    from conveyor.env.pool import EnvFailure
+    from conveyor.launch.local import LocalLauncher
+    from conveyor.types import Task
+    with tempfile.TemporaryDirectory(prefix="conveyor-generate-") as tmp, \
+            _plain_model(run_dir, checkpoint) as path:
+        s = build(cfg, Path(tmp), str(path), LocalLauncher(cfg, Path(tmp)))
+        try:
+            known: dict[str, Task] = {}
+            for t in [*s.eval_tasks, *(s.train_source[i] for i in range(min(len(s.train_source), TASKS_SEARCHED)))]:
+                known.setdefault(t.prompt, t)
+            tasks = [known.get(p, Task(f"generate-{i}", p)) for i, p in enumerate(prompts)]
+            s.start_rollouts(str(path), 0)
+            played = s.rollouts.episodes.play_tasks(tasks, params, timeout_s=cfg.launch.timeout_s)
+        finally:
+            s.close()
+        tok = s.tokenizer
+    for prompt, ep in zip(prompts, played):
+        if isinstance(ep, EnvFailure):
+            example = next(iter(known), None)
+            raise ConfigError(f"the environment (env.name={cfg.env.name}) could not play an episode of {prompt!r} "
+                              f"({ep.kind}: {ep})" + (f"; give a prompt of the run's data, e.g. {example!r}"
+                                                       if example is not None else ""))
+    return [tok.decode(ep.completion_ids, skip_special_tokens=True) for ep in played]

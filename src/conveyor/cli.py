@@ -131,8 +131,12 @@ def _generate(ns) -> int:
     from conveyor import api
     outs = api.generate(ns.run_dir, ns.prompts, checkpoint=ns.checkpoint, temperature=ns.temperature,
                         max_new_tokens=ns.max_new_tokens, raw=ns.raw, seed=ns.seed)
+    blocks = len(outs) > 1 and any("\n" in o for o in outs)  # an episode's transcript has lines
     for prompt, out in zip(ns.prompts, outs):
-        print(out if len(outs) == 1 else f"{prompt}\t{out}")
+        if blocks:
+            print(prompt + "\n" + "\n".join("  " + line for line in out.split("\n")))
+        else:
+            print(out if len(outs) == 1 else f"{prompt}\t{out}")
     return 0
 
 
@@ -312,7 +316,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_run_readers(sub, fmt) -> None:
     """The commands that read a finished run: generate, eval, export, samples, report."""
-    desc = "complete prompts with a run's model (final/, or --checkpoint), formatted as the run's data was"
+    desc = ("complete prompts with a run's model (final/, or --checkpoint), formatted as the run's data was; "
+            "with an environment (env.name), play each prompt's episode and print its turns and the answers")
     sp = sub.add_parser("generate", help=desc, description=desc, formatter_class=fmt, epilog=(
         'example:\n  conveyor generate runs/default-20260101-120000 "12+34=" "7+5="'))
     sp.add_argument("run_dir", metavar="RUN_DIR")

@@ -16,7 +16,8 @@ failed episode on a fresh instance with a fresh seed up to ``attempts``
 times, ``drop`` fails the group at its first failed episode. A turn that
 no engine answers within ``timeout_s`` fails its episode (``timeout``).
 ``run_tasks(tasks, params)`` runs one episode per task outside the
-schedule (evaluation) and returns the trajectories (None for failures).
+schedule (evaluation) and returns the trajectories (None for failures);
+``play_tasks`` returns each failure's ``EnvFailure`` instead (``conveyor generate``).
 With ``agents`` (``env.name: agent``, ``controller.agent_episodes``) an
 episode is the user's agent calling the OpenAI-compatible endpoint, served
 on this loop with this runner as its engine, instead of ``run_episode``.
@@ -107,14 +108,20 @@ class EpisodeRunner:
         self._loop.call_soon_threadsafe(self._resolve, done.chunk_id, done.completions[0][0])
 
     def run_tasks(self, tasks: list[Task], params: SamplingParams, timeout_s: float) -> list[Trajectory | None]:
+        # a failure is counted; the caller scores it at the reward's fallback
+        return [t if isinstance(t, Trajectory) else None for t in self.play_tasks(tasks, params, timeout_s)]
+
+    def play_tasks(self, tasks: list[Task], params: SamplingParams,
+                   timeout_s: float) -> list[Trajectory | EnvFailure]:
+        """``run_tasks`` with each failed episode's ``EnvFailure`` (its class and message) in its place."""
         def seeded(i: int) -> SamplingParams:  # task i draws from streams of its own
             return params if params.seed is None else dataclasses.replace(params, seed=params.seed + 64 * i)
 
-        async def one(task: Task, params: SamplingParams) -> Trajectory | None:
+        async def one(task: Task, params: SamplingParams) -> Trajectory | EnvFailure:
             try:
                 return await self._attempts(task, params)
-            except EnvFailure:
-                return None  # counted; the caller scores it at the reward's fallback
+            except EnvFailure as e:
+                return e
 
         async def all_of():
             return await asyncio.gather(*(one(t, seeded(i)) for i, t in enumerate(tasks)))
