@@ -45,9 +45,10 @@ WARMUP_STEPS = 2
 # Weight sync, per step in the loop's metrics: end of step -> engine serving the version, its
 # parts until the writer announced it and until the engine held it, the trainer's publish
 # call, and the decode pause for the swap (medians over the steady window here).
-# The engines' decode steps (mean rows, host-measured ms) and their share of busy time in prefill.
+# The engines' decode steps (mean rows, host-measured ms), their share of busy time in prefill, and
+# the share of decode time in steps of at most half an engine's sequences of a step.
 MEDIAN_KEYS = ("weight_sync_ms", "weight_announce_ms", "weight_transfer_ms", "weight_publish_ms", "weight_pause_ms",
-               "engine_batch_mean", "engine_step_ms", "engine_prefill_frac")
+               "engine_batch_mean", "engine_step_ms", "engine_prefill_frac", "engine_low_rows_frac")
 
 
 def step_view(rec: dict) -> dict:

@@ -32,9 +32,9 @@ step latency p50 / p99 / max as measured by the episodes (``TurnRecord.env_s``:
 the pool's overhead included) and as drawn (the env's log); the engines'
 mean decode rows and that over the rows each engine is given per step, the
 decode step's milliseconds and the share of engine time in prefill (every
-turn re-submits the episode's whole context). The fraction of engine time
-with fewer than half the batch's rows active is ``None``: the engines keep
-totals (``decode_rows`` / ``decode_steps``), not a per-step distribution.
+turn re-submits the episode's whole context), and the fraction of decode time
+in steps of at most half the rows each engine is given per step (the engines
+count decode time by rows in powers of two, so half is rounded down to one).
 
 It knows W3's shape and its table; metrics live in ``metrics.py``, the
 environment in ``w3_env.py``, the system in ``peers/conveyor_peer.py``.
@@ -140,7 +140,8 @@ def w3_extras(rec: dict, spec: dict) -> dict:
     engines = m.get("engines") or 0
     mean_rows = m.get("engine_batch_mean")
     m["engine_batch_frac"] = mean_rows / (sps / engines) if mean_rows and sps and engines else None
-    m["engine_lt_half_rows_frac"] = None  # not exposed: the engines count decode_rows / decode_steps totals only
+    # Decode time in steps of at most half an engine's rows (the loop's engine_low_rows_frac, median step).
+    m["engine_lt_half_rows_frac"] = m.get("engine_low_rows_frac")
     # The environment pool's counters, where the loop logs them (env_<counter> in metrics.jsonl).
     steps = [r for r in H._read_jsonl(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
     last = steps[-1] if steps else {}

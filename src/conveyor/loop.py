@@ -101,7 +101,7 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
                    "weight_publish_ms": trained.publish_s * 1e3,
                    "buffer_depth": len(buffer), **rollouts.filter_stats(),  # dynamic sampling's drops
                    **sync_stats(rollouts.take_swaps(), published_at, swaps, upto=step),
-                   **engine_stats(now.clocks, clocks), **counters, **timer.lap()}
+                   **engine_stats(now.clocks, clocks, lc.batch_size * cfg.rollout.n), **counters, **timer.lap()}
         if "proximal_logprobs" in extra:
             metrics["logprob_diff_max"] = max(
                 float(((p - b).abs() * m).max()) for p, b, m in

@@ -81,6 +81,9 @@ def test_staleness_zero_streaming_engine_processes_equal_in_process(tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     ra, rb = ([m["reward"] for m in read_metrics(d, kind="train")] for d in (a, b))
     assert ra == rb and len(ra) == 3
+    for d in (a, b):  # the engine's decode time by rows reaches the loop, from a thread or a process
+        low = [m.get("engine_low_rows_frac") for m in read_metrics(d, kind="train")]
+        assert len(low) == 3 and all(x is not None and 0.0 <= x <= 1.0 for x in low), low
 
 
 def test_bounded_staleness_is_respected(tmp_path):

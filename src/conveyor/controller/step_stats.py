@@ -5,9 +5,10 @@ staleness (versions behind the policy trained at ``step``) and the means of
 the rewards' numeric ``reward_info`` keys (``reward_<key>``);
 ``sync_stats(new, published_at, pending, upto)`` the weight-sync times of
 the versions up to ``upto`` from the engines' ``WeightSwap`` reports;
-``engine_stats(clocks, last)`` each engine's idle fraction since ``last``
-(updated in place) and the engines' decode-step size and time. They read
-and return numbers only; the loop logs them.
+``engine_stats(clocks, last, rows)`` each engine's idle fraction since ``last``
+(updated in place) and the engines' decode-step size and time, and the share of
+decode time in steps of at most half an engine's share of the step's ``rows``
+sequences. They read and return numbers only; the loop logs them.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import math
 import numbers
 from collections import Counter
 
-from conveyor.transport.messages import EngineClock, WeightSwap
+from conveyor.transport.messages import ROWS_KEY, EngineClock, WeightSwap
 from conveyor.types import Group, Trajectory
 
 
@@ -72,10 +73,14 @@ def sync_stats(new: list[WeightSwap], published_at: dict[int, float], pending: l
     return out
 
 
-def engine_stats(clocks: dict[int, EngineClock], last: dict[int, EngineClock]) -> dict[str, float]:
+def engine_stats(clocks: dict[int, EngineClock], last: dict[int, EngineClock], rows: int = 0) -> dict[str, float]:
     """Each engine's idle fraction since the last call, and over all engines the mean rows of
     a decode step, its host-measured milliseconds, and the share of busy time spent in
-    admissions (prefill) — what sets the engines' speed in a run. ``last`` is updated in place."""
+    admissions (prefill) — what sets the engines' speed in a run. With ``rows`` (the step's
+    sequences), ``engine_low_rows_frac``: the share of decode time in steps of at most half of
+    an engine's share of them, rounded down to a power of two (the engines count time by rows
+    in powers of two): a synchronous step's tail, or turns waiting on their environment. ``last``
+    is updated in place."""
     out, totals = {}, Counter()
     for engine_id, now in clocks.items():
         before = last[engine_id]
@@ -91,6 +96,11 @@ def engine_stats(clocks: dict[int, EngineClock], last: dict[int, EngineClock]) -
     if totals["decode_steps"] > 0:
         out["engine_batch_mean"] = totals["decode_rows"] / totals["decode_steps"]
         out["engine_step_ms"] = totals["decode_s"] / totals["decode_steps"] * 1e3
+    counting = sum(1 for c in clocks.values() if c.counters)
+    by_rows = {int(k[len(ROWS_KEY):]): v for k, v in totals.items() if k.startswith(ROWS_KEY)}
+    if rows and counting and by_rows and totals["decode_s"] > 0:
+        half = 1 << max(0, (rows // (2 * counting)).bit_length() - 1)
+        out["engine_low_rows_frac"] = sum(v for b, v in by_rows.items() if b <= half) / sum(by_rows.values())
     if totals["busy"] > 0:
         out["engine_prefill_frac"] = totals["prefill_s"] / totals["busy"]
     return out

@@ -81,11 +81,21 @@ class EngineClock:
 
     busy_s: seconds inside generation calls; idle_s: seconds waiting for work;
     counters: the engine's decode-step totals (``decode_steps``, ``decode_rows``, ``decode_s``,
-        ``prefill_s``) where it keeps them, else empty.
+        ``prefill_s``, and ``decode_s`` split by the rows of the steps: ``rows_key(rows)``) where
+        it keeps them, else empty.
     """
     busy_s: float = 0.0
     idle_s: float = 0.0
     counters: dict[str, float] = field(default_factory=dict)
+
+
+ROWS_KEY = "decode_s_rows_le_"
+
+
+def rows_key(rows: int) -> str:
+    """The counter of decode seconds spent in steps of ``rows`` rows: ``decode_s_rows_le_B``, B the
+    smallest power of two >= rows."""
+    return f"{ROWS_KEY}{1 << max(0, rows - 1).bit_length()}"
 
 
 @dataclass(frozen=True)

@@ -22,3 +22,29 @@ def test_engine_stats_are_deltas_since_the_last_step():
     # nothing decoded since: no step stats rather than a division by zero
     out = engine_stats({0: e0, 1: e1}, last)
     assert "engine_step_ms" not in out and "engine_batch_mean" not in out
+
+
+def test_the_share_of_decode_time_at_few_rows_is_counted_against_the_steps_sequences():
+    from conveyor.transport.messages import rows_key
+    assert [rows_key(r) for r in (1, 2, 3, 4, 5, 128, 129)] == [
+        f"decode_s_rows_le_{b}" for b in (1, 2, 4, 4, 8, 128, 256)]
+    # 256 sequences a step on one engine: steps of at most 128 rows are the low ones
+    counters = dict(decode_steps=30, decode_rows=3000, decode_s=1.0, prefill_s=0.0,
+                    **{rows_key(256): 0.5, rows_key(128): 0.3, rows_key(16): 0.2})
+    last = {0: EngineClock()}
+    out = engine_stats({0: EngineClock(1.0, 0.0, counters)}, last, rows=256)
+    assert out["engine_low_rows_frac"] == pytest.approx(0.5)
+    # the same step over two engines: each is given 128 sequences, so only steps of <= 64 rows count
+    last = {0: EngineClock(), 1: EngineClock()}
+    out = engine_stats({0: EngineClock(1.0, 0.0, counters), 1: EngineClock(1.0, 0.0, counters)}, last, rows=256)
+    assert out["engine_low_rows_frac"] == pytest.approx(0.2)
+    # 200 sequences: half is 100, rounded down to the 64 the buckets can tell apart
+    last = {0: EngineClock()}
+    out = engine_stats({0: EngineClock(1.0, 0.0, counters)}, last, rows=200)
+    assert out["engine_low_rows_frac"] == pytest.approx(0.2)
+    # without the step's size, or without counts by rows (an older engine), nothing is claimed
+    last = {0: EngineClock()}
+    assert "engine_low_rows_frac" not in engine_stats({0: EngineClock(1.0, 0.0, counters)}, last)
+    last = {0: EngineClock()}
+    plain = dict(decode_steps=30, decode_rows=3000, decode_s=1.0, prefill_s=0.0)
+    assert "engine_low_rows_frac" not in engine_stats({0: EngineClock(1.0, 0.0, plain)}, last, rows=256)

@@ -347,10 +347,15 @@ def test_stream_admits_chunks_mid_generation_and_reports_each_when_done(model, t
     assert script.parts["A", 1][0] < 10 and script.parts["A", 0][0] == 40
     # Counters: every token after a request's first (sampled at its prefill) came from one
     # decode row; the last decode step is C's 44th token, as the report step above says.
-    c = {k: v - before[k] for k, v in eng.counters.items()}
+    c = {k: v - before.get(k, 0) for k, v in eng.counters.items()}
     tokens = [len(s.token_ids) for _, groups in script.done.values() for g in groups for s in g]
     assert c["decode_rows"] == sum(t - 1 for t in tokens) and c["decode_steps"] == 44
     assert c["decode_s"] > 0 and c["prefill_s"] > 0
+    # decode time by the rows of the steps, in powers of two: at most five sequences were in
+    # flight at once (A's two, B's two, C's one), so every step falls in a bucket up to 8
+    by_rows = {k: v for k, v in c.items() if k.startswith("decode_s_rows_le_") and v > 0}
+    assert by_rows and set(by_rows) <= {f"decode_s_rows_le_{b}" for b in (1, 2, 4, 8)}, by_rows
+    assert sum(by_rows.values()) <= c["decode_s"] * (1 + 1e-9)
     for tag, prompts in [("A", [long, short]), ("B", [short, short]), ("C", [long])]:
         alone = eng.generate(prompts, params)
         got = script.done[tag][1]

@@ -31,6 +31,7 @@ from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.native.paged import blocks_for
 from conveyor.rollout.native.sampling import draw_seeds, sample
 from conveyor.rollout.native.scheduler import Request, Scheduler, StopRule
+from conveyor.transport.messages import rows_key
 
 
 def check_fits_pool(runner, requests: list[Request]) -> None:
@@ -154,7 +155,11 @@ class PagedLoop:
         if prev is not None:
             self._read(prev)
             self._retire(sched)
-        c["decode_s"] += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        c["decode_s"] += spent
+        if nxt is not None:  # by rows, in powers of two: how much of the time few rows were decoded
+            key = rows_key(len(batch))
+            c[key] = c.get(key, 0.0) + spent
 
     def _drain(self, sched: Scheduler) -> None:
         if self.ahead is not None:
