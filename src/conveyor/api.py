@@ -331,6 +331,7 @@ def _episodes(cfg: RunConfig, run_dir: str | Path, prompts: Sequence[str], param
     training tasks), so an environment that needs the task's data (guess_number's target) has
     it; a prompt of no task is a task of its own. An episode the environment cannot play is
     refused in one line, with a prompt of the run's data."""
+    import itertools
     import tempfile
 
     from conveyor.controller.run import build
@@ -341,10 +342,15 @@ def _episodes(cfg: RunConfig, run_dir: str | Path, prompts: Sequence[str], param
             _plain_model(run_dir, checkpoint) as path:
         s = build(cfg, Path(tmp), str(path), LocalLauncher(cfg, Path(tmp)))
         try:
+            searched = range(min(len(s.train_source), TASKS_SEARCHED))
             known: dict[str, Task] = {}
-            for t in [*s.eval_tasks, *(s.train_source[i] for i in range(min(len(s.train_source), TASKS_SEARCHED)))]:
-                known.setdefault(t.prompt, t)
+            for t in itertools.chain(s.eval_tasks, (s.train_source[i] for i in searched)):
+                if t.prompt in prompts:  # the first task of each prompt asked for, no further than needed
+                    known.setdefault(t.prompt, t)
+                    if len(known) == len(set(prompts)):
+                        break
             tasks = [known.get(p, Task(f"generate-{i}", p)) for i, p in enumerate(prompts)]
+            example = (s.eval_tasks or [s.train_source[0]])[0].prompt  # a run has trained on its source
             s.start_rollouts(str(path), 0)
             played = s.rollouts.episodes.play_tasks(tasks, params, timeout_s=cfg.launch.timeout_s)
         finally:
@@ -352,8 +358,6 @@ def _episodes(cfg: RunConfig, run_dir: str | Path, prompts: Sequence[str], param
         tok = s.tokenizer
     for prompt, ep in zip(prompts, played):
         if isinstance(ep, EnvFailure):
-            example = next(iter(known), None)
             raise ConfigError(f"the environment (env.name={cfg.env.name}) could not play an episode of {prompt!r} "
-                              f"({ep.kind}: {ep})" + (f"; give a prompt of the run's data, e.g. {example!r}"
-                                                       if example is not None else ""))
+                              f"({ep.kind}: {ep}); give a prompt of the run's data, e.g. {example!r}")
     return [tok.decode(ep.completion_ids, skip_special_tokens=True) for ep in played]

@@ -98,7 +98,7 @@ def engine_stats(clocks: dict[int, EngineClock], last: dict[int, EngineClock], r
         out["engine_step_ms"] = totals["decode_s"] / totals["decode_steps"] * 1e3
     counting = sum(1 for c in clocks.values() if c.counters)
     by_rows = {int(k[len(ROWS_KEY):]): v for k, v in totals.items() if k.startswith(ROWS_KEY)}
-    if rows and counting and by_rows and totals["decode_s"] > 0:
+    if rows and counting and sum(by_rows.values()) > 0:
         half = 1 << max(0, (rows // (2 * counting)).bit_length() - 1)
         out["engine_low_rows_frac"] = sum(v for b, v in by_rows.items() if b <= half) / sum(by_rows.values())
     if totals["busy"] > 0:
