@@ -137,7 +137,8 @@ class TrainerConfig(_Section):
     total_steps: int | None = Field(None, description="for decaying schedules; defaults to loop.steps")
     max_grad_norm: float | None = Field(1.0, description="None disables clipping")
     micro_batch_tokens: int = Field(16384, ge=1, description=(
-        "token budget of one micro-batch (padded; real tokens with pack_sequences). On a GPU the default is "
+        "token budget of one micro-batch (padded; real tokens with pack_sequences). Left unset, a trainer whose "
+        "GPUs no engine uses (launch.placement=disaggregated) starts from 32768; on a GPU the default is "
         "halved before the first step until a probe micro-batch fits (the run says so); a value you set that "
         "does not fit is refused, naming the largest that does"))
     micro_batch_tokens_shared: int | None = Field(None, ge=1, description=(
@@ -403,7 +404,8 @@ class LaunchConfig(_Section):
     # 128 MiB: with a streamed publish only the last bucket travels after the optimizer step.
     weight_bucket_mb: float = Field(128.0, gt=0, description="broadcast: MiB per bucket")
     engine_threads: int = Field(1, ge=1, description="CPU threads of each engine process (disaggregated)")
-    trainer_threads: int = Field(1, ge=1, description="CPU threads of each trainer process (disaggregated)")
+    trainer_threads: int = Field(1, ge=1, description=(
+        "CPU threads of each trainer process (disaggregated), and of the one process on a GPU (in-process)"))
     timeout_s: float = Field(300.0, gt=0, description=(
         "deadline of every cross-role wait (a trainer call, the wait for a step's groups, an engine's start "
         "and weights); a wait's deadline grows to 4x the longest completed wait of its kind, so a stuck "

@@ -42,7 +42,7 @@ from conveyor.rollout.api import SamplingParams
 from conveyor.trainer.api import TrainerHandle
 from conveyor.trainer.checkpoint import reader_of
 from conveyor.trainer import sm_share
-from conveyor.trainer.fit import check_micro_batches, needs_time_share
+from conveyor.trainer.fit import check_micro_batches, needs_time_share, own_gpu_default
 from conveyor.transport.buffer import TrajectoryBuffer
 
 
@@ -391,7 +391,8 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
             s.logger.message("launch.time_share: the engines' KV pools are released while the trainer trains")
     # The memory these budgets get: refused (or a default halved) now, not out of memory mid-run.
     if s.memory is not None or cfg.loop.accumulate_groups or "micro_batch_tokens" not in cfg.trainer.model_fields_set:
-        notes = check_micro_batches(s.trainer, cfg, length, s.memory)
+        own = own_gpu_default(cfg, plan(cfg)) if cfg.launch.backend == "local" else None
+        notes = check_micro_batches(s.trainer, cfg, length, s.memory, own)
         for note in notes:
             s.logger.message(note)
         if notes:  # a resume starts from the budget that fit

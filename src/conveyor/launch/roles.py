@@ -212,6 +212,11 @@ def _relay(source, outbox: queue.Queue, stop: threading.Event) -> None:
 
 def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement, run_dir: Path):
     if placement.sync == "inprocess":
+        if placement.gpu:
+            # This process's torch threads only do the host side of the GPU's work (collation, packed
+            # layouts, small ops), where waking a pool of threads costs more than it saves.
+            import torch
+            torch.set_num_threads(cfg.launch.trainer_threads)
         return TrainerHost(make_trainer(cfg, path, tokenizer), routes.writers[0])
     ctx = mp_context()
     n = cfg.launch.trainer_ranks

@@ -9,11 +9,15 @@ A budget the recipe or the overrides set that runs out of memory is refused with
 one line naming the field, the memory situation, and the largest halving of the budget that did
 fit (or that none did). A budget left at its default is halved until it fits instead (every rank
 told through ``trainer.set_micro_batch_tokens``), and the returned lines say so for the run's log;
-only when no halving fits is it refused too.
+only when no halving fits is it refused too. ``default`` (``own_gpu_default``) replaces the
+field's default as the budget the search starts from.
 Nothing changes in the model: the probe's gradients are dropped. On CPU nothing is checked
 (``fits`` is always true there). ``largest_fitting(budget, fits)`` is the search.
 ``needs_time_share(trainer, cfg, length)`` resolves ``launch.time_share=auto`` on a GPU: the
 pools are released while training only where the micro-batch does not fit beside them.
+``own_gpu_default(cfg, placement)`` is that starting budget for a trainer whose GPUs hold no
+engine (``launch.placement=disaggregated``): ``OWN_GPU_MICRO_BATCH_TOKENS``, or None (the field's
+default stands) where the trainer shares its GPU, runs on CPU, or the field was set.
 ``MemoryProbe`` is the trainer side, a mixin of ``LocalTrainer``: ``fits(tokens, length)``
 runs the probe (one forward and backward of random ids) and says whether it ran out of memory.
 """
@@ -28,8 +32,27 @@ from conveyor.config.base import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import RunConfig
+    from conveyor.launch.placement import Placement
     from conveyor.controller.accumulate import EngineMemory
     from conveyor.trainer.api import TrainerHandle
+
+
+# A trainer GPU of its own (W1, 0.5B, streaming beside one engine on 2x H200): 32768-token micro-batches
+# trained at 52% MFU against 46% for 16384 and gave 300-305 trained samples/s against 289
+# (docs/benchmarks.md). Beside an engine the KV pool needs the memory, and on one GPU it made no
+# difference (114 against 108-111 samples/s), so 16384 stays the default there.
+OWN_GPU_MICRO_BATCH_TOKENS = 32768
+
+
+def own_gpu_default(cfg: RunConfig, placement: Placement) -> int | None:
+    """The default micro-batch budget of a trainer whose GPUs no engine uses; None: the field's default
+    (or the value set) stands."""
+    if "micro_batch_tokens" in cfg.trainer.model_fields_set:
+        return None
+    trainers = placement.trainer_devices
+    if not trainers or not all(d.startswith("cuda") for d in trainers) or set(trainers) & set(placement.engine_devices):
+        return None
+    return max(OWN_GPU_MICRO_BATCH_TOKENS, cfg.trainer.micro_batch_tokens)
 
 
 def needs_time_share(trainer: TrainerHandle, cfg: RunConfig, length: int) -> bool:
@@ -51,14 +74,19 @@ def largest_fitting(budget: int, fits: Callable[[int], bool], floor: int = 256) 
 
 
 def check_micro_batches(trainer: TrainerHandle, cfg: RunConfig, length: int,
-                        memory: EngineMemory | None) -> list[str]:
+                        memory: EngineMemory | None, default: int | None = None) -> list[str]:
     tc, notes = cfg.trainer, []
+    if default is not None and "micro_batch_tokens" not in tc.model_fields_set:
+        tc.micro_batch_tokens = default  # still the run's choice, not the user's: halved below if it must be
+        tc.model_fields_set.discard("micro_batch_tokens")
+        trainer.set_micro_batch_tokens(default)
     probes = []
     if cfg.loop.accumulate_groups and memory is not None:
         probes.append(("trainer.micro_batch_tokens_shared", tc.micro_batch_tokens_shared or tc.micro_batch_tokens,
                        "beside the engine's KV pool"))
     probes.append(("trainer.micro_batch_tokens", tc.micro_batch_tokens,
-                   "with the engine's KV pool released" if memory is not None else "beside the engine's KV pool"))
+                   "with the engine's KV pool released" if memory is not None
+                   else "on a GPU no engine uses" if default is not None else "beside the engine's KV pool"))
     for field, budget, where in probes:
         released = memory is not None and field == "trainer.micro_batch_tokens"
         if released:
@@ -69,6 +97,9 @@ def check_micro_batches(trainer: TrainerHandle, cfg: RunConfig, length: int,
             if released:
                 memory.reacquire()
         if fits == budget:
+            if field == "trainer.micro_batch_tokens" and default is not None and budget == default:
+                notes.append(f"trainer.micro_batch_tokens: {default}, the default for a trainer whose GPUs "
+                             "no engine uses")
             continue
         name = field.removeprefix("trainer.")
         if fits is not None and name not in tc.model_fields_set:  # the default, not a choice: halve it

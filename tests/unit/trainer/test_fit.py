@@ -152,3 +152,37 @@ def test_time_share_auto_releases_the_pool_only_when_the_micro_batch_needs_it():
     assert not needs_time_share(roomy, cfg, 1152)
     assert needs_time_share(tight, cfg, 1152)
     assert roomy.asked == tight.asked == [(16384, 1152)]  # one probe of the budget, rows as long as a sample
+
+
+def test_a_trainer_gpu_no_engine_uses_starts_from_the_larger_default():
+    from conveyor.launch.placement import Placement
+    from conveyor.trainer.fit import OWN_GPU_MICRO_BATCH_TOKENS, own_gpu_default
+    cfg = load_config(None, [])
+    alone = Placement(["cuda:0"], ["cuda:1"], "broadcast")
+    assert own_gpu_default(cfg, alone) == OWN_GPU_MICRO_BATCH_TOKENS > cfg.trainer.micro_batch_tokens
+    assert own_gpu_default(cfg, Placement(["cuda:0", "cuda:1"], ["cuda:2"], "broadcast")) == OWN_GPU_MICRO_BATCH_TOKENS
+    assert own_gpu_default(cfg, Placement(["cuda:0"], ["cuda:0"], "ipc")) is None  # beside an engine
+    assert own_gpu_default(cfg, Placement(["cuda:0"], ["cuda:0"], "inprocess")) is None
+    assert own_gpu_default(cfg, Placement(["cuda:0", "cuda:1"], ["cuda:1"], "ipc")) is None  # one rank shares
+    assert own_gpu_default(cfg, Placement(["cpu"], ["cpu"], "shm")) is None
+    assert own_gpu_default(load_config(None, ["trainer.micro_batch_tokens=8192"]), alone) is None  # set: it stands
+
+
+def test_the_own_gpu_default_is_still_a_default_halved_when_it_does_not_fit():
+    cfg = load_config(None, [])
+    trainer = _Trainer(limit=40000, released_extra=0)
+    notes = check_micro_batches(trainer, cfg, 1024, None, default=32768)
+    assert trainer.told == [32768] and cfg.trainer.micro_batch_tokens == 32768
+    assert "micro_batch_tokens" not in cfg.trainer.model_fields_set
+    assert notes == ["trainer.micro_batch_tokens: 32768, the default for a trainer whose GPUs no engine uses"]
+    cfg = load_config(None, [])
+    trainer = _Trainer(limit=20000, released_extra=0)
+    notes = check_micro_batches(trainer, cfg, 1024, None, default=32768)
+    assert trainer.told == [32768, 16384] and cfg.trainer.micro_batch_tokens == 16384
+    assert notes == ["trainer.micro_batch_tokens: the default 32768 does not fit the trainer's GPU memory on a GPU "
+                     "no engine uses; using 16384, the largest halving that fits"]
+    # a budget the user set is not replaced
+    cfg = load_config(None, ["trainer.micro_batch_tokens=8192"])
+    trainer = _Trainer(limit=40000, released_extra=0)
+    assert check_micro_batches(trainer, cfg, 1024, None, default=32768) == []
+    assert trainer.told == [] and cfg.trainer.micro_batch_tokens == 8192
