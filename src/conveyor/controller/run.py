@@ -391,7 +391,7 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
             s.logger.message("launch.time_share: the engines' KV pools are released while the trainer trains")
     # The memory these budgets get: refused (or a default halved) now, not out of memory mid-run.
     if s.memory is not None or cfg.loop.accumulate_groups or "micro_batch_tokens" not in cfg.trainer.model_fields_set:
-        own = own_gpu_default(cfg, plan(cfg)) if cfg.launch.backend == "local" else None
+        own = own_gpu_default(cfg, s.launcher.trainer_gpus_alone())
         notes = check_micro_batches(s.trainer, cfg, length, s.memory, own)
         for note in notes:
             s.logger.message(note)

@@ -11,6 +11,8 @@ reads it; None when nothing can be published from the controller).
 ``TrainerHandle`` (``trainer/api.py``). ``warm_start_trainer(cfg, path,
 tokenizer)`` builds a plain ``Trainer`` in this process (the supervised
 warm start). ``stop_engines(workers)`` stops what ``start_engines`` started.
+``trainer_gpus_alone()`` says, once the engines are started, whether every trainer rank has a
+GPU that no engine uses (the trainer's micro-batches may then take more of its memory).
 Implementations: ``launch.local.LocalLauncher`` (in-process threads or local
 processes, by ``launch.placement``) and ``launch.ray.RayLauncher`` (Ray
 actors, ``launch.backend=ray``).
@@ -44,3 +46,5 @@ class Launcher(Protocol):
     def warm_start_trainer(self, cfg: Any, path: str, tokenizer: Any) -> Trainer: ...
 
     def stop_engines(self, workers: list[EngineWorker]) -> None: ...
+
+    def trainer_gpus_alone(self) -> bool: ...

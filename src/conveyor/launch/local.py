@@ -38,6 +38,9 @@ class LocalLauncher:
                                                              self.placement, self.run_dir)
         return Engines(workers, outbox, context_limit, label, self.routes.controller)
 
+    def trainer_gpus_alone(self) -> bool:
+        return self.placement is not None and self.placement.trainer_alone
+
     def start_trainer(self, path: str, tokenizer) -> TrainerHandle:
         return roles.start_trainer(self.cfg, path, tokenizer, self.routes, self.placement, self.run_dir)
 

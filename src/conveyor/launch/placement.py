@@ -51,6 +51,12 @@ class Placement:
     def gpu(self) -> bool:
         return any(d.startswith("cuda") for d in self.trainer_devices + self.engine_devices)
 
+    @property
+    def trainer_alone(self) -> bool:
+        """Whether every trainer rank is on a GPU that no engine uses."""
+        t = self.trainer_devices
+        return bool(t) and all(d.startswith("cuda") for d in t) and not set(t) & set(self.engine_devices)
+
 
 @dataclass
 class Routes:

@@ -238,6 +238,9 @@ class RayLauncher:
     def stop_engines(self, workers) -> None:
         stop_engines(workers)
 
+    def trainer_gpus_alone(self) -> bool:
+        return self.gpu  # with GPUs every role's bundle has one of its own (colocated is refused)
+
     def close(self) -> None:
         """Remove the placement group (what is still running in it ends) and the weight counters."""
         if self.pg is not None:

@@ -15,9 +15,10 @@ Nothing changes in the model: the probe's gradients are dropped. On CPU nothing 
 (``fits`` is always true there). ``largest_fitting(budget, fits)`` is the search.
 ``needs_time_share(trainer, cfg, length)`` resolves ``launch.time_share=auto`` on a GPU: the
 pools are released while training only where the micro-batch does not fit beside them.
-``own_gpu_default(cfg, placement)`` is that starting budget for a trainer whose GPUs hold no
-engine (``launch.placement=disaggregated``): ``OWN_GPU_MICRO_BATCH_TOKENS``, or None (the field's
-default stands) where the trainer shares its GPU, runs on CPU, or the field was set.
+``own_gpu_default(cfg, alone)`` is that starting budget for a trainer whose GPUs hold no
+engine (``alone``: ``Launcher.trainer_gpus_alone()``, launch.placement=disaggregated on GPUs):
+``OWN_GPU_MICRO_BATCH_TOKENS``, or None (the field's default stands) where the trainer shares
+its GPU, runs on CPU, or the field was set.
 ``MemoryProbe`` is the trainer side, a mixin of ``LocalTrainer``: ``fits(tokens, length)``
 runs the probe (one forward and backward of random ids) and says whether it ran out of memory.
 """
@@ -32,7 +33,6 @@ from conveyor.config.base import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import RunConfig
-    from conveyor.launch.placement import Placement
     from conveyor.controller.accumulate import EngineMemory
     from conveyor.trainer.api import TrainerHandle
 
@@ -44,13 +44,10 @@ if TYPE_CHECKING:  # pragma: no cover
 OWN_GPU_MICRO_BATCH_TOKENS = 32768
 
 
-def own_gpu_default(cfg: RunConfig, placement: Placement) -> int | None:
-    """The default micro-batch budget of a trainer whose GPUs no engine uses; None: the field's default
-    (or the value set) stands."""
-    if "micro_batch_tokens" in cfg.trainer.model_fields_set:
-        return None
-    trainers = placement.trainer_devices
-    if not trainers or not all(d.startswith("cuda") for d in trainers) or set(trainers) & set(placement.engine_devices):
+def own_gpu_default(cfg: RunConfig, alone: bool) -> int | None:
+    """The default micro-batch budget of a trainer whose GPUs no engine uses (``alone``); None: the
+    field's default (or the value set) stands."""
+    if not alone or "micro_batch_tokens" in cfg.trainer.model_fields_set:
         return None
     return max(OWN_GPU_MICRO_BATCH_TOKENS, cfg.trainer.micro_batch_tokens)
 

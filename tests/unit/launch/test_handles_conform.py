@@ -94,6 +94,7 @@ def launched(request, tmp_path_factory):
 def test_the_launcher_and_its_handles_meet_their_protocols(launched):
     launcher, engines, trainer, _ = launched
     conforms(launcher, Launcher)
+    assert launcher.trainer_gpus_alone() is False  # CPU roles
     assert isinstance(engines, Engines) and engines.context_limit > 1 and engines.workers
     for w in engines.workers:
         conforms(w, EngineWorker)

@@ -157,15 +157,16 @@ def test_time_share_auto_releases_the_pool_only_when_the_micro_batch_needs_it():
 def test_a_trainer_gpu_no_engine_uses_starts_from_the_larger_default():
     from conveyor.launch.placement import Placement
     from conveyor.trainer.fit import OWN_GPU_MICRO_BATCH_TOKENS, own_gpu_default
+    assert Placement(["cuda:0"], ["cuda:1"], "broadcast").trainer_alone
+    assert Placement(["cuda:0", "cuda:1"], ["cuda:2"], "broadcast").trainer_alone
+    assert not Placement(["cuda:0"], ["cuda:0"], "ipc").trainer_alone  # beside an engine
+    assert not Placement(["cuda:0"], ["cuda:0"], "inprocess").trainer_alone
+    assert not Placement(["cuda:0", "cuda:1"], ["cuda:1"], "ipc").trainer_alone  # one rank shares
+    assert not Placement(["cpu"], ["cpu"], "shm").trainer_alone
     cfg = load_config(None, [])
-    alone = Placement(["cuda:0"], ["cuda:1"], "broadcast")
-    assert own_gpu_default(cfg, alone) == OWN_GPU_MICRO_BATCH_TOKENS > cfg.trainer.micro_batch_tokens
-    assert own_gpu_default(cfg, Placement(["cuda:0", "cuda:1"], ["cuda:2"], "broadcast")) == OWN_GPU_MICRO_BATCH_TOKENS
-    assert own_gpu_default(cfg, Placement(["cuda:0"], ["cuda:0"], "ipc")) is None  # beside an engine
-    assert own_gpu_default(cfg, Placement(["cuda:0"], ["cuda:0"], "inprocess")) is None
-    assert own_gpu_default(cfg, Placement(["cuda:0", "cuda:1"], ["cuda:1"], "ipc")) is None  # one rank shares
-    assert own_gpu_default(cfg, Placement(["cpu"], ["cpu"], "shm")) is None
-    assert own_gpu_default(load_config(None, ["trainer.micro_batch_tokens=8192"]), alone) is None  # set: it stands
+    assert own_gpu_default(cfg, True) == OWN_GPU_MICRO_BATCH_TOKENS > cfg.trainer.micro_batch_tokens
+    assert own_gpu_default(cfg, False) is None
+    assert own_gpu_default(load_config(None, ["trainer.micro_batch_tokens=8192"]), True) is None  # set: it stands
 
 
 def test_the_own_gpu_default_is_still_a_default_halved_when_it_does_not_fit():
