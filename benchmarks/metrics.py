@@ -48,7 +48,8 @@ WARMUP_STEPS = 2
 # The engines' decode steps (mean rows, host-measured ms), their share of busy time in prefill, and
 # the share of decode time in steps of at most half an engine's sequences of a step.
 MEDIAN_KEYS = ("weight_sync_ms", "weight_announce_ms", "weight_transfer_ms", "weight_publish_ms", "weight_pause_ms",
-               "engine_batch_mean", "engine_step_ms", "engine_prefill_frac", "engine_low_rows_frac")
+               "engine_batch_mean", "engine_step_ms", "engine_prefill_frac", "engine_low_rows_frac",
+               "engine_device_wait_frac")
 
 
 def step_view(rec: dict) -> dict:

@@ -79,8 +79,10 @@ def engine_stats(clocks: dict[int, EngineClock], last: dict[int, EngineClock], r
     admissions (prefill) — what sets the engines' speed in a run. With ``rows`` (the step's
     sequences), ``engine_low_rows_frac``: the share of decode time in steps of at most half of
     an engine's share of them, rounded down to a power of two (the engines count time by rows
-    in powers of two): a synchronous step's tail, or turns waiting on their environment. ``last``
-    is updated in place."""
+    in powers of two): a synchronous step's tail, or turns waiting on their environment.
+    ``engine_device_wait_frac``: the share of busy time the engines' host waited for the device
+    (near the device's share of a step when the device is the slower side; near 0 when the host's
+    own work, or a CPU engine, sets the pace). ``last`` is updated in place."""
     out, totals = {}, Counter()
     for engine_id, now in clocks.items():
         before = last[engine_id]
@@ -103,4 +105,6 @@ def engine_stats(clocks: dict[int, EngineClock], last: dict[int, EngineClock], r
         out["engine_low_rows_frac"] = sum(v for b, v in by_rows.items() if b <= half) / sum(by_rows.values())
     if totals["busy"] > 0:
         out["engine_prefill_frac"] = totals["prefill_s"] / totals["busy"]
+        if "device_wait_s" in totals:
+            out["engine_device_wait_frac"] = totals["device_wait_s"] / totals["busy"]
     return out

@@ -81,8 +81,9 @@ class EngineClock:
 
     busy_s: seconds inside generation calls; idle_s: seconds waiting for work;
     counters: the engine's decode-step totals (``decode_steps``, ``decode_rows``, ``decode_s``,
-        ``prefill_s``, and ``decode_s`` split by the rows of the steps: ``rows_key(rows)``) where
-        it keeps them, else empty.
+        ``prefill_s``, ``device_wait_s``: the host blocked until the device's tokens were ready,
+        and ``decode_s`` split by the rows of the steps: ``rows_key(rows)``) where it keeps them,
+        else empty.
     """
     busy_s: float = 0.0
     idle_s: float = 0.0

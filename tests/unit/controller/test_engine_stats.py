@@ -19,6 +19,12 @@ def test_engine_stats_are_deltas_since_the_last_step():
     assert out["engine0_idle_frac"] == pytest.approx(0.0)
     assert out["engine_batch_mean"] == pytest.approx(20.0) and out["engine_step_ms"] == pytest.approx(2.0)
     assert out["engine_prefill_frac"] == pytest.approx(0.0)
+    assert "engine_device_wait_frac" not in out  # an engine that does not count its waits: nothing claimed
+    # the host waited 0.6 s of the next 1.5 busy seconds for the device
+    e0 = EngineClock(4.0, 1.0, dict(decode_steps=70, decode_rows=1300, decode_s=1.51, prefill_s=0.1,
+                                    device_wait_s=0.6))
+    out = engine_stats({0: e0, 1: e1}, last)
+    assert out["engine_device_wait_frac"] == pytest.approx(0.4)
     # nothing decoded since: no step stats rather than a division by zero
     out = engine_stats({0: e0, 1: e1}, last)
     assert "engine_step_ms" not in out and "engine_batch_mean" not in out

@@ -329,6 +329,39 @@ class Script:
         return out
 
 
+def test_the_host_counts_the_time_it_waits_for_the_device(model, tok, monkeypatch):
+    """``device_wait_s``: the reads of a step's tokens that block on the device's event. A CPU
+    engine has no event (the host computes the step itself): it counts nothing."""
+    import time
+
+    from conveyor.rollout.native import paged_loop
+    eng = fast_engine(model, tok, max_batch=8)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6)
+    prompts = [tok.encode("ab"), tok.encode("ba a")]
+    before = dict(eng.counters)
+    eng.generate(prompts, params)
+    assert eng.counters["device_wait_s"] == before["device_wait_s"]
+
+    class SlowEvent:  # a device step still running for 3 ms when the host reads it
+        def synchronize(self):
+            time.sleep(0.003)
+
+    launch = paged_loop.PagedLoop._launch
+    monkeypatch.setattr(paged_loop.PagedLoop, "_launch",
+                        lambda self, *a: _with_done(launch(self, *a), SlowEvent()))
+    before = dict(eng.counters)
+    eng.generate(prompts, params)
+    c = {k: v - before.get(k, 0) for k, v in eng.counters.items()}
+    reads = c["decode_steps"] + 1  # every decode step's tokens and the prefill's are read once
+    assert c["device_wait_s"] >= 0.003 * reads
+    assert c["device_wait_s"] <= c["decode_s"] + c["prefill_s"]
+
+
+def _with_done(step, done):
+    step.done = done
+    return step
+
+
 def test_stream_admits_chunks_mid_generation_and_reports_each_when_done(model, tok):
     eng = fast_engine(model, tok, max_batch=8, refill=1)
     assert eng.streams and not engine(model, tok).streams  # the HF runner cannot stream

@@ -151,7 +151,8 @@ class NativeEngine:
         self._targets: dict[str, torch.Tensor] | None = None  # name -> parameter or buffer, for swaps
         self._adapters: AdapterMerge | None = None  # adapter-only updates (their base copies), with _targets
         # Running totals of the paged loop's steps (decode steps, rows, seconds), read by workers.
-        self.counters = {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "prefill_s": 0.0}
+        # device_wait_s: the host blocked on the device (reading a step's tokens before they are ready).
+        self.counters = {"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "prefill_s": 0.0, "device_wait_s": 0.0}
 
     @classmethod
     def from_pretrained(cls, path: str, device: str | torch.device = "auto",
