@@ -1,9 +1,9 @@
-"""What may overlap in a synchronous step, checked before the run: streamed gradient
-accumulation (``loop.accumulate_groups``) and the colocated engine's memory time sharing
-(``launch.time_share``).
+"""What may overlap in a step, checked before the run: streamed gradient accumulation
+(``loop.accumulate_groups``, synchronous or streaming) and the colocated engine's memory time
+sharing (``launch.time_share``, synchronous).
 
 Contract: ``check(cfg)`` raises ``ValueError`` with a one-line fix for a combination that
-cannot give today's synchronous step; it changes nothing. ``time_share_on(cfg, device_type)``
+cannot give the step the loop would take on the whole batch; it changes nothing. ``time_share_on(cfg, device_type)``
 resolves ``launch.time_share`` for the device the roles share (auto: on for one native engine
 and one trainer in the controller's process on a GPU, at staleness 0; the run then keeps it only
 where the trainer's micro-batch does not fit beside the pool, ``trainer/fit.py``).
@@ -33,10 +33,7 @@ def check(cfg: RunConfig) -> None:
                              "loop.accumulate_sms=0")
         return
     why = None
-    if lc.max_staleness > 0:
-        why = (f"loop.max_staleness={lc.max_staleness} already trains while the engines generate; "
-               "set loop.max_staleness=0")
-    elif cfg.trainer.ppo_epochs != 1 or cfg.trainer.mini_batches != 1:
+    if cfg.trainer.ppo_epochs != 1 or cfg.trainer.mini_batches != 1:
         why = (f"trainer.ppo_epochs={cfg.trainer.ppo_epochs} and trainer.mini_batches={cfg.trainer.mini_batches} "
                "change the weights within a step; set both to 1")
     elif cfg.algo.advantage not in GROUP_ADVANTAGES:

@@ -316,9 +316,10 @@ class LoopConfig(_Section):
         "new weights interrupt running generations (tokens record their version); "
         "false: engines take new weights only between requests"))
     accumulate_groups: int = Field(0, ge=0, description=(
-        "synchronous runs with one optimizer step per batch: the trainer runs forward and backward on every "
+        "runs with one optimizer step per batch: the trainer runs forward and backward on every "
         "this many scored groups as they arrive, while the engines finish the rest, and steps once the "
-        "batch is in (the same gradient, docs/algorithms.md); 0 = wait for the whole batch"))
+        "batch is in (the same gradient, docs/algorithms.md; streaming, the new version is published "
+        "that much sooner); 0 = wait for the whole batch"))
     accumulate_sms: int = Field(0, ge=0, description=(
         "with accumulate_groups on a GPU the engine shares: the parts trained while the engine still "
         "decodes run on this many of the GPU's SMs (a CUDA green context), the rest left to the decode "

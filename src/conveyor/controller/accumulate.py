@@ -1,4 +1,4 @@
-"""A synchronous step trained part by part as its groups are scored (``loop.accumulate_groups``).
+"""A step trained part by part as its groups are scored (``loop.accumulate_groups``).
 
 Contract: ``accumulated_step(trainer, buffer, cfg, loss_fn, need, version, timeout_s, timer,
 memory)`` takes the step's ``loop.batch_size`` groups from the buffer ``accumulate_groups`` at
@@ -14,8 +14,11 @@ the optimizer step over the whole batch and publishes. It returns what ``step_ba
 ``train_and_publish`` return for the whole step, so the loop reports it the same way; the
 step's stats are computed over all its groups.
 
-The gradient is today's synchronous step's up to summation order (parts follow arrival, so a
-run with accumulate_groups > 0 is not bit-reproducible from its seed; 0 is). It knows nothing
+The gradient is the whole batch's step's up to summation order (parts follow arrival, so a
+run with accumulate_groups > 0 is not bit-reproducible from its seed; 0 is). In a streaming run
+(``loop.max_staleness`` > 0) the parts are the groups the buffer holds, of whichever admitted step,
+as a whole batch would take them; the step, and the publish that lets the producer admit more,
+ends a part's training after the last group instead of a whole batch's. It knows nothing
 of engines: ``memory`` is the loop's handle on their KV pools, or None.
 """
 from __future__ import annotations

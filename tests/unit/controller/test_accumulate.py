@@ -1,6 +1,7 @@
-"""A synchronous run with ``loop.accumulate_groups`` (parts trained as their groups are scored)
-takes the same first step as the run that waits for the whole batch, stays on policy, and the
-colocated engine's KV pool is released and taken back every step (``launch.time_share``)."""
+"""A run with ``loop.accumulate_groups`` (parts trained as their groups are scored) takes the same
+first step as the run that waits for the whole batch, synchronous or streaming; a synchronous one
+stays on policy, and the colocated engine's KV pool is released and taken back every step
+(``launch.time_share``)."""
 import json
 
 import pytest
@@ -45,8 +46,25 @@ def test_accumulated_parts_take_the_whole_batchs_step(tmp_path, runner):
     assert sum(s["name"] == "accumulate" for s in spans) == 2 * 3  # 8 groups in parts of 3, 3, 2 per step
 
 
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])  # one process, or a trainer process
+def test_a_streaming_run_accumulates_the_groups_it_would_have_taken_whole(tmp_path, placement):
+    stream = ["loop.max_staleness=1", "loop.steps=3", f"launch.placement={placement}"]
+    _, whole = _run(tmp_path, "whole", *stream)
+    out, parts = _run(tmp_path, "parts", *stream, "loop.accumulate_groups=3")
+    assert len(parts) == len(whole) == 3
+    # Step 1 takes the first 8 groups scored, all sampled from version 0, in either run ...
+    for key in ("reward", "num_tokens", "num_seqs", "response_len"):
+        assert parts[0][key] == whole[0][key], key
+    # ... and its gradient is the whole batch's, up to float32 summation order.
+    eps = torch.finfo(torch.float32).eps
+    assert parts[0]["loss"] == pytest.approx(whole[0]["loss"], abs=1e3 * eps * max(1.0, abs(whole[0]["loss"])))
+    rel = 2 ** -8 if torch.cuda.is_available() else 1e-4
+    assert parts[0]["grad_norm"] == pytest.approx(whole[0]["grad_norm"], rel=rel)
+    assert max(r["staleness_max"] for r in parts) <= 1  # the staleness rule holds as before
+    assert sum(s["name"] == "accumulate" for s in read_timeline(out)) == 3 * 3  # parts of 3, 3, 2 per step
+
+
 @pytest.mark.parametrize("bad, words", [
-    (["loop.max_staleness=1"], "set loop.max_staleness=0"),
     (["trainer.mini_batches=2"], "set both to 1"),
     (["algo.advantage=reinforce++"], "whole batch before any advantage"),
     (["launch.trainer_ranks=2", "launch.engines=2"], "one trainer rank"),
