@@ -49,7 +49,7 @@ def own_gpu_default(cfg: RunConfig, alone: bool) -> int | None:
     field's default (or the value set) stands."""
     if not alone or "micro_batch_tokens" in cfg.trainer.model_fields_set:
         return None
-    return max(OWN_GPU_MICRO_BATCH_TOKENS, cfg.trainer.micro_batch_tokens)
+    return OWN_GPU_MICRO_BATCH_TOKENS
 
 
 def needs_time_share(trainer: TrainerHandle, cfg: RunConfig, length: int) -> bool:
