@@ -304,7 +304,7 @@ def evaluate(run_dir: str | Path, overrides: Sequence[str] = (), *,
             _plain_model(run_dir, checkpoint) as path:
         s = build(cfg, Path(tmp), str(path), LocalLauncher(cfg, Path(tmp)))
         try:
-            s.start_rollouts(str(path), 0)
+            s.start_rollouts(str(path))
             m = s.evaluator.evaluate(0)
         finally:
             s.close()
@@ -351,7 +351,7 @@ def _episodes(cfg: RunConfig, run_dir: str | Path, prompts: Sequence[str], param
                         break
             tasks = [known.get(p, Task(f"generate-{i}", p)) for i, p in enumerate(prompts)]
             example = (s.eval_tasks or [s.train_source[0]])[0].prompt  # a run has trained on its source
-            s.start_rollouts(str(path), 0)
+            s.start_rollouts(str(path))
             played = s.rollouts.episodes.play_tasks(tasks, params, timeout_s=cfg.launch.timeout_s)
         finally:
             s.close()

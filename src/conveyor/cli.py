@@ -117,7 +117,7 @@ def _sft(ns) -> int:
     base = resolve_model_path(cfg, run_dir)
     s = build(cfg, run_dir, base, LocalLauncher(cfg, run_dir))
     try:
-        s.start_rollouts(base, 0)
+        s.start_rollouts(base)
         before = s.evaluator.evaluate(0)["eval_reward"]
         warm = warm_start_phase(s, base)
         after = s.evaluator.evaluate(cfg.sft.steps)["eval_reward"]

@@ -1,8 +1,9 @@
 """The RL loop: take scored groups, compute advantages, train, publish, repeat.
 
 Contract: ``rl_loop(cfg, trainer, rollouts, buffer, rewards, logger, timer,
-evaluate, checkpoint, start_step)`` runs training steps ``start_step ..
-loop.steps-1`` and returns the last step's metrics. It holds named handles:
+evaluate, checkpoint, start_step, ledger)`` runs training steps ``start_step ..
+loop.steps-1`` and returns the last step's metrics; ``ledger`` (``controller.schedule``)
+learns which places of the schedule each step trained, for the checkpoints. It holds named handles:
 the trainer (``trainer.api.TrainerHandle``), the producer that owns
 admission and the published version (``controller.producer.Producer``), the
 buffer of scored groups, the reward service (for its counts), the metrics
@@ -30,6 +31,7 @@ from conveyor.controller import objective
 from conveyor.controller.accumulate import EngineMemory, accumulated_step
 from conveyor.controller.producer import Producer
 from conveyor.controller.replay import ReplayStore
+from conveyor.controller.schedule import Ledger
 from conveyor.controller.step_batch import prepare, train_and_prepare_next
 from conveyor.controller.step_stats import engine_stats, rollout_stats, sync_stats
 from conveyor.launch import watchdog
@@ -48,13 +50,14 @@ if TYPE_CHECKING:  # pragma: no cover
 def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffer: TrajectoryBuffer,
             rewards: RewardHandle, logger: MetricsLogger, timer: PhaseTimer,
             evaluate: Callable[[int], dict], checkpoint: Callable[[int, dict, dict | None], object],
-            start_step: int, counted_before: Callable[[dict], dict] = dict,
+            start_step: int, ledger: Ledger, counted_before: Callable[[dict], dict] = dict,
             memory: EngineMemory | None = None) -> dict[str, float]:
     """The RL loop from ``start_step`` to ``loop.steps``. ``checkpoint(step, counters, evaluation)``
     saves a step (``counters``: the running counts of the metrics; ``evaluation``: the held-out
     result of that step, if one ran); ``counted_before`` adds the counts of a run's earlier
     parts to this part's (a resumed run reports the whole run's); ``memory`` (launch.time_share):
-    the colocated engines' KV pools, released while a step trains and taken back before the next."""
+    the colocated engines' KV pools, released while a step trains and taken back before the next;
+    ``ledger`` records the places in the schedule each step trained (what a checkpoint saves)."""
     lc = cfg.loop
     deadlines = Deadlines(cfg.launch.timeout_s)  # the wait for a step's groups may grow with the steps seen
     one_update = cfg.trainer.ppo_epochs == 1 and cfg.trainer.mini_batches == 1
@@ -75,18 +78,18 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
         timeout, t_wait = deadlines.of("groups"), time.monotonic()
         if lc.accumulate_groups:  # parts trained as they are scored, the step once all are in
             with stalled(f"step {step + 1}'s groups, trained as they are scored"):
-                groups, batch, stats, extra, trained = accumulated_step(trainer, buffer, cfg, loss_fn, need,
-                                                                        step + 1, timeout, timer, memory)
+                sb, trained = accumulated_step(trainer, buffer, cfg, loss_fn, need, step + 1, timeout, timer,
+                                               memory)
         elif ahead is None:
             with timer.phase("wait"), stalled(f"the wait for step {step + 1}'s {lc.batch_size} scored groups"):
                 items = buffer.get(lc.batch_size, timeout=timeout)  # the trainer's idle time
             with timer.phase("prepare"):
-                groups, batch, stats, extra = prepare(trainer, cfg.algo, items, need, replay, step)
+                sb = prepare(trainer, cfg.algo, items, need, replay, step)
         else:  # built while the last step trained; what is not ready yet, the trainer waits for
             with timer.phase("wait"), stalled(f"the wait for step {step + 1}'s batch"):
-                groups, batch, stats, extra = ahead.take(timeout)
+                sb = ahead.take(timeout)
         if not lc.accumulate_groups:  # the trainer publishes version step + 1 as its step ends
-            trained, ahead = train_and_prepare_next(trainer, buffer, lc, cfg.algo, batch, loss_fn, need,
+            trained, ahead = train_and_prepare_next(trainer, buffer, lc, cfg.algo, sb.batch, loss_fn, need,
                                                     version=step + 1, timeout_s=timeout, timer=timer,
                                                     last=step + 1 == lc.steps, replay=replay, memory=memory)
         if memory is not None:  # before the producer may admit the next step's chunks
@@ -94,24 +97,25 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
                 memory.reacquire()
         deadlines.observe("groups", time.monotonic() - t_wait)  # a step's wait and train: what a wait may take
         published_at[step + 1] = trained.step_ended
+        ledger.trained(sb.indices)  # what a checkpoint of this step must not train again
         rollouts.published(step + 1)
         now = rollouts.snapshot()
         counters = counted_before(running_counts(rewards, now))
-        metrics = {**stats, **trained.metrics, **rollout_stats(groups, step),
+        metrics = {**sb.stats, **trained.metrics, **rollout_stats(sb.groups, step),
                    "weight_publish_ms": trained.publish_s * 1e3,
                    "buffer_depth": len(buffer), **rollouts.filter_stats(),  # dynamic sampling's drops
                    **sync_stats(rollouts.take_swaps(), published_at, swaps, upto=step),
                    **engine_stats(now.clocks, clocks, lc.batch_size * cfg.rollout.n), **counters, **timer.lap()}
-        if "proximal_logprobs" in extra:
+        if "proximal_logprobs" in sb.extra:
             metrics["logprob_diff_max"] = max(
                 float(((p - b).abs() * m).max()) for p, b, m in
-                zip(extra["proximal_logprobs"], batch.fields["behaviour_logprobs"], batch.loss_mask))
+                zip(sb.extra["proximal_logprobs"], sb.batch.fields["behaviour_logprobs"], sb.batch.loss_mask))
         for phase in ("time/wait", "time/prepare"):  # absent when prepared during the last step
             metrics.setdefault(phase, 0.0)
         metrics["trainer_idle_frac"] = metrics["time/wait"] / max(metrics["time/step"], 1e-9)
-        metrics["samples_per_s"] = len(batch) / max(metrics["time/step"], 1e-9)
+        metrics["samples_per_s"] = len(sb.batch) / max(metrics["time/step"], 1e-9)
         logger.log(step + 1, metrics)
-        logger.trace(step + 1, groups)  # what the model wrote (observe.traces_per_step of them)
+        logger.trace(step + 1, sb.groups, sb.indices)  # what the model wrote (observe.traces_per_step of them)
         evaluation = None
         if lc.eval_every and (step + 1) % lc.eval_every == 0 and step + 1 < lc.steps:
             with timer.outside():  # not a training step's time: samples/s and idle fractions stay true

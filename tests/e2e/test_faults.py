@@ -26,9 +26,13 @@ TINY = ["sft.steps=0", "loop.batch_size=4", "rollout.n=4", "data.eval_size=8", "
         "observe.progress=false", "launch.placement=disaggregated", "launch.timeout_s=120"]
 
 
+ROOT = Path(__file__).resolve().parents[2]  # reward workers import tests.unit.reward.worker_rewards from here
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 def start(run_dir: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run_dir}", *TINY, *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
 
 
 def train_rows(run_dir: Path) -> list[dict]:
@@ -136,23 +140,37 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def trained_tasks(run_dir: Path) -> dict[int, list[str]]:
-    rows = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
-    out: dict[int, list[str]] = {}
-    for r in rows:
-        out.setdefault(r["step"], []).append(r["task_id"])
-    return {k: sorted(v) for k, v in sorted(out.items())}
+def trained_places(run_dir: Path) -> dict[int, dict[int, str]]:
+    """Step -> {place in the rollout schedule: task id} of the groups it trained (from the traces)."""
+    out: dict[int, dict[int, str]] = {}
+    for line in (run_dir / "traces.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out.setdefault(r["step"], {})[r["place"]] = r["task_id"]
+    return dict(sorted(out.items()))
 
 
 def test_streaming_run_killed_with_sigkill_resumes_as_one_run(tmp_path):
     """kill -9 of the controller mid-streaming: no role process outlives it; --resume trains every
-    step's groups exactly once (the same tasks, step by step, as a run never killed), the
-    staleness bound holds, and the logs and totals read as one run."""
+    group once, none lost, although the run trained its groups out of the schedule's order (the
+    checkpoint saved places of a later step as trained and an earlier one as owed), the staleness
+    bound holds, and the logs and totals read as one run."""
+    # The reward (tests.unit.reward.worker_rewards:held) holds every training group but those of the
+    # schedule's places 0-15 (the first four steps' admissions), less place 1, until the
+    # controller is killed: steps 1-3 can train (12 groups of the 15) and step 4 cannot, so the
+    # kill lands after step 3 however the test process is scheduled; step 2 must train a group
+    # of a later admission in place 1's stead. The reward's deadline is far past the kill.
+    allow = tmp_path / "allowed_tasks"
     stream = ["loop.steps=6", "loop.max_staleness=2", "loop.checkpoint_every=2", "observe.traces_per_step=16",
-              "loop.eval_every=0"]
+              "loop.eval_every=0", "reward.fn=tests.unit.reward.worker_rewards:held", "reward.timeout_s=120",
+              "reward.workers=64",  # held calls keep their threads: the allowed ones need others
+              f"reward.kwargs={{allow_file: {allow}, prefix: reverse-train-}}"]  # held-out tasks are scored
     whole = tmp_path / "whole"
     proc = start(whole, *stream)
     assert proc.wait(timeout=300) == 0, proc.communicate()[1][-3000:]
+    task_at = {place: task for places in trained_places(whole).values() for place, task in places.items()}
+    assert set(range(16)) <= set(task_at), sorted(task_at)  # a run's groups are its schedule's places
+    owed = task_at[1]
+    allow.write_text("\n".join(task_at[p] for p in range(16) if p != 1))
 
     run_dir = tmp_path / "run"
     proc = start(run_dir, *stream)
@@ -168,19 +186,35 @@ def test_streaming_run_killed_with_sigkill_resumes_as_one_run(tmp_path):
     while any(alive(k) for k in kids) and time.monotonic() - t0 < 10:
         time.sleep(0.1)
     assert not [k for k in kids if alive(k)], "role processes outlived the killed controller"
-    killed_at = max(r["step"] for r in train_rows(run_dir))
+    assert max(r["step"] for r in train_rows(run_dir)) == 3
     saved = int(sorted((run_dir / "checkpoints").glob("step_*"))[-1].name.split("_")[1])
-    assert killed_at >= 3 and saved in (2, 4)
+    assert saved == 2
+    before = trained_places(run_dir)
+    schedule = json.loads((run_dir / "checkpoints" / "step_000002" / "extra.json").read_text())["schedule"]
+    trained_by_2 = sorted(p for step in (1, 2) for p in before[step])
+    # Place 1 is owed: the resume draws again from step 1's boundary and skips what was trained.
+    assert 1 not in trained_by_2 and max(trained_by_2) >= 8
+    assert schedule == {"boundary": 0, "batch_size": 4, "done": trained_by_2}
 
+    allow.unlink()  # the resumed run scores every task
     r = subprocess.run([sys.executable, "-m", "conveyor.cli", "train", "--resume", str(run_dir)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = train_rows(run_dir)
     assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]  # metrics.jsonl: each step once
     assert all(row["staleness_max"] <= 2 for row in rows)
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals if e.get("kind") == "eval"] == [0, 6]  # the initial eval once
-    assert trained_tasks(run_dir) == trained_tasks(whole)  # no group twice, none lost
+    after = trained_places(run_dir)
+    assert {step: after[step] for step in (1, 2)} == {step: before[step] for step in (1, 2)}
+    places = [p for step in after.values() for p in step]
+    assert len(places) == len(set(places)) == 24  # no group twice
+    assert all(task_at.get(p, after_task) == after_task for step in after.values()
+               for p, after_task in step.items())  # each place drew the same task as in the whole run
+    # None lost: the owed place is trained after the resume (it is sent first, with 16 groups to
+    # train and at most 12 in flight), and so is every place below the last one trained by step 2.
+    assert 1 in places and set(range(max(trained_by_2))) <= set(places)
+    assert owed in {t for step in after.values() for t in step.values()}
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"] == saved and summary["steps"] == 6
     # The whole run's time: the part before the kill (up to its last step) and the resumed part.
@@ -190,12 +224,10 @@ def test_streaming_run_killed_with_sigkill_resumes_as_one_run(tmp_path):
 
 def test_reward_workers_that_hang_or_die_are_counted_and_the_run_completes(tmp_path):
     run_dir = tmp_path / "run"
-    root = str(Path(__file__).resolve().parents[2])  # the workers import the reward from tests/
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run_dir}", *TINY, "loop.steps=3",
            "reward.executor=process", "reward.workers=2", "reward.timeout_s=2",
            "reward.fn=tests.unit.reward.worker_rewards:flaky"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     last = train_rows(run_dir)[-1]
     assert last["reward_timeouts"] >= 1 and last["reward_worker_deaths"] >= 1, last

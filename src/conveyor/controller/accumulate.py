@@ -10,9 +10,9 @@ set, leaving the rest to the decode steps). Once the last group is in, the engin
 left to generate for this step: ``memory.release()`` (launch.time_share) frees the engine's KV
 pool, so the last part trains with ``trainer.micro_batch_tokens`` instead of
 ``micro_batch_tokens_shared``, on every SM; then ``trainer.finish_and_publish(version)`` takes
-the optimizer step over the whole batch and publishes. It returns what ``step_batch.prepare`` and
-``train_and_publish`` return for the whole step, so the loop reports it the same way; the
-step's stats are computed over all its groups.
+the optimizer step over the whole batch and publishes. It returns the whole step's
+``step_batch.StepBatch`` and what ``finish_and_publish`` returned, so the loop reports it as
+any step; the step's stats are computed over all its groups.
 
 The gradient is the whole batch's step's up to summation order (parts follow arrival, so a
 run with accumulate_groups > 0 is not bit-reproducible from its seed; 0 is). In a streaming run
@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from conveyor.controller import objective
-from conveyor.controller.step_batch import prepare
+from conveyor.controller.step_batch import StepBatch, prepare
 from conveyor.observe import timeline
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,14 +62,13 @@ def accumulated_step(trainer: TrainerHandle, buffer: TrajectoryBuffer, cfg: RunC
                     memory.release()
                 budget = None
         with timer.phase("prepare"):
-            part_groups, part, _, extra = prepare(trainer, cfg.algo, part_items, need)
+            part = prepare(trainer, cfg.algo, part_items, need)
         with timer.phase("train"):
-            trainer.accumulate(part, loss_fn, budget, sms)
-        indices = sorted(s.index for s in part_items)  # prepare's order
+            trainer.accumulate(part.batch, loss_fn, budget, sms)
         row = 0
-        for index, group in zip(indices, part_groups):
+        for index, group in zip(part.indices, part.groups):
             n = len(group.trajectories)
-            taken.append((index, group, {key: rows[row:row + n] for key, rows in extra.items()}))
+            taken.append((index, group, {key: rows[row:row + n] for key, rows in part.extra.items()}))
             row += n
     with timer.phase("train"):
         trained = trainer.finish_and_publish(version)
@@ -79,4 +78,4 @@ def accumulated_step(trainer: TrainerHandle, buffer: TrajectoryBuffer, cfg: RunC
     extra = {key: [r for _, _, e in taken for r in e[key]] for key in taken[0][2]}
     with timer.phase("prepare"):
         batch, stats = objective.make_batch(groups, cfg.algo, extra)
-    return groups, batch, stats, extra, trained
+    return StepBatch(groups, tuple(i for i, _, _ in taken), batch, stats, extra), trained

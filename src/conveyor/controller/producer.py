@@ -11,7 +11,9 @@ reward service (off this thread) and puts each complete group into the
 buffer as ``Scored``; with a ``group_filter`` (DAPO, ``controller.group_filter``)
 a group it drops gives its slot a new task instead (``filter_stats()``: the
 counts since the last call). Chunks never straddle a training step and their
-sampling seed is their place in the schedule. ``snapshot()`` (engine clocks,
+sampling seed is their place in the schedule. A resumed producer starts at a
+``schedule.ResumePoint`` (``start``): from the data position of its step boundary,
+drawing but not sending the places trained before. ``snapshot()`` (engine clocks,
 skipped prompts) and ``take_swaps()`` (weight swaps since the last call) are
 what the loop reads of it. What the engines report of their work (the spans
 in ``Done``, the ``WeightSwap`` stamps) and the groups in flight go to the
@@ -43,6 +45,7 @@ from conveyor.launch.procs import RoleError
 from conveyor.observe import timeline
 from conveyor.rollout.api import EngineWorker, SamplingParams
 from conveyor.rollout.single_turn import prepare_prompts, to_groups
+from conveyor.controller.schedule import ResumePoint
 from conveyor.controller.time_share import TimeShare
 from conveyor.transport.messages import Done, EngineClock, Failed, Generate, MemoryDone, Ready, Scored, WeightSwap
 from conveyor.types import Group, Task
@@ -100,7 +103,7 @@ class _Shared:
 
 class Producer:
     def __init__(self, workers: list[EngineWorker], outbox, *, loop: LoopConfig, timeout_s: float,
-                 prompting: Prompting, cursor, train_size: int, rewards, buffer, start_issued: int = 0,
+                 prompting: Prompting, cursor, train_size: int, rewards, buffer, start: ResumePoint | None = None,
                  version: int = 0, sampling=None, episodes=None, max_failed_groups: int = 64,
                  max_restarts: int = 0, start_timeout_s: float | None = None, group_filter=None):
         self.workers, self.outbox = tuple(workers), outbox
@@ -122,7 +125,9 @@ class Producer:
         self.max_restarts, self.restarts = max_restarts, 0
         self.start_timeout = start_timeout_s or timeout_s
         self._starting: dict[int, float] = {}  # restarted engine -> deadline of its Ready
-        self.issued = start_issued
+        start = start or ResumePoint(0, loop.batch_size)
+        self.issued = start.start  # the next place in the schedule
+        self._skip = set(start.done)  # places trained before a resume: their tasks are drawn, not sent
         self._version = version
         self._admitting = False  # the loop turns admission on when RL starts
         self.inflight = 0
@@ -239,13 +244,23 @@ class Producer:
         n = min(staleness.admissible(self.issued, self.batch_size, self._version, self.max_staleness),
                 self.concurrency - self.inflight)
         while n > 0:
-            step_end = (self.issued // self.batch_size + 1) * self.batch_size
-            k = min(n, step_end - self.issued, self.per_engine)
-            worker = min(self.workers, key=lambda w: self._inflight[w.engine_id])
             if self.issued % self.batch_size == 0:
                 # The data position at a step boundary is what a checkpoint of that step
                 # must save; the loop may checkpoint after this thread drew further.
                 self._cursor_at_step[self.issued // self.batch_size] = self.cursor.state_dict()
+            if self.issued in self._skip:  # trained before the resume: the data moves on past it
+                self._skip.discard(self.issued)
+                if self.episodes is not None:
+                    self.cursor.next_batch(1)
+                else:
+                    self._take(1)  # the same draws as when it was sent: skipped prompts are passed over
+                self.issued += 1
+                n -= 1
+                continue
+            step_end = (self.issued // self.batch_size + 1) * self.batch_size
+            k = min(n, step_end - self.issued, self.per_engine,
+                    min((i for i in self._skip if i > self.issued), default=step_end) - self.issued)
+            worker = min(self.workers, key=lambda w: self._inflight[w.engine_id])
             if self.episodes is not None:  # multi-turn: the episode runner drives the engines
                 for i, task in enumerate(self.cursor.next_batch(k)):
                     self.episodes.start_group(self.issued + i, task, self._group_seed(self.issued + i))

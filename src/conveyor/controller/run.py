@@ -29,6 +29,7 @@ from conveyor.controller import checkpoints
 from conveyor.controller.evaluate import Evaluator
 from conveyor.controller.group_filter import GroupFilter
 from conveyor.controller.producer import Producer, Prompting
+from conveyor.controller.schedule import Ledger, ResumePoint
 from conveyor.controller.time_share import TimeShare
 from conveyor.data.api import TaskCursor, TaskSource, prompt_special_tokens
 from conveyor.launch.api import Launcher
@@ -79,20 +80,25 @@ class Session:
     warm: Any = None  # where warm-start weights are published (Engines.warm)
     trainer: TrainerHandle | None = None
     before: checkpoints.Totals = field(default_factory=checkpoints.Totals)  # a resumed run's earlier parts
+    ledger: Ledger | None = None  # the places of the schedule trained so far (set as RL starts)
     clock: RunClock = field(default_factory=lambda: RunClock(time.perf_counter()))
 
     def checkpoint(self, step: int, summary: dict, counters: dict, evaluation: dict | None) -> Path:
         """Save ``step`` with the run's totals so far (``counters``: the running counts, already
         including earlier parts'), then keep only ``loop.keep_checkpoints`` (and the best)."""
         path = self.run_dir / "checkpoints" / f"step_{step:06d}"
-        # With max_staleness > 0, groups of later steps may already be in flight; they are
-        # regenerated after a resume (the cursor is saved as of this step's boundary). The
-        # producer records the state before it draws: if it has not recorded it after our
-        # read, our read was before its draw.
+        # With max_staleness > 0 groups are trained as they are scored: places of later steps
+        # may be trained and earlier ones still in flight. A resume draws again from the step
+        # boundary below the first place not trained and skips the places trained since
+        # (controller.schedule), so the cursor is saved as of that boundary. The producer
+        # records the state before it draws: if it has not recorded it after our read, our
+        # read was before its draw.
         now = self.cursor.state_dict()
+        point = self.ledger.resume_point()
         rl_s = time.perf_counter() - self.clock.rl_started - self.timer.outside_s if self.clock.rl_started else 0.0
         totals = self.before.since(time.perf_counter() - self.clock.started, rl_s, step, counters)
-        extra = {"step": step, "cursor": self.rollouts.cursor_at(step, now), "summary": summary,
+        extra = {"step": step, "cursor": self.rollouts.cursor_at(point.boundary, now),
+                 "schedule": point.to_json(), "summary": summary,
                  "totals": totals.to_json(), "saved_at": time.time()}
         if evaluation and isinstance(evaluation.get("eval_reward"), (int, float)):
             extra["eval_reward"] = evaluation["eval_reward"]
@@ -102,7 +108,9 @@ class Session:
         checkpoints.prune(self.run_dir, self.cfg.loop.keep_checkpoints, self.cfg.loop.keep_best)
         return path
 
-    def start_rollouts(self, path: str, start_step: int) -> None:
+    def start_rollouts(self, path: str, start: ResumePoint | None = None, step: int = 0) -> None:
+        """The engines and the producer: from ``start`` in the schedule (a resume's; None: the
+        beginning), admitting for version ``step``."""
         engines = self.launcher.start_engines(path, self.tokenizer)
         self.warm = engines.warm
         cfg = self.cfg
@@ -119,7 +127,7 @@ class Session:
         self.rollouts = Producer(engines.workers, engines.outbox, loop=cfg.loop, timeout_s=cfg.launch.timeout_s,
                                  prompting=prompting, cursor=self.cursor, train_size=len(self.train_source),
                                  rewards=self.rewards, buffer=self.buffer,
-                                 start_issued=start_step * cfg.loop.batch_size, version=start_step,
+                                 start=start, version=step,
                                  sampling=lambda seed: SamplingParams.from_config(cfg.rollout, seed=seed),
                                  episodes=runner, max_failed_groups=cfg.env.max_failed_groups,
                                  max_restarts=cfg.launch.max_restarts, group_filter=GroupFilter.from_config(cfg))
@@ -365,13 +373,15 @@ def _blame_dead_engine(s: Session, error: Exception) -> None:
 def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -> dict:
     cfg, run_dir = s.cfg, s.run_dir
     summary: dict[str, Any] = {}
-    start_step = 0
+    start_step, bs = 0, cfg.loop.batch_size
+    point = ResumePoint(0, bs)
     if ckpt is not None:
         extra = json.loads((ckpt / "extra.json").read_text())
         start_step, summary = int(extra["step"]), dict(extra.get("summary", {}))
+        point = ResumePoint.from_json(extra.get("schedule"), start_step, bs)
     if cfg.loop.accumulate_sms:  # refused before the run starts, not at the first step's first part
         sm_share.check(cfg.loop.accumulate_sms)
-    s.start_rollouts(start_path, start_step)
+    s.start_rollouts(start_path, point, start_step)
     if ckpt is None:
         _record(summary, s.evaluator.evaluate(0), "initial")
         if cfg.sft.steps > 0:  # without a warm-start the model is the one just evaluated
@@ -402,12 +412,13 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
         s.cursor.load_state_dict(extra["cursor"])
         s.trainer.publish(start_step)
         s.logger.message(f"resumed from {ckpt} at step {start_step}")
+    s.ledger = Ledger.resumed(point)
     s.timer.lap()  # step 1's times must not include the evaluations and start-up before it
     t_rl = s.clock.rl_started = time.perf_counter()
     last = loop.rl_loop(cfg, trainer=s.trainer, rollouts=s.rollouts, buffer=s.buffer, rewards=s.rewards,
                         logger=s.logger, timer=s.timer, evaluate=s.evaluator.evaluate,
                         checkpoint=lambda step, counters, evaluation: s.checkpoint(step, summary, counters, evaluation),
-                        start_step=start_step, counted_before=s.before.offset, memory=s.memory)
+                        start_step=start_step, ledger=s.ledger, counted_before=s.before.offset, memory=s.memory)
     # Training time (mid-run evaluations left out) and wall time of the whole run, resumed parts included.
     rl_seconds = s.before.rl_seconds + time.perf_counter() - t_rl - s.timer.outside_s
     steps_done = s.trainer.step()

@@ -1,8 +1,9 @@
 """A step's batch: built from scored groups, or ahead of time while the trainer trains.
 
 Contract: ``prepare(trainer, algo, items, need)`` turns ``Scored`` items into
-``(groups, batch, stats, extra)`` (groups in admission order; ``extra`` holds
-the trainer passes ``need`` asks for). ``train_and_prepare_next(trainer,
+a ``StepBatch``: the groups in admission order with their places in the
+schedule (``indices``), the trainer's batch, its stats, and ``extra``, the
+trainer passes ``need`` asks for. ``train_and_prepare_next(trainer,
 buffer, loop, batch, loss_fn, need, version, last, algo)`` trains on
 ``batch`` through ``trainer.train_and_publish`` (the new weights leave as
 ``version`` as the step ends) and returns ``(trained, ahead)``: ``trained``
@@ -11,7 +12,7 @@ is a ``Prefetch`` building the next step's batch on a thread, or None where
 the loop builds it itself: on the
 last step, when preparing needs a trainer call, or with ``max_staleness`` 0
 and the groups not yet buffered (they cannot arrive before the new version
-is published). ``Prefetch.take(timeout)`` returns the ``prepare`` result
+is published). ``Prefetch.take(timeout)`` returns the ``StepBatch``
 once it is built, or raises what building it raised. With a ``replay``
 store (``controller/replay.py``) the batch also holds the replayed groups the
 store gives the step (``prepare``'s ``step``); the groups returned stay the
@@ -21,6 +22,7 @@ engines, rewards or where the trainer runs.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from conveyor.config import AlgoConfig, LoopConfig
 from conveyor.controller import objective
@@ -30,12 +32,25 @@ from conveyor.observe.timers import PhaseTimer
 from conveyor.trainer.api import LossFn, TrainerHandle
 from conveyor.transport.buffer import TrajectoryBuffer
 from conveyor.transport.messages import Scored, Trained
+from conveyor.types import Batch, Group
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """A step's fresh groups in admission order and their places in the schedule, the batch
+    the trainer trains (replayed groups included), its stats and the trainer's extras."""
+    groups: list[Group]
+    indices: tuple[int, ...]
+    batch: Batch
+    stats: dict
+    extra: dict
 
 
 def prepare(trainer: TrainerHandle, algo: AlgoConfig, items: list[Scored], need: objective.Needs,
-            replay: ReplayStore | None = None, step: int = 0):
-    """Scored groups (in admission order) -> (groups, batch, stats, trainer extras)."""
-    groups = [s.group for s in sorted(items, key=lambda s: s.index)]
+            replay: ReplayStore | None = None, step: int = 0) -> StepBatch:
+    """Scored groups -> the step's ``StepBatch`` (groups in admission order)."""
+    items = sorted(items, key=lambda s: s.index)
+    groups = [s.group for s in items]
     mix = replay.mix(groups, step) if replay is not None else None
     trained = mix.groups if mix is not None else groups  # fresh, then replayed
     base = objective.base_batch([t for g in trained for t in g.trajectories])
@@ -49,7 +64,7 @@ def prepare(trainer: TrainerHandle, algo: AlgoConfig, items: list[Scored], need:
     batch, stats = objective.make_batch(trained, algo, extra, base)
     if mix is not None:
         stats.update(mix.metrics())
-    return groups, batch, stats, extra
+    return StepBatch(groups, tuple(s.index for s in items), batch, stats, extra)
 
 
 class Prefetch:
@@ -71,7 +86,7 @@ class Prefetch:
         except BaseException as e:  # noqa: BLE001 - raised by take(), in the loop's thread
             self._out["error"] = e
 
-    def take(self, timeout: float):
+    def take(self, timeout: float) -> StepBatch:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"the next batch was not ready within {timeout:.0f}s (launch.timeout_s); "

@@ -538,10 +538,11 @@ class MetricsLogger:
         if self.eval_tracer is not None:
             self.eval_tracer.write_trajectories(step, list(trajectories[:self.eval_tracer.per_step]), eval=kind)
 
-    def trace(self, step: int, groups: Sequence[Any]) -> None:
-        """Write ``step``'s sampled trajectories (a no-op without traces or a tokenizer)."""
+    def trace(self, step: int, groups: Sequence[Any], places: tuple[int, ...] = ()) -> None:
+        """Write ``step``'s sampled trajectories, with their groups' places in the rollout schedule
+        when given (a no-op without traces or a tokenizer)."""
         if self.tracer is not None:
-            self.tracer.write(step, list(groups))
+            self.tracer.write(step, list(groups), places)
 
     def summary(self, summary: Mapping[str, Any]) -> None:
         """Hand the run's final summary to the trackers named in ``sinks`` (W&B, MLflow)."""

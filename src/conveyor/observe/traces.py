@@ -1,10 +1,11 @@
 """Trajectory traces: what the model actually wrote, step by step, in the run directory.
 
 Contract: ``TraceWriter(run_dir, tokenizer, per_step, max_mb, seed)``;
-``write(step, groups)`` appends up to ``per_step`` of the step's trajectories
-to ``run_dir/traces.jsonl`` as one JSON line each: the best and the worst by
-reward, then a seeded random choice of the rest. A line holds the step, the
-task id, the prompt and the completion as text, token counts (prompt,
+``write(step, groups, places)`` appends up to ``per_step`` of the step's
+trajectories to ``run_dir/traces.jsonl`` as one JSON line each: the best and
+the worst by reward, then a seeded random choice of the rest. A line holds
+the step, the task id, its group's place in the rollout schedule when given
+(``place``: the step it was admitted for is ``place // loop.batch_size``), the prompt and the completion as text, token counts (prompt,
 completion, the policy's own), the policy versions of its tokens (min, max,
 distinct), the reward and its components, the finish reason, the turns of
 a multi-turn episode (span, reward, tool calls, environment seconds,
@@ -40,15 +41,20 @@ class TraceWriter:
         self.written = self.path.stat().st_size if self.path.exists() else 0  # a resumed run appends
         self.skipped = 0
 
-    def write(self, step: int, groups: list[Group]) -> None:
+    def write(self, step: int, groups: list[Group], places: tuple[int, ...] = ()) -> None:
         if self.per_step <= 0:
             return
         trajs = [t for g in groups for t in g.trajectories]
-        self.write_trajectories(step, self.choose(step, trajs))
+        place_of = {id(t): p for g, p in zip(groups, places) for t in g.trajectories}
+        self._append([{**self.record(step, t), **({"place": place_of[id(t)]} if places else {})}
+                      for t in self.choose(step, trajs)])
 
     def write_trajectories(self, step: int, trajs: list[Trajectory], **extra: Any) -> None:
         """Append ``trajs`` as they are (no choice), each record with the fields ``extra``."""
-        lines = [json.dumps({**self.record(step, t), **extra}, default=str) + "\n" for t in trajs]
+        self._append([{**self.record(step, t), **extra} for t in trajs])
+
+    def _append(self, records: list[dict[str, Any]]) -> None:
+        lines = [json.dumps(r, default=str) + "\n" for r in records]
         keep = []
         for line in lines:
             size = len(line.encode("utf-8"))

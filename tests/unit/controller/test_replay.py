@@ -144,14 +144,16 @@ def test_prepare_trains_fresh_then_replayed_groups_and_prefetch_passes_the_next_
     need = objective.needs(cfg.algo, one_update=True)
     s = ReplayStore(cfg.loop.replay, cfg.loop.batch_size, seed=0)
     step0 = [Scored(0, group("a", [0.0, 1.0], 0)), Scored(1, group("b", [1.0, 1.0], 0))]
-    groups, batch, stats, _ = prepare(trainer, cfg.algo, step0, need, s, step=0)
-    assert [g.task.id for g in groups] == ["a", "b"] and len(batch) == 4 and stats["replay/groups"] == 0
+    sb = prepare(trainer, cfg.algo, step0, need, s, step=0)
+    assert [g.task.id for g in sb.groups] == ["a", "b"] and len(sb.batch) == 4 and sb.stats["replay/groups"] == 0
     buffer = TrajectoryBuffer(8)
     for item in [Scored(2, group("c", [0.0, 0.0], 1)), Scored(3, group("d", [2.0, 0.0], 1))]:
         buffer.put(item, timeout=1)
     ahead = Prefetch(trainer, buffer, cfg.algo, cfg.loop.batch_size, need, timeout_s=10, replay=s, step=1)
-    groups, batch, stats, _ = ahead.take(10)
+    sb = ahead.take(10)
+    groups, batch, stats = sb.groups, sb.batch, sb.stats
     assert [g.task.id for g in groups] == ["c", "d"]  # what the loop logs and traces: the fresh groups
+    assert sb.indices == (2, 3)  # at their places in the schedule
     assert len(batch) == 6 and stats["replay/groups"] == 1 and stats["replay/age_mean"] == 1
     assert stats["reward"] == pytest.approx(0.5)  # the fresh samples' mean, not the batch's
     assert batch.fields["behaviour_logprobs"][4].tolist() == [0.0, 0.0, -0.5, -1.0]  # a's, replayed

@@ -68,21 +68,20 @@ def test_the_next_batch_is_built_from_the_buffered_groups(bundle):
     need = objective.needs(cfg.algo, one_update=True)
     first, second = groups(N, 1), groups(N, 2)
     c = components(cfg, trainer, second + groups(2, 3))
-    _, batch, _, _ = prep(c, first, need)
-    metrics, ahead = train_next(c, batch, loss, need)
+    metrics, ahead = train_next(c, prep(c, first, need).batch, loss, need)
     assert metrics["num_seqs"] == N * G
-    got_groups, got_batch, stats, _ = ahead.take(30)
-    want_groups, want_batch, want_stats, _ = prep(c, second, need)
-    assert [g.task.id for g in got_groups] == [g.task.id for g in want_groups]
-    assert all(torch.equal(a, b) for a, b in zip(got_batch.input_ids, want_batch.input_ids))
-    assert all(torch.equal(a, b) for a, b in zip(got_batch.fields["advantages"], want_batch.fields["advantages"]))
-    assert stats == want_stats and len(c.buffer) == 2  # the later groups stay for the step after
+    got, want = ahead.take(30), prep(c, second, need)
+    assert [g.task.id for g in got.groups] == [g.task.id for g in want.groups]
+    assert got.indices == want.indices == tuple(s.index for s in second)  # their places in the schedule
+    assert all(torch.equal(a, b) for a, b in zip(got.batch.input_ids, want.batch.input_ids))
+    assert all(torch.equal(a, b) for a, b in zip(got.batch.fields["advantages"], want.batch.fields["advantages"]))
+    assert got.stats == want.stats and len(c.buffer) == 2  # the later groups stay for the step after
 
 
 def test_nothing_is_taken_without_a_full_batch_or_when_the_trainer_is_needed(bundle):
     cfg, trainer, loss = bundle
     assert cfg.loop.max_staleness == 0  # synchronous: the next groups cannot arrive during training
-    _, batch, _, _ = prep(components(cfg, trainer, []), groups(N, 1), objective.needs(cfg.algo, True))
+    batch = prep(components(cfg, trainer, []), groups(N, 1), objective.needs(cfg.algo, True)).batch
     c = components(cfg, trainer, groups(N - 1, 2))
     assert train_next(c, batch, loss, objective.needs(cfg.algo, True))[1] is None
     assert len(c.buffer) == N - 1
@@ -97,21 +96,21 @@ def test_with_staleness_the_next_batch_waits_for_groups_that_arrive_during_train
     cfg, trainer, loss = bundle
     cfg = cfg.model_copy(update={"loop": cfg.loop.model_copy(update={"max_staleness": 2})})
     need = objective.needs(cfg.algo, True)
-    _, batch, _, _ = prep(components(cfg, trainer, []), groups(N, 1), need)
+    batch = prep(components(cfg, trainer, []), groups(N, 1), need).batch
     late = groups(N, 2)
     c = components(cfg, trainer, late[:-1])
     _, ahead = train_next(c, batch, loss, need)
     with pytest.raises(TimeoutError, match="launch.timeout_s"):
         ahead.take(0.2)  # one group short: still waiting, nothing lost
     c.buffer.put(late[-1], timeout=1)
-    got_groups, *_ = ahead.take(30)
-    assert [g.task.id for g in got_groups] == [s.group.task.id for s in late] and len(c.buffer) == 0
+    got = ahead.take(30)
+    assert [g.task.id for g in got.groups] == [s.group.task.id for s in late] and len(c.buffer) == 0
 
 
 def test_a_bad_next_batch_fails_after_the_step_trained(bundle):
     cfg, trainer, loss = bundle
     need = objective.needs(cfg.algo, True)
-    _, batch, _, _ = prep(components(cfg, trainer, []), groups(N, 1), need)
+    batch = prep(components(cfg, trainer, []), groups(N, 1), need).batch
     c = components(cfg, trainer, groups(N, 2, sizes={0: G - 1}))  # unequal groups: no group advantages
     step = trainer.step()
     _, ahead = train_next(c, batch, loss, need)
@@ -131,7 +130,7 @@ def test_a_steps_train_and_publish_spans_reach_the_timeline(bundle, tmp_path):
     need = objective.needs(cfg.algo, True)
     before = time.time()
     proximal = objective.Needs(proximal=True, reference=False, values=False)
-    _, batch, _, _ = prep(components(cfg, trainer, []), groups(N, 1), proximal)  # one trainer.logprobs call
+    batch = prep(components(cfg, trainer, []), groups(N, 1), proximal).batch  # one trainer.logprobs call
     tl = timeline.Timeline(tmp_path)
     timeline.activate(tl)
     try:
