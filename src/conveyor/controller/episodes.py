@@ -132,9 +132,10 @@ class EpisodeRunner:
         """Episodes played by a scripted ``teacher(task, transcript, rng) -> action`` instead of
         the engine (the multi-turn warm start's demonstrations); failed episodes are left out."""
         async def one(task: Task) -> Trajectory | None:
-            # An agent's calls arrive in an order HTTP decides: its teacher gets a stream of its own,
-            # drawn before anything is awaited (tasks start in order), so demonstrations do not depend on it.
-            own = random.Random(rng.random()) if self.agents is not None else rng
+            # Episodes take turns in the order their environments answer (and an agent's calls in
+            # the order HTTP decides): each teacher gets a stream of its own, drawn before anything
+            # is awaited (tasks start in order), so the demonstrations do not depend on that order.
+            own = random.Random(rng.random())
             try:
                 async with self.pool.session() as session:
                     engine = _Teacher(task, teacher, self.fmt, own)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import queue
+import random
 import threading
+import time
 
 import pytest
 import torch
@@ -175,6 +177,38 @@ def test_failed_episodes_fail_the_group_whole_after_retries(served):
     assert out.group is None and out.index == 5 and "environment bug" in out.error and not out.fatal
     assert runner.pool.counts()["episodes_failed"] == 6  # 3 episodes x 2 attempts
     assert runner.pool.counts()["crash"] == 6
+
+
+def test_demonstrations_do_not_depend_on_the_order_environments_answer_in(served):
+    """The multi-turn warm start's teacher draws from a stream of its own per episode: the same
+    demonstrations whichever episode's environment answers first."""
+    order: list[str] = []
+    delays: dict[str, float] = {}
+
+    class Slow(Counter):
+        def reset(self, task):
+            self.task_id = task.id
+            return super().reset(task)
+
+        def step(self, action):
+            time.sleep(delays[self.task_id])
+            order.append(self.task_id)
+            return super().step(action)
+
+    def teacher(task, transcript, rng):
+        return str(rng.randrange(10**6))
+
+    runner, _, _ = served(lambda: Slow(turns=3), n=1)
+    tasks = [Task(id=f"t{i}", prompt=f"p{i}") for i in range(6)]
+    played = []
+    for slow_first in (True, False):  # the first tasks' environments slowest, then the last ones'
+        delays.update({t.id: 0.02 * (len(tasks) - i if slow_first else i + 1) for i, t in enumerate(tasks)})
+        order.clear()
+        out = runner.demonstrate(tasks, teacher, random.Random(0), timeout_s=30)
+        played.append(([t.task.id for t in out], [t.completion_ids for t in out], list(order)))
+    (ids1, done1, order1), (ids2, done2, order2) = played
+    assert order1 != order2  # the turns were taken in another order
+    assert ids1 == ids2 == [t.id for t in tasks] and done1 == done2
 
 
 def test_turn_advantages_by_hand():
