@@ -65,6 +65,8 @@ def _engine(bw, engine_id: int, versions: int, device: str, out) -> None:
     import torch
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+    else:  # processes sharing the cores: one thread each (spinning OpenMP threads of several slow all)
+        torch.set_num_threads(1)
     engine, applied = _Engine(), []
     deadline = time.monotonic() + 600
     bw.poll(engine, engine_id)  # starts the receiver
@@ -117,6 +119,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda:0" if gpu else "cpu")
     if gpu:
         torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
     gen = torch.Generator(device=device).manual_seed(0)
     masters = [(n, torch.randn(s, generator=gen, device=device) * 0.02) for n, s in specs]
     copies = [(n, t.to(dtype)) for n, t in masters]
