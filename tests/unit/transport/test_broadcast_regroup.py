@@ -33,7 +33,9 @@ def _whole(w, v) -> bool:
 
 
 def _reader(bw, engine_id, out, last):
-    """Applies every version it receives and reports (engine, version, whole) until ``last``."""
+    """Reports (engine, 0, True) once started (its imports done), then applies every version it
+    receives and reports (engine, version, whole) until ``last``."""
+    out.put((engine_id, 0, True))
     engine = _Engine()
     deadline = time.monotonic() + 120
     while engine.version < last and time.monotonic() < deadline:
@@ -77,10 +79,15 @@ class _Group:
         self.procs[i] = self._start(i)
 
     def wait_for(self, i, version, timeout=60.0) -> None:
+        """Until engine i has applied ``version``; ``version=0``: until its process has started."""
         deadline = time.monotonic() + timeout
         while not self.got[i] or self.got[i][-1][0] < version:
             engine_id, v, whole = self.outs[i].get(timeout=max(0.1, deadline - time.monotonic()))
             assert v >= 0, f"engine {engine_id}: {whole}"
+            if v == 0:  # started
+                if version == 0:
+                    return
+                continue
             self.got[i].append((v, whole))
 
     def close(self) -> None:
@@ -141,6 +148,8 @@ def test_a_reader_killed_mid_publish_is_replaced_and_the_publish_completes(monke
 
 def test_a_replacement_that_never_joins_is_named_and_nothing_waits_past_the_deadline(monkeypatch):
     g = _Group(monkeypatch, engines=2, last=99, timeout_s=3)
+    for i in (0, 1):  # the 3 s are for joining, not for starting a process on a loaded CPU
+        g.wait_for(i, 0)
     g.bw.publish(_weights(1), 1)
     g.wait_for(1, 1)
     g.kill(1)
