@@ -4,13 +4,17 @@ Contract: the same four functions and results (up to rounding) as
 ``kernels/torch_ops.py``, which states what each computes. Differences that matter:
 - ``add_rmsnorm`` updates ``residual`` in place (the torch version returns a new
   tensor); callers use the returned residual either way.
-- ``decode_attention`` is a paged, grouped-query flash-decoding kernel: one
-  program per (sequence, KV head, context split) loads each KV tile once for all
-  the query heads that share it, with an online softmax in float32; when the
-  batch is too small to fill the GPU the context is split and a second kernel
-  merges the partial results by their log-sum-exp. The split count depends only
-  on the batch size, so a CUDA graph captured for a batch bucket stays valid for
-  any context lengths. ``max_ctx`` is ignored.
+- ``decode_attention`` is a paged, grouped-query flash-decoding kernel. The
+  context is cut into chunks of a fixed size dealt round-robin to ``lanes``
+  programs per (sequence, KV head); each loads a KV tile once for all the query
+  heads that share it, with an online softmax in float32, and a second kernel
+  merges the lanes' results by their log-sum-exp (a context of one chunk is
+  finished by its lane directly). Fixed chunks keep a heavy tail of long
+  sequences from holding the kernel up: with one program per sequence, the
+  kernel lasts as long as the longest one. Lanes and chunk size depend only on
+  the batch size (``attention_split``), so a CUDA graph captured for a batch
+  bucket stays valid for any context lengths. ``max_ctx`` is ignored.
+- ``rope_store`` runs one program per token over all its heads.
 
 Importing this module imports triton; the runner imports it only on CUDA. It
 knows nothing of layers, requests or CUDA graphs.
@@ -60,36 +64,36 @@ def add_rmsnorm(x, residual, weight, eps):
 
 @triton.jit
 def _rope_store_kernel(QKV, POS, SLOTS, COS, SIN, QOUT, KC, VC, stride_t, stride_qt, stride_cs, stride_ch,
-                       stride_cos, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr):
+                       stride_cos, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HP: tl.constexpr):
     t = tl.program_id(0)
-    hh = tl.program_id(1)  # 0..NQ-1 query heads, then NQ..NQ+NKV-1 key heads
     half: tl.constexpr = D // 2
-    d = tl.arange(0, D)
+    h = tl.arange(0, HP)[:, None]  # 0..NQ-1 query heads, then NQ..NQ+NKV-1 key heads, then padding
+    d = tl.arange(0, D)[None, :]
+    live = h < NQ + NKV
     pos = tl.load(POS + t).to(tl.int64)
     c = tl.load(COS + pos * stride_cos + d)
     s = tl.load(SIN + pos * stride_cos + d)
     rot = tl.where(d < half, d + half, d - half)
     sign = tl.where(d < half, -1.0, 1.0)
-    base = QKV + t * stride_t + hh * D
-    x = tl.load(base + d).to(tl.float32)
-    xr = tl.load(base + rot).to(tl.float32)
+    base = QKV + t * stride_t + h * D
+    x = tl.load(base + d, mask=live, other=0.0).to(tl.float32)
+    xr = tl.load(base + rot, mask=live, other=0.0).to(tl.float32)
     y = (x * c + sign * xr * s).to(QOUT.dtype.element_ty)
-    if hh < NQ:
-        tl.store(QOUT + t * stride_qt + hh * D + d, y)
-    else:
-        kh = hh - NQ
-        slot = tl.load(SLOTS + t).to(tl.int64)
-        tl.store(KC + slot * stride_cs + kh * stride_ch + d, y)
-        v = tl.load(QKV + t * stride_t + (NQ + NKV + kh) * D + d)
-        tl.store(VC + slot * stride_cs + kh * stride_ch + d, v)
+    tl.store(QOUT + t * stride_qt + h * D + d, y, mask=h < NQ)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    kh = h - NQ
+    is_k = (h >= NQ) & live
+    tl.store(KC + slot * stride_cs + kh * stride_ch + d, y, mask=is_k)
+    v = tl.load(QKV + t * stride_t + (NQ + NKV + kh) * D + d, mask=is_k, other=0.0)
+    tl.store(VC + slot * stride_cs + kh * stride_ch + d, v, mask=is_k)
 
 
 def rope_store(qkv, pos, slots, cos, sin, k_cache, v_cache, nq, nkv):
     t, d = qkv.shape[0], k_cache.shape[-1]
     q = torch.empty(t, nq, d, dtype=qkv.dtype, device=qkv.device)
-    _rope_store_kernel[(t, nq + nkv)](qkv, pos, slots, cos, sin, q, k_cache, v_cache, qkv.stride(0), q.stride(0),
-                                      k_cache.stride(0), k_cache.stride(1), cos.stride(0), NQ=nq, NKV=nkv, D=d,
-                                      num_warps=1)
+    _rope_store_kernel[(t,)](qkv, pos, slots, cos, sin, q, k_cache, v_cache, qkv.stride(0), q.stride(0),
+                             k_cache.stride(0), k_cache.stride(1), cos.stride(0), NQ=nq, NKV=nkv, D=d,
+                             HP=triton.next_power_of_2(nq + nkv), num_warps=4)
     return q
 
 
@@ -98,70 +102,77 @@ def _decode_attn_kernel(Q, KC, VC, BT, CTX, OUT, WO, WL, qk_scale,
                         stride_qb, stride_qh, stride_cs, stride_ch, stride_bt, stride_ob, stride_oh,
                         stride_wob, stride_woh, stride_wos, stride_wlb, stride_wlh,
                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-                        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, LANES: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     kh = tl.program_id(1)
-    sp = tl.program_id(2)
+    lane = tl.program_id(2)  # reads chunks lane, lane + LANES, lane + 2 LANES, ... of the context
     ctx = tl.load(CTX + b)
-    per = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
-    start = sp * per
-    end = tl.minimum(start + per, ctx)
-    g = tl.arange(0, GP)
-    d = tl.arange(0, D)
-    gm = g < G
-    heads = kh * G + g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for t0 in range(start, end, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N)
-        tm = t < end
-        page = tl.load(BT + b * stride_bt + t // PS, mask=tm, other=0).to(tl.int64)
-        off = (page * PS + t % PS)[:, None] * stride_cs + kh * stride_ch + d[None, :]
-        k = tl.load(KC + off, mask=tm[:, None], other=0.0)
-        v = tl.load(VC + off, mask=tm[:, None], other=0.0)  # issued with K so both loads are in flight
-        if IEEE:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    rest = ctx - lane * CHUNK
+    if rest > 0:
+        TILES: tl.constexpr = CHUNK // BLOCK_N  # tiles per chunk
+        laps = rest // (LANES * CHUNK)
+        last = tl.minimum(rest - laps * LANES * CHUNK, CHUNK)
+        n_tiles = laps * TILES + tl.cdiv(last, BLOCK_N)  # every tile holds a token of the context
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        gm = g < G
+        heads = kh * G + g
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for j in range(0, n_tiles):
+            t = lane * CHUNK + (j // TILES) * (LANES * CHUNK) + (j % TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+            tm = t < ctx
+            page = tl.load(BT + b * stride_bt + t // PS, mask=tm, other=0).to(tl.int64)
+            off = (page * PS + t % PS)[:, None] * stride_cs + kh * stride_ch + d[None, :]
+            k = tl.load(KC + off, mask=tm[:, None], other=0.0)
+            v = tl.load(VC + off, mask=tm[:, None], other=0.0)  # issued with K so both loads are in flight
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(tm[None, :], qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if ctx <= CHUNK:  # the whole context is this lane's one chunk: the final result
+            tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=gm[:, None])
         else:
-            qk = tl.dot(q, tl.trans(k))
-        qk = tl.where(tm[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    if SPLITS == 1:
-        out = acc / l_i[:, None]
-        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(OUT.dtype.element_ty),
-                 mask=gm[:, None])
-    else:
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))  # base 2, like the scores
-        tl.store(WO + b * stride_wob + heads[:, None] * stride_woh + sp * stride_wos + d[None, :],
-                 acc / l_safe[:, None], mask=gm[:, None])
-        tl.store(WL + b * stride_wlb + heads * stride_wlh + sp, lse, mask=gm)
+            tl.store(WO + b * stride_wob + heads[:, None] * stride_woh + lane * stride_wos + d[None, :],
+                     acc / l_i[:, None], mask=gm[:, None])
+            tl.store(WL + b * stride_wlb + heads * stride_wlh + lane, m_i + tl.log2(l_i), mask=gm)  # base 2
 
 
 @triton.jit
-def _merge_splits_kernel(WO, WL, OUT, stride_wob, stride_woh, stride_wos, stride_wlb, stride_wlh,
-                         stride_ob, stride_oh, SPLITS: tl.constexpr, D: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, SPLITS)
-    d = tl.arange(0, D)
-    lse = tl.load(WL + b * stride_wlb + h * stride_wlh + s)
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always holds a token, so the max is finite
-    w = w / tl.sum(w, axis=0)
-    o = tl.load(WO + b * stride_wob + h * stride_woh + s[:, None] * stride_wos + d[None, :])
-    out = tl.sum(o * w[:, None], axis=0)
-    tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty))
+def _merge_lanes_kernel(CTX, WO, WL, OUT, stride_wob, stride_woh, stride_wos, stride_wlb, stride_wlh,
+                        stride_ob, stride_oh, NQ: tl.constexpr, HP: tl.constexpr, CHUNK: tl.constexpr,
+                        LANES: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)  # one program per sequence, all its query heads
+    ctx = tl.load(CTX + b)
+    if ctx > CHUNK:
+        hv = tl.arange(0, HP)
+        h = hv[:, None]
+        c = tl.arange(0, LANES)[None, :]
+        live = (h < NQ) & (c < tl.cdiv(ctx, CHUNK))  # the lanes that read a chunk
+        lse = tl.load(WL + b * stride_wlb + h * stride_wlh + c, mask=live, other=float("-inf"))  # [HP, LANES]
+        top = tl.max(lse, axis=1)  # lane 0 always holds a token, so the max is finite for a real head
+        w = tl.exp2(lse - tl.where(hv < NQ, top, 0.0)[:, None])
+        w = w / tl.maximum(tl.sum(w, axis=1), 1e-30)[:, None]
+        d = tl.arange(0, D)[None, None, :]
+        o = tl.load(WO + b * stride_wob + h[:, :, None] * stride_woh + c[:, :, None] * stride_wos + d,
+                    mask=live[:, :, None], other=0.0)  # [HP, LANES, D]
+        out = tl.sum(o * w[:, :, None], axis=1)  # [HP, D]
+        tl.store(OUT + b * stride_ob + h * stride_oh + tl.arange(0, D)[None, :], out.to(OUT.dtype.element_ty),
+                 mask=h < NQ)
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,40 +187,40 @@ def _num_sms(device) -> int:
 
 
 # Decode-attention launch settings; benchmarks/engine_gpu.py --tune-attn measures the alternatives.
-# Splitting the context pays only when the batch leaves multiprocessors idle.
-PROGRAMS_PER_SM = 2
 # head_dim -> (tokens per tile, warps, pipeline stages)
 ATTN_CONFIG = {64: (64, 4, 2), 128: (64, 4, 3)}
+# (programs per sequence and KV head, context tokens per chunk): many short chunks while the
+# pairs alone leave multiprocessors idle, else fewer, longer ones.
+SMALL_BATCH_SPLIT, LARGE_BATCH_SPLIT = (16, 128), (8, 256)
 
 
-def num_splits(batch: int, kv_heads: int, device) -> int:
-    """Context splits per sequence so that about ``PROGRAMS_PER_SM`` programs per multiprocessor run."""
-    want = -(-PROGRAMS_PER_SM * _num_sms(device) // max(1, batch * kv_heads))
-    return max(1, min(16, triton.next_power_of_2(want)))
+def attention_split(batch: int, kv_heads: int, device) -> tuple[int, int]:
+    """(lanes, chunk tokens) of the decode attention for this batch (fixed per batch size, so a
+    captured graph serves any context lengths)."""
+    return SMALL_BATCH_SPLIT if batch * kv_heads < _num_sms(device) else LARGE_BATCH_SPLIT
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale, block_size, max_ctx=None):
     b, nq, d = q.shape
     nkv = k_cache.shape[1]
     g = nq // nkv
-    splits = num_splits(b, nkv, q.device)
-    out = torch.empty(b, nq, d, dtype=q.dtype, device=q.device)
-    if splits > 1:
-        wo = torch.empty(b, nq, splits, d, dtype=torch.float32, device=q.device)
-        wl = torch.empty(b, nq, splits, dtype=torch.float32, device=q.device)
-    else:
-        wo, wl = out, out  # unused
+    lanes, chunk = attention_split(b, nkv, q.device)
     block_n, warps, stages = ATTN_CONFIG.get(d, (64 if d <= 64 else 32, 4, 2))
-    _decode_attn_kernel[(b, nkv, splits)](
+    block_n = min(block_n, triton.next_power_of_2(chunk))
+    if chunk % block_n:
+        raise ValueError(f"decode attention: a chunk of {chunk} tokens is not a multiple of the {block_n}-token tile")
+    out = torch.empty(b, nq, d, dtype=q.dtype, device=q.device)
+    wo = torch.empty(b, nq, lanes, d, dtype=torch.float32, device=q.device)
+    wl = torch.empty(b, nq, lanes, dtype=torch.float32, device=q.device)
+    _decode_attn_kernel[(b, nkv, lanes)](
         q, k_cache, v_cache, block_tables, ctx_lens, out, wo, wl, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), wo.stride(0), wo.stride(1), wo.stride(2) if splits > 1 else 0,
-        wl.stride(0), wl.stride(1),
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PS=block_size, BLOCK_N=block_n, SPLITS=splits,
+        out.stride(0), out.stride(1), wo.stride(0), wo.stride(1), wo.stride(2), wl.stride(0), wl.stride(1),
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, PS=block_size, BLOCK_N=block_n, CHUNK=chunk, LANES=lanes,
         IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
-    if splits > 1:
-        _merge_splits_kernel[(b, nq)](wo, wl, out, wo.stride(0), wo.stride(1), wo.stride(2), wl.stride(0),
-                                      wl.stride(1), out.stride(0), out.stride(1), SPLITS=splits, D=d, num_warps=1)
+    _merge_lanes_kernel[(b,)](ctx_lens, wo, wl, out, wo.stride(0), wo.stride(1), wo.stride(2), wl.stride(0),
+                              wl.stride(1), out.stride(0), out.stride(1), NQ=nq, HP=triton.next_power_of_2(nq),
+                              CHUNK=chunk, LANES=lanes, D=d, num_warps=4)
     return out.view(b, nq * d)
 
 
