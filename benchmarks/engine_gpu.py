@@ -147,50 +147,69 @@ def _graph_ms(fn, reps: int = 8) -> float:
 
 
 def tune_attention() -> None:
-    """Time decode-attention tile settings per head dim (context 384) and keep the fastest for this run.
+    """Time decode-attention settings per head dim and keep the fastest for this run: the tile
+    (tokens, warps, pipeline stages) and the split of a context into lanes of fixed chunks
+    (``attention_split``; its small-batch and large-batch settings are tuned separately).
 
-    Each timed call reads one of four disjoint block sets in turn, so the KV comes
-    from memory rather than from the L2 cache, as in a real step.
+    Context lengths are heavy-tailed as in an RL step (129 + exponential with mean 256, at most
+    1152): a kernel that gives each sequence one program spends the time of the longest one.
+    Each timed call reads one of four disjoint block sets in turn, so the KV comes from memory
+    rather than from the L2 cache, as in a real step.
     """
     from conveyor.rollout.native.kernels import torch_ops as fast_ops, triton_ops
 
-    cases = [(64, 14, 2, 64), (256, 14, 2, 64), (1024, 14, 2, 64), (256, 12, 2, 128)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cases = [(16, 14, 2, 64), (64, 14, 2, 64), (256, 14, 2, 64), (64, 12, 2, 128), (256, 12, 2, 128)]
     data = {}
     for b, nq, nkv, d in cases:
-        nb = 4 * b * 24 + 1
+        nb = 4 * b * 72 + 1
         kc, vc = (torch.randn(nb * 16, nkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        tables = (torch.randperm(nb - 1, device="cuda") + 1).view(4, b, 24).to(torch.int32)
-        data[(b, nq, nkv, d)] = (torch.randn(b, nq, d, device="cuda", dtype=torch.bfloat16), kc, vc, tables,
-                                 torch.full((b,), 384, device="cuda"))
+        tables = (torch.randperm(nb - 1, device="cuda") + 1).view(4, b, 72).to(torch.int32)
+        lens = (torch.empty(b, device="cuda").exponential_(1 / 256, generator=gen) + 129).clamp(max=1152).long()
+        data[(b, nq, nkv, d)] = (torch.randn(b, nq, d, device="cuda", dtype=torch.bfloat16), kc, vc, tables, lens)
+    tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 3)]
+    splits = [(lanes, chunk) for lanes in (4, 8, 16) for chunk in (64, 128, 256)]
+    small = lambda case: case[0] * case[2] < triton_ops._num_sms(torch.device("cuda"))  # noqa: E731
+    saved = triton_ops.attention_split
     for d in sorted({c[3] for c in cases}):
-        best = None
-        for block_n, warps, stages in [(b, w, st) for b in (32, 64, 128) for w in (4, 8) for st in (2, 3)]:
-            triton_ops.ATTN_CONFIG[d] = (block_n, warps, stages)
-            times = []
-            try:
-                for case, (q, kc, vc, tables, ctx) in data.items():
-                    if case[3] != d:
-                        continue
-                    out = triton_ops.decode_attention(q, kc, vc, tables[0], ctx, 0.125, 16)
-                    ref = fast_ops.decode_attention(q, kc, vc, tables[0], ctx, 0.125, 16, 384)
-                    err = (out.float() - ref.float()).abs().max().item()
-                    if err > 3e-2:
-                        raise AssertionError(f"decode attention {case} {block_n}/{warps}/{stages}: error {err}")
-                    turn = iter(range(1 << 30))
-                    times.append((case, _graph_ms(lambda: triton_ops.decode_attention(
-                        q, kc, vc, tables[next(turn) % 4], ctx, 0.125, 16))))
-            except AssertionError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a tile too large for shared memory: skip it
-                print(f"attn tune: D{d} tile {block_n} warps {warps} stages {stages}: {type(exc).__name__}")
+        for is_small in (True, False):
+            group = [c for c in cases if c[3] == d and small(c) == is_small]
+            if not group:
                 continue
-            total = sum(t for _, t in times)
-            print(f"attn tune: D{d} tile {block_n:3d} warps {warps} stages {stages}: " +
-                  " ".join(f"B{c[0]}={t * 1e3:.1f}us" for c, t in times), flush=True)
-            if best is None or total < best[0]:
-                best = (total, (block_n, warps, stages))
-        triton_ops.ATTN_CONFIG[d] = best[1]
-        print(f"attn tune: D{d} using tile/warps/stages {best[1]}", flush=True)
+            best = None
+            for (block_n, warps, stages), split in [(t, sp) for t in tiles for sp in splits if t[0] <= sp[1]]:
+                triton_ops.ATTN_CONFIG[d] = (block_n, warps, stages)
+                triton_ops.attention_split = lambda *_, sp=split: sp
+                times = []
+                try:
+                    for case in group:
+                        q, kc, vc, tables, lens = data[case]
+                        out = triton_ops.decode_attention(q, kc, vc, tables[0], lens, 0.125, 16)
+                        ref = fast_ops.decode_attention(q, kc, vc, tables[0], lens, 0.125, 16, int(lens.max()))
+                        err = (out.float() - ref.float()).abs().max().item()
+                        if err > 3e-2:
+                            raise AssertionError(f"decode attention {case} {block_n}/{warps}/{stages} {split}: "
+                                                 f"error {err}")
+                        turn = iter(range(1 << 30))
+                        times.append((case, _graph_ms(lambda: triton_ops.decode_attention(
+                            q, kc, vc, tables[next(turn) % 4], lens, 0.125, 16))))
+                except AssertionError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a tile too large for shared memory: skip it
+                    print(f"attn tune: D{d} tile {block_n} warps {warps} stages {stages}: {type(exc).__name__}")
+                    continue
+                total = sum(t for _, t in times)
+                if best is None or total < best[0]:
+                    best = (total, (block_n, warps, stages), split, times)
+            _, tile, split, times = best
+            print(f"attn tune: D{d} {'small' if is_small else 'large'} batches: tile/warps/stages {tile}, "
+                  f"lanes x chunk {split}: " + " ".join(f"B{c[0]}={t * 1e3:.1f}us" for c, t in times), flush=True)
+            if is_small:
+                triton_ops.SMALL_BATCH_SPLIT = split
+            else:
+                triton_ops.LARGE_BATCH_SPLIT = split
+                triton_ops.ATTN_CONFIG[d] = tile  # one tile per head dim: the large batches' choice
+    triton_ops.attention_split = saved
 
 
 def profile(engine, batch: int) -> None:
