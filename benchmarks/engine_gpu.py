@@ -18,7 +18,8 @@ GEMMs are bound by arithmetic, not bytes. A breakdown times one
 decode graph replay and one sampling call (reference and fused) at each batch
 size, so the host's share of a step is the rest; ``--profile-batch`` prints the
 top GPU kernels of the decode forward for the first model; ``--tune-attn`` times
-the decode-attention launch settings first and keeps the fastest for the run. HF ``generate`` runs at batch 64 on the same
+the decode-attention tiles and splits on heavy-tailed contexts first and keeps the
+fastest for the run. HF ``generate`` runs at batch 64 on the same
 model object (its parameters share storage with the fast runner's fused
 weights). A parity check compares the fast runner's first-token logprobs with a
 plain HF forward in bf16.
