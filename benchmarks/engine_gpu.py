@@ -170,7 +170,7 @@ def tune_attention() -> None:
         data[(b, nq, nkv, d)] = (torch.randn(b, nq, d, device="cuda", dtype=torch.bfloat16), kc, vc, tables, lens)
     tiles = [(32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 3)]
     splits = [(lanes, chunk) for lanes in (4, 8, 16) for chunk in (64, 128, 256)]
-    small = lambda case: case[0] * case[2] < triton_ops._num_sms(torch.device("cuda"))  # noqa: E731
+    small = lambda case: triton_ops.small_batch(case[0], case[2], torch.device("cuda"))  # noqa: E731
     saved = triton_ops.attention_split
     for d in sorted({c[3] for c in cases}):
         for is_small in (True, False):

@@ -194,10 +194,15 @@ ATTN_CONFIG = {64: (64, 4, 2), 128: (64, 4, 3)}
 SMALL_BATCH_SPLIT, LARGE_BATCH_SPLIT = (16, 128), (8, 256)
 
 
+def small_batch(batch: int, kv_heads: int, device) -> bool:
+    """Whether the (sequence, KV head) pairs alone are fewer than the multiprocessors."""
+    return batch * kv_heads < _num_sms(device)
+
+
 def attention_split(batch: int, kv_heads: int, device) -> tuple[int, int]:
     """(lanes, chunk tokens) of the decode attention for this batch (fixed per batch size, so a
     captured graph serves any context lengths)."""
-    return SMALL_BATCH_SPLIT if batch * kv_heads < _num_sms(device) else LARGE_BATCH_SPLIT
+    return SMALL_BATCH_SPLIT if small_batch(batch, kv_heads, device) else LARGE_BATCH_SPLIT
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale, block_size, max_ctx=None):
@@ -206,9 +211,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale, block_s
     g = nq // nkv
     lanes, chunk = attention_split(b, nkv, q.device)
     block_n, warps, stages = ATTN_CONFIG.get(d, (64 if d <= 64 else 32, 4, 2))
-    block_n = min(block_n, triton.next_power_of_2(chunk))
-    if chunk % block_n:
-        raise ValueError(f"decode attention: a chunk of {chunk} tokens is not a multiple of the {block_n}-token tile")
+    block_n = min(block_n, chunk)
+    if chunk & (chunk - 1):
+        raise ValueError(f"decode attention: a chunk of {chunk} tokens is not a power of two")
     out = torch.empty(b, nq, d, dtype=q.dtype, device=q.device)
     wo = torch.empty(b, nq, lanes, d, dtype=torch.float32, device=q.device)
     wl = torch.empty(b, nq, lanes, dtype=torch.float32, device=q.device)
