@@ -96,6 +96,7 @@ def test_ray_handles_meet_their_protocols(cluster, tmp_path):
 
     from conveyor.config import load_config
     from conveyor.controller.run import resolve_model_path
+    from conveyor.launch import watchdog
     from conveyor.launch.ray import RayLauncher, connect
     checks = _conformance_checks()
     cfg = load_config(None, [*checks.TINY, "launch.placement=disaggregated", *on_ray(cluster)])
@@ -111,6 +112,12 @@ def test_ray_handles_meet_their_protocols(cluster, tmp_path):
         checks.test_the_launcher_and_its_handles_meet_their_protocols(launched)
         checks.test_a_published_step_reaches_the_chunk_admitted_for_it(launched)
         assert_spread(tmp_path)
+        # A wait that runs out asks every role's actor where it was (launch.watchdog).
+        watchdog.configure(tmp_path / "logs")
+        where = watchdog.dump_stacks("a look from the test")
+        assert "engine0: " in where and "trainer0: " in where and "no stacks" not in where, where
+        assert "in engine_loop" in (tmp_path / "logs" / "engine0.stacks.log").read_text()
+        assert "Thread 0x" in (tmp_path / "logs" / "trainer0.stacks.log").read_text()
     finally:
         if trainer is not None:
             trainer.close()

@@ -390,6 +390,7 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
             s.logger.message(f"held-out reward: initial {summary['eval_reward_initial']:.3f}, "
                              f"after warm-start {summary['eval_reward_warmstart']:.3f}")
     s.trainer = s.launcher.start_trainer(start_path, s.tokenizer)
+    s.trainer.stop_if(lambda: s.rollouts.error)  # a failed engine ends a trainer call that waits on it
     s.logger.message(f"trainer: {s.trainer.describe()}")
     length = s.evaluator.prompting.max_prompt_tokens + cfg.rollout.max_new_tokens
     if s.memory is not None:

@@ -18,7 +18,10 @@ Contract
   the call with its error, without waiting for the others (which may be
   blocked in a collective with it). A call past its deadline dumps every
   role's stacks (``watchdog.dump_stacks``) and its error says where each
-  role was.
+  role was. With ``failed`` (a probe of the run's other roles: their first
+  error, or None) the call also stops as soon as another role has failed,
+  with that role's error (``stop_for``): a trainer waiting on a dead
+  engine's weight receipt would otherwise run out later and hide it.
 - Calls and answers (``transport.messages.Call`` / ``Answer``) travel as
   ``dumps``/``loads`` bytes in which CPU tensors are their raw bytes, not a
   shared-memory file per tensor as torch's default reduction would make.
@@ -161,7 +164,8 @@ class RpcClient:
         self.proc.stop()
 
 
-def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, timeout: float,
+             failed: Callable[[], BaseException | None] | None = None) -> list[Any]:
     message = dumps(Call(method, tuple(args), dict(kwargs)))
     for c in clients:
         c.proc.check()
@@ -183,12 +187,21 @@ def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, t
                 raise RoleError(f"{c.proc.role}.{method} raised in the {c.proc.role} process:\n{answer.value}")
             answers[i] = answer.value
         late = [c for i, c in enumerate(clients) if i not in answers]
+        if late and failed is not None:
+            stop_for(failed(), f"{', '.join(c.proc.role for c in late)}.{method}")
         if late and time.monotonic() > deadline:
             what = f"{', '.join(c.proc.role for c in late)}.{method}"
             where = watchdog.dump_stacks(f"{what} did not answer within {timeout:.0f}s")
             raise RoleError(f"{what} did not answer within {timeout:.0f}s (launch.timeout_s); where each "
                             f"role was:\n{where}")
     return [answers[i] for i in range(len(clients))]
+
+
+def stop_for(error: BaseException | None, what: str) -> None:
+    """Raise ``error`` (another role's failure) as the run's error if there is one: a call that waits
+    on a role which waits on the failed one would otherwise run out later and hide the cause."""
+    if error is not None:
+        raise RoleError(f"{error}\n(the run stopped while {what} was running)") from error
 
 
 def _peer_died(clients: list[RpcClient], grace_s: float = 1.0) -> None:

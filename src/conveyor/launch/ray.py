@@ -55,6 +55,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conveyor.config import RunConfig
 from conveyor.controller.run import SetupError, run
+from conveyor.launch import watchdog
 from conveyor.launch.api import Engines
 from conveyor.launch.placement import Routes, engine_dtype, free_port
 from conveyor.launch.procs import RoleError
@@ -100,6 +101,7 @@ class RayLauncher:
         self.routes: Routes | None = None
         self._store = None
         self._bundle_of: dict[str, int] = {}
+        self._watched: list[str] = []  # roles registered with the watchdog
 
     # ------------------------------------------------------------ placement
     def _bundles(self) -> list[dict]:
@@ -195,6 +197,7 @@ class RayLauncher:
             def placed(place: Place, i=i) -> None:
                 self._record(f"engine{i}", place)
             workers.append(RayWorker(i, make, outbox, self.routes.group.regroup, placed, la.timeout_s))
+            self._watch(f"engine{i}", lambda w=workers[-1]: w.actor)
         try:
             for w in workers:
                 self._record(f"engine{w.engine_id}", w.locate(la.timeout_s))
@@ -230,6 +233,7 @@ class RayLauncher:
                 raise RoleError(f"trainer rank {r} did not start: {type(e).__name__}: {str(e).strip()[:3000]}") \
                     from None
             self._record(f"trainer{r}", places[-1])
+            self._watch(f"trainer{r}", lambda a=a: a)
         return RayTrainerProxy(actors, places, la.timeout_s)
 
     def warm_start_trainer(self, cfg: RunConfig, path: str, tokenizer):
@@ -241,8 +245,16 @@ class RayLauncher:
     def trainer_gpus_alone(self) -> bool:
         return self.gpu  # with GPUs every role's bundle has one of its own (colocated is refused)
 
+    def _watch(self, role: str, actor) -> None:
+        """A wait that runs out asks the role's actor (``actor()``: the current one) for its stacks."""
+        watchdog.register_remote(role, lambda timeout: ray.get(actor().stacks.remote(), timeout=timeout))
+        self._watched.append(role)
+
     def close(self) -> None:
         """Remove the placement group (what is still running in it ends) and the weight counters."""
+        for role in self._watched:
+            watchdog.unregister_remote(role)
+        self._watched = []
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

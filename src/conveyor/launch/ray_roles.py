@@ -48,7 +48,8 @@ from typing import Callable
 
 import ray
 
-from conveyor.launch.procs import RoleError
+from conveyor.launch import watchdog
+from conveyor.launch.procs import RoleError, stop_for
 from conveyor.launch.roles import TrainerProxy
 from conveyor.launch.watchdog import Deadlines
 from conveyor.transport.messages import Answer, Failed, Ready
@@ -65,6 +66,8 @@ class Place:
     def __str__(self) -> str:
         return f"node {self.node} ({self.host}, Ray node {self.node_id[:12]}), pid {self.pid}"
 
+
+_SLICE_S = 0.5  # a trainer call's wait looks at the run's other roles this often
 
 UNKNOWN = Place("?", "?", "?", -1)  # an actor that died before it said where it was
 
@@ -113,6 +116,11 @@ class EngineActor:
 
     def warm(self, named: dict, version: int) -> None:
         self._warm.take(named, version)
+
+    def stacks(self) -> str:
+        """Every thread's stack (``launch.watchdog``: a wait that ran out says where this actor was)."""
+        from conveyor.launch.watchdog import own_stacks
+        return own_stacks()
 
     def channel(self, authkey: bytes) -> tuple[str, int]:
         """Open the controller's channel: messages in, answers out (``ray_channel.serve``)."""
@@ -272,6 +280,11 @@ class TrainerRankActor:
     def where(self) -> Place:
         return where()
 
+    def stacks(self) -> str:
+        """Every thread's stack (beside a call in progress: the actor runs two at once)."""
+        from conveyor.launch.watchdog import own_stacks
+        return own_stacks()
+
     def call(self, method: str, arguments: tuple[tuple, dict]) -> Answer:
         args, kwargs = arguments
         try:
@@ -304,10 +317,16 @@ class RayTrainerProxy(TrainerProxy):
         answers: dict[int, object] = {}
         pending, deadline = list(refs), t0 + timeout
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            # In slices: a call stops as soon as another role of the run has failed (``stop_if``).
+            done, pending = ray.wait(pending, num_returns=1,
+                                     timeout=max(0.0, min(_SLICE_S, deadline - time.monotonic())))
+            if not done and time.monotonic() < deadline:
+                stop_for(self._failed(), ", ".join(f"{self._name(rank_of[p])}.{method}" for p in pending))
+                continue
             if not done:
-                late = ", ".join(self._name(rank_of[p]) for p in pending)
-                raise RoleError(f"{late}.{method} did not answer within {timeout:.0f}s (launch.timeout_s)")
+                what = f"{', '.join(self._name(rank_of[p]) for p in pending)}.{method} did not answer within " \
+                       f"{timeout:.0f}s"
+                raise RoleError(f"{what} (launch.timeout_s); where each role was:\n{watchdog.dump_stacks(what)}")
             r = rank_of[done[0]]
             try:
                 answer = ray.get(done[0])

@@ -66,10 +66,14 @@ class TrainerProxy:
     def __init__(self, rpcs: list[RpcClient], timeout: float):
         self._rpcs = rpcs
         self._deadlines = Deadlines(timeout)  # a call's deadline grows with the longest call seen
+        self._failed: Callable[[], BaseException | None] = lambda: None
+
+    def stop_if(self, failed: Callable[[], BaseException | None]) -> None:
+        self._failed = failed
 
     def _call(self, method: str, *args, **kwargs) -> list:
         t0 = time.monotonic()
-        answers = call_all(self._rpcs, method, args, kwargs, self._deadlines.of(method))
+        answers = call_all(self._rpcs, method, args, kwargs, self._deadlines.of(method), self._failed)
         self._deadlines.observe(method, time.monotonic() - t0)
         return answers
 

@@ -9,6 +9,11 @@ Contract
   main work was (the innermost frame of each thread that is not idle), for the
   error of the wait that ran out. The controller calls it before it raises a
   deadline error, so the error names the wait and the other side's place.
+- A role in a process the controller cannot signal (a Ray actor) registers
+  with ``register_remote(role, fetch)``: ``fetch(timeout_s)`` returns that
+  process's dump (``own_stacks()`` run there); ``dump_stacks`` appends it to
+  ``<log dir>/<role>.stacks.log`` and reports it like the others.
+  ``unregister_remote(role)`` when the role is stopped.
 - ``child_guard()`` runs in a role's child: the stack-dump signal, and a thread
   that ends the child when its parent is gone (a controller killed with
   SIGKILL leaves no role process behind; the child notices within
@@ -31,12 +36,15 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Callable
 
 PARENT_POLL_S = 0.5
 GROWTH = 4.0
 _SETTLE_S = 0.5  # a child writes its dump from a signal handler: give it this long
 
 _roles: "weakref.WeakSet" = weakref.WeakSet()
+_remote: dict[str, Callable[[float], str]] = {}
+_REMOTE_S = 5.0  # a remote role's dump: an actor whose every thread is stuck does not answer
 _log_dir: Path | None = None
 
 
@@ -52,6 +60,24 @@ def register(role) -> None:
     global _log_dir
     if _log_dir is None:
         _log_dir = Path(role.log_path).parent
+
+
+def register_remote(role: str, fetch: Callable[[float], str]) -> None:
+    """A role whose stacks come back from ``fetch(timeout_s)`` (see the module contract)."""
+    _remote[role] = fetch
+
+
+def unregister_remote(role: str) -> None:
+    _remote.pop(role, None)
+
+
+def own_stacks() -> str:
+    """Every thread's stack in this process, as ``faulthandler`` writes it."""
+    import tempfile
+    with tempfile.TemporaryFile("w+") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        return f.read()
 
 
 def child_guard() -> None:
@@ -92,7 +118,22 @@ def dump_stacks(what: str) -> str:
     for r in live:
         where = _where(_read_from(Path(r.log_path), sizes.get(r.role, 0)))
         lines.append(f"{r.role} (pid {r.proc.pid}): {where or 'no stack written'}; stacks in {r.log_path}")
+    lines.extend(_remote_line(role, fetch, what) for role, fetch in list(_remote.items()))
     return "\n".join(lines)
+
+
+def _remote_line(role: str, fetch: Callable[[float], str], what: str) -> str:
+    try:
+        dump = fetch(_REMOTE_S)
+    except Exception as e:  # noqa: BLE001 - a dead or stuck actor: say so in its line
+        return f"{role}: no stacks ({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})"
+    if _log_dir is None:
+        return f"{role}: {_where(dump) or 'no stack'}"
+    _log_dir.mkdir(parents=True, exist_ok=True)
+    path = _log_dir / f"{role}.stacks.log"
+    with open(path, "a") as f:
+        f.write(f"\n[{role}] {time.strftime('%H:%M:%S')} stacks of every thread: {what}\n{dump}")
+    return f"{role}: {_where(dump) or 'no stack'}; stacks in {path}"
 
 
 def _read_from(path: Path, offset: int) -> str:
@@ -109,8 +150,10 @@ _IDLE = {"threading.py", "queues.py", "selectors.py", "connection.py", "watchdog
 
 def _where(dump: str) -> str:
     """The innermost frame of each thread of a faulthandler dump whose top is not a wait of the
-    standard library (idle helper threads), joined; else the main thread's top frame."""
-    frames: list[str] = []
+    standard library (idle helper threads), joined; threads running this package's code come
+    first (a Ray worker's own threads are idle in Ray); else the main thread's top frame."""
+    ours: list[str] = []
+    other: list[str] = []
     first = ""
     for block in re.split(r"\n(?=(?:Current thread|Thread) 0x)", dump):
         m = re.search(r'File "([^"]+)", line (\d+) in (\S+)', block)
@@ -120,8 +163,8 @@ def _where(dump: str) -> str:
         frame = f"{fn} ({Path(path).name}:{line})"
         first = first or frame
         if Path(path).name not in _IDLE:
-            frames.append(frame)
-    return ", ".join(frames[:3]) or first
+            (ours if f"{os.sep}conveyor{os.sep}" in block else other).append(frame)
+    return ", ".join((ours + other)[:3]) or first
 
 
 class Deadlines:

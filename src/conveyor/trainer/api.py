@@ -44,7 +44,7 @@ live in the loss function and the loop. This module holds only protocols.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -174,6 +174,12 @@ class TrainerHandle(Protocol):
 
     def describe(self) -> str:
         """One line for the run's log: how many ranks train, and as what kind of trainer."""
+        ...
+
+    def stop_if(self, failed: Callable[[], BaseException | None]) -> None:
+        """From now on a call in progress stops once ``failed()`` returns an error (another role's,
+        e.g. a dead engine whose weight receipt a publish waits for) and raises it: waiting out
+        the call's deadline would hide the cause."""
         ...
 
     def publish(self, version: int) -> float:

@@ -63,6 +63,9 @@ class TrainerHost:
     def set_micro_batch_tokens(self, tokens: int) -> None:
         self.trainer.cfg.micro_batch_tokens = tokens
 
+    def stop_if(self, failed) -> None:
+        """Nothing to do: this trainer's calls run in the caller's thread and wait on no other role."""
+
     def describe(self) -> str:
         t = self.trainer
         kind = getattr(t, "parallel", None)

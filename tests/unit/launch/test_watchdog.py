@@ -29,6 +29,11 @@ def stuck_in_here() -> None:
         time.sleep(0.05)
 
 
+def stuck_until(stop) -> None:
+    while not stop.is_set():
+        time.sleep(0.05)
+
+
 def _serve(conn) -> None:
     serve_rpc(Stuck(), conn)
 
@@ -104,3 +109,61 @@ def test_deadlines_grow_with_the_longest_wait_seen():
     d.observe("train", 5.0)
     d.observe("train", 2.0)
     assert d.of("train") == 20.0 and d.of("groups") == 10.0
+
+
+def test_a_remote_role_reports_its_stacks_and_a_silent_one_says_so(tmp_path):
+    # A role the controller cannot signal (a Ray actor) hands its own dump back; here the dump
+    # is this process's, with a thread stuck in stuck_in_here (a frame of this package's tests).
+    import threading
+    watchdog.configure(tmp_path / "logs")
+    stop = threading.Event()
+    stuck = threading.Thread(target=stuck_until, args=(stop,), daemon=True)
+    stuck.start()
+
+    def silent(timeout: float) -> str:
+        raise TimeoutError(f"no answer within {timeout:.0f}s")
+    watchdog.register_remote("remote0", lambda timeout: watchdog.own_stacks())
+    watchdog.register_remote("remote1", silent)
+    try:
+        lines = watchdog.dump_stacks("a test's wait").splitlines()
+    finally:
+        watchdog.unregister_remote("remote0")
+        watchdog.unregister_remote("remote1")
+        stop.set()
+    (line0,) = [ln for ln in lines if ln.startswith("remote0:")]
+    # The line names up to three busy threads; other tests' threads may be busy in this process too.
+    assert "remote0.stacks.log" in line0, line0
+    log = (tmp_path / "logs" / "remote0.stacks.log").read_text()
+    assert "a test's wait" in log and "in stuck_until" in log
+    (line1,) = [ln for ln in lines if ln.startswith("remote1:")]
+    assert "no stacks (TimeoutError: no answer within 5s)" in line1, line1
+    assert not (tmp_path / "logs" / "remote1.stacks.log").exists()
+    assert "remote0" not in watchdog.dump_stacks("after")
+
+
+def test_a_call_stops_with_the_error_of_a_role_that_failed_meanwhile(tmp_path, monkeypatch):
+    # A trainer call that waits on an engine which died (its publish waits for the engine's receipt)
+    # must stop with the engine's error, not run out its own deadline and name the trainer.
+    import threading
+
+    from conveyor.launch.roles import TrainerProxy
+    monkeypatch.syspath_prepend(ROOT)
+    watchdog.configure(tmp_path / "logs")
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = RoleProcess("stuckrole", _serve, (child,), tmp_path / "logs", ctx)
+    proxy = TrainerProxy([RpcClient(parent, proc)], timeout=600.0)
+    error: list = [None]
+    proxy.stop_if(lambda: error[0])
+    try:
+        assert proxy._all("ping") == "pong"  # nothing failed yet: calls answer as before
+        failed_at = time.monotonic() + 1.0
+        threading.Timer(1.0, lambda: error.__setitem__(0, RoleError("engine 0 failed:\nits traceback"))).start()
+        with pytest.raises(RoleError) as err:
+            proxy._all("hang")
+        assert time.monotonic() - failed_at < 60  # not the call's 600 s deadline
+        text = str(err.value)
+        assert text.startswith("engine 0 failed:\nits traceback"), text
+        assert "while stuckrole.hang was running" in text
+    finally:
+        proc.stop(timeout=0)
