@@ -19,10 +19,12 @@ what the loop reads of it. What the engines report of their work (the spans
 in ``Done``, the ``WeightSwap`` stamps) and the groups in flight go to the
 run's timeline (``observe.timeline``).
 
-An engine process that dies is restarted (``restart()`` of its worker, at
-most ``max_restarts`` times in the run) and what it had in flight (chunks,
-evaluation requests, episode turns) is sent to its replacement; prompts
-answered before the death are not taken twice. Other failures stop the run:
+An engine process that dies, or whose weight transport failed (``Failed``
+with ``weights``: a receive that broke, a version that did not arrive), is
+restarted (``restart()`` of its worker, at most ``max_restarts`` times in the
+run) and what it had in flight (chunks, evaluation requests, episode turns)
+is sent to its replacement; prompts answered before the death are not taken
+twice. Other failures stop the run:
 an engine that reports an error, a death past the budget, a buffer that stays
 full or a reward that never returns closes the buffer with a ``RoleError``
 naming the role, which the loop re-raises.
@@ -291,6 +293,11 @@ class Producer:
         except queue.Empty:
             return
         if isinstance(msg, Failed):
+            worker = self.workers[msg.engine_id]
+            if msg.weights and worker.restartable and self.restarts < self.max_restarts:
+                last = msg.traceback.strip().splitlines()[-1][:300]
+                self._restart(worker, f"engine {msg.engine_id}: its weights stopped arriving ({last})")
+                return
             raise RoleError(f"engine {msg.engine_id} failed:\n{msg.traceback}")
         if isinstance(msg, Ready):  # a restarted engine is serving
             self._starting.pop(msg.engine_id, None)

@@ -18,7 +18,9 @@ and the next) releases or takes back the engine's KV pool and is answered
 by ``MemoryDone``. ``engine_process`` is the same loop as a child process's main. Each ``Done``
 carries the ``Span``s of what the worker did since its previous one (generate
 calls, or a streaming call's stretch up to this report; waits for weights)
-for the run's timeline.
+for the run's timeline. A ``Failed`` whose error is the weight transport's
+(``WeightSyncError``, ``WeightSyncTimeout``) says so (``weights``): the
+controller may replace the engine instead of stopping.
 
 It knows nothing of tasks, rewards, the admission rule or how it was started.
 """
@@ -46,6 +48,7 @@ from conveyor.transport.messages import (
     Stop,
     WeightSwap,
 )
+from conveyor.transport.group import WeightSyncError
 from conveyor.transport.weights import WeightSyncTimeout
 
 # With partial rollouts a watcher thread applies each version as it lands. Off, swaps happen
@@ -63,7 +66,13 @@ def engine_loop(engine: RolloutEngine, inbox, outbox, weights: WeightReader, eng
         else:
             server.serve_waves(partial)
     except Exception:  # noqa: BLE001 - reported to the controller, which stops the run
-        outbox.put(Failed(engine_id, traceback.format_exc()))
+        outbox.put(failure(engine_id))
+
+
+def failure(engine_id: int) -> Failed:
+    """The ``Failed`` report of the exception being handled; a weight transport failure says so."""
+    error = sys.exc_info()[1]
+    return Failed(engine_id, traceback.format_exc(), isinstance(error, (WeightSyncError, WeightSyncTimeout)))
 
 
 def _own_stream(device) -> None:
@@ -174,7 +183,7 @@ class _EngineServer:
                     self.take_weights(settle=True)
                     self.weights.wait_news(self.engine, 0.05)
             except Exception:  # noqa: BLE001 - reported to the controller, which stops the run
-                self.outbox.put(Failed(self.engine_id, traceback.format_exc()))
+                self.outbox.put(failure(self.engine_id))
 
         watcher = threading.Thread(target=watch, name=f"engine{self.engine_id}-weights", daemon=True) if on else None
         if watcher is not None:
@@ -182,7 +191,7 @@ class _EngineServer:
         try:
             yield
         except Exception:  # noqa: BLE001 - reported before waiting for the watcher below
-            self.outbox.put(Failed(self.engine_id, traceback.format_exc()))
+            self.outbox.put(failure(self.engine_id))
         finally:
             stop.set()
             if watcher is not None:

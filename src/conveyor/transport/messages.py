@@ -144,9 +144,14 @@ class WeightSwap:
 
 @dataclass(frozen=True)
 class Failed:
-    """An engine worker raised; ``traceback`` is its formatted traceback. The run stops."""
+    """An engine worker raised; ``traceback`` is its formatted traceback. The run stops, unless
+    ``weights``: the engine's weight transport failed (a receive that broke or a version that did
+    not arrive in time, ``WeightSyncError`` / ``WeightSyncTimeout``); then a restartable engine is
+    replaced like a dead one, within ``launch.max_restarts``, and the replacement joins the weight
+    group anew."""
     engine_id: int
     traceback: str
+    weights: bool = False
 
 
 @dataclass(frozen=True)
