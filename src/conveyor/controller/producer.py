@@ -25,7 +25,7 @@ restarted (``restart()`` of its worker, at most ``max_restarts`` times in the
 run) and what it had in flight (chunks, evaluation requests, episode turns)
 is sent to its replacement; prompts answered before the death are not taken
 twice. Other failures stop the run:
-an engine that reports an error, a death past the budget, a buffer that stays
+an engine that reports another error, a death past the budget, a buffer that stays
 full or a reward that never returns closes the buffer with a ``RoleError``
 naming the role, which the loop re-raises.
 
@@ -293,6 +293,8 @@ class Producer:
         except queue.Empty:
             return
         if isinstance(msg, Failed):
+            if msg.weights and msg.engine_id in self._starting:
+                return  # the replaced engine's other thread reporting the same failure
             worker = self.workers[msg.engine_id]
             if msg.weights and worker.restartable and self.restarts < self.max_restarts:
                 last = msg.traceback.strip().splitlines()[-1][:300]

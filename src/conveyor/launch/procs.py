@@ -187,10 +187,12 @@ def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, t
                 raise RoleError(f"{c.proc.role}.{method} raised in the {c.proc.role} process:\n{answer.value}")
             answers[i] = answer.value
         late = [c for i, c in enumerate(clients) if i not in answers]
-        if late and failed is not None:
-            stop_for(failed(), f"{', '.join(c.proc.role for c in late)}.{method}")
-        if late and time.monotonic() > deadline:
-            what = f"{', '.join(c.proc.role for c in late)}.{method}"
+        if not late:
+            break
+        what = f"{', '.join(c.proc.role for c in late)}.{method}"
+        if failed is not None:
+            stop_for(failed(), what)
+        if time.monotonic() > deadline:
             where = watchdog.dump_stacks(f"{what} did not answer within {timeout:.0f}s")
             raise RoleError(f"{what} did not answer within {timeout:.0f}s (launch.timeout_s); where each "
                             f"role was:\n{where}")

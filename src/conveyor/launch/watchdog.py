@@ -126,7 +126,8 @@ def _remote_line(role: str, fetch: Callable[[float], str], what: str) -> str:
     try:
         dump = fetch(_REMOTE_S)
     except Exception as e:  # noqa: BLE001 - a dead or stuck actor: say so in its line
-        return f"{role}: no stacks ({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})"
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"{role}: no stacks ({type(e).__name__}: {first})"
     if _log_dir is None:
         return f"{role}: {_where(dump) or 'no stack'}"
     _log_dir.mkdir(parents=True, exist_ok=True)

@@ -36,6 +36,7 @@ import traceback
 
 from conveyor.rollout.api import RolloutEngine, StreamChunk
 from conveyor.transport.api import WeightReader
+from conveyor.transport.group import WeightSyncError
 from conveyor.transport.messages import (
     Done,
     EngineClock,
@@ -48,7 +49,6 @@ from conveyor.transport.messages import (
     Stop,
     WeightSwap,
 )
-from conveyor.transport.group import WeightSyncError
 from conveyor.transport.weights import WeightSyncTimeout
 
 # With partial rollouts a watcher thread applies each version as it lands. Off, swaps happen
