@@ -36,6 +36,12 @@ def _reader(bw, engine_id, versions, out, last=None):
     out.put((engine_id, got))
 
 
+def _announced_reader(bw, engine_id, versions, out):
+    """Says it is up (its imports are done) and then reads like ``_reader``."""
+    out.put("up")
+    _reader(bw, engine_id, versions, out)
+
+
 def _waiting_reader(bw, engine_id, versions, out):
     """Sleeps in wait_news (no polling loop) and applies each version it is woken for."""
     engine, got = _Engine(), []
@@ -169,7 +175,8 @@ def test_a_publish_that_does_not_wait_sends_the_values_it_was_given(monkeypatch)
 
 
 def test_an_engine_that_dies_fails_the_next_publish_with_a_named_error(monkeypatch):
-    bw, out, (proc,) = _serve(monkeypatch, engines=1, versions=99)
+    bw, out, (proc,) = _serve(monkeypatch, engines=1, versions=99, reader=_announced_reader)
+    assert out.get(timeout=120) == "up"  # a busy machine may take long to start a process: not timed
     bw.timeout_s = 5.0
     publish_all([bw], _weights(1), 1, wait=False)
     deadline = time.monotonic() + 30
