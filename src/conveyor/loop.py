@@ -73,7 +73,7 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
     replay = ReplayStore(lc.replay, lc.batch_size, lc.seed) if lc.replay.fraction > 0 else None
     for step in range(start_step, lc.steps):
         if lc.time_limit_s and time.perf_counter() - t_start > lc.time_limit_s:
-            logger.message(f"time limit {lc.time_limit_s:.0f}s reached after {step - start_step} steps")
+            logger.message(f"time limit {lc.time_limit_s:g}s reached after {step - start_step} steps")
             break
         timeout, t_wait = deadlines.of("groups"), time.monotonic()
         if lc.accumulate_groups:  # parts trained as they are scored, the step once all are in

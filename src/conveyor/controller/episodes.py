@@ -194,7 +194,7 @@ class EpisodeRunner:
             if self._turns.pop(turn_id, None) is not None:
                 self._load[worker.engine_id] -= 1
             raise EnvFailure("timeout", f"engine {worker.engine_id} did not answer a turn within "
-                                        f"{self.timeout_s:.0f}s") from None
+                                        f"{self.timeout_s:g}s") from None
 
     async def _episode(self, task: Task, params: SamplingParams) -> Trajectory:
         async with self.pool.session() as session:

@@ -359,7 +359,7 @@ class Producer:
         for engine_id, deadline in list(self._starting.items()):
             if now > deadline:
                 raise RoleError(f"engine {engine_id} was restarted but did not start within "
-                                f"{self.start_timeout:.0f}s (launch.timeout_s); see logs/engine{engine_id}.log")
+                                f"{self.start_timeout:g}s (launch.timeout_s); see logs/engine{engine_id}.log")
 
     def _restart(self, worker, why: str) -> None:
         self.restarts += 1

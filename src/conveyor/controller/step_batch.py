@@ -89,7 +89,7 @@ class Prefetch:
     def take(self, timeout: float) -> StepBatch:
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise TimeoutError(f"the next batch was not ready within {timeout:.0f}s (launch.timeout_s); "
+            raise TimeoutError(f"the next batch was not ready within {timeout:g}s (launch.timeout_s); "
                                "generation or scoring is stalled")
         if "error" in self._out:
             raise self._out["error"]

@@ -56,5 +56,5 @@ class TimeShare:
             raise RoleError(f"the rollouts failed while the engines switched their KV pools: {error}") from error
         if not done:
             what = "take back" if hold else "release"
-            raise RoleError(f"engines {missing} did not {what} their KV pool within {self.timeout_s:.0f}s "
+            raise RoleError(f"engines {missing} did not {what} their KV pool within {self.timeout_s:g}s "
                             "(launch.time_share); their stacks are in the run's log")

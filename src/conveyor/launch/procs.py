@@ -193,8 +193,8 @@ def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, t
         if failed is not None:
             stop_for(failed(), what)
         if time.monotonic() > deadline:
-            where = watchdog.dump_stacks(f"{what} did not answer within {timeout:.0f}s")
-            raise RoleError(f"{what} did not answer within {timeout:.0f}s (launch.timeout_s); where each "
+            where = watchdog.dump_stacks(f"{what} did not answer within {timeout:g}s")
+            raise RoleError(f"{what} did not answer within {timeout:g}s (launch.timeout_s); where each "
                             f"role was:\n{where}")
     return [answers[i] for i in range(len(clients))]
 

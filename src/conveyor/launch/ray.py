@@ -135,7 +135,7 @@ class RayLauncher:
             remove_placement_group(self.pg)
             self.pg = None
             raise SetupError(f"Ray could not place the roles' bundles {bundles} (strategy "
-                             f"{self.cfg.launch.ray_strategy}) within {self.cfg.launch.timeout_s:.0f}s; the "
+                             f"{self.cfg.launch.ray_strategy}) within {self.cfg.launch.timeout_s:g}s; the "
                              f"cluster has {ray.cluster_resources()}: add nodes or lower launch.*_threads, "
                              "launch.engines or launch.trainer_ranks") from None
 

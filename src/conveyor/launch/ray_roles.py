@@ -254,7 +254,7 @@ class RayWorker:
             self._placed(self.locate(self._timeout))
         except Exception as e:  # noqa: BLE001 - the replacement did not start: stop the run naming it
             raise RoleError(f"engine {self.engine_id}: its replacement Ray actor did not start within "
-                            f"{self._timeout:.0f}s: {type(e).__name__}: {str(e).strip()[:2000]}") from None
+                            f"{self._timeout:g}s: {type(e).__name__}: {str(e).strip()[:2000]}") from None
 
     def join(self, timeout: float) -> None:
         with contextlib.suppress(Exception):  # it is being stopped either way
@@ -325,7 +325,7 @@ class RayTrainerProxy(TrainerProxy):
                 continue
             if not done:
                 what = f"{', '.join(self._name(rank_of[p]) for p in pending)}.{method} did not answer within " \
-                       f"{timeout:.0f}s"
+                       f"{timeout:g}s"
                 raise RoleError(f"{what} (launch.timeout_s); where each role was:\n{watchdog.dump_stacks(what)}")
             r = rank_of[done[0]]
             try:

@@ -295,7 +295,7 @@ def await_ready(workers: list[EngineWorker], outbox: queue.Queue, timeout_s: flo
             msg = outbox.get(timeout=0.2)
         except queue.Empty:
             if time.monotonic() > deadline:
-                raise RoleError(f"engines did not start within {timeout_s:.0f}s ({len(ready)}/{len(workers)} "
+                raise RoleError(f"engines did not start within {timeout_s:g}s ({len(ready)}/{len(workers)} "
                                 "ready)") from None
             continue
         if isinstance(msg, Failed):
@@ -313,7 +313,7 @@ def _await(ready, proc: RoleProcess, timeout: float, what: str, peers=()) -> Non
         for rpc in peers:  # a rank that dies while starting leaves the others waiting for it
             rpc.proc.check()
         if time.monotonic() > deadline:
-            raise RoleError(f"{what} did not start within {timeout:.0f}s; last lines of its log:\n"
+            raise RoleError(f"{what} did not start within {timeout:g}s; last lines of its log:\n"
                             f"{proc.last_lines()}")
 
 

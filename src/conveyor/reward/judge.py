@@ -228,7 +228,7 @@ class JudgeReward:
             h.update(len(ids).to_bytes(4, "little") + b"".join(i.to_bytes(4, "little") for i in ids))
         params = dataclasses.replace(self.params, seed=int.from_bytes(h.digest(), "little") >> 2)
         if not self._engine_lock.acquire(timeout=self.wait_s):
-            raise TimeoutError(f"judge engine still busy with another batch after {self.wait_s:.0f}s")
+            raise TimeoutError(f"judge engine still busy with another batch after {self.wait_s:g}s")
         try:
             t0 = time.perf_counter()
             with _on_device(self.engine.cuda_device):

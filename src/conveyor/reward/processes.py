@@ -304,7 +304,7 @@ class ProcessRewardService:
                 continue
             jobs = slot.jobs
             if not jobs:  # still loading
-                self._died(slot, f"did not load the reward within {self.load_timeout_s:.0f}s")
+                self._died(slot, f"did not load the reward within {self.load_timeout_s:g}s")
                 continue
             self._stop(slot)
             self._start(slot)  # before the caller hears of it, so stats() already count the restart

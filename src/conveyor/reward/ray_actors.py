@@ -156,7 +156,7 @@ class RayRewardService(ProcessRewardService):
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self._pg)
             raise PluginError(f"reward {spec.name!r}: Ray could not place the reward workers' bundles {bundles} "
-                              f"(launch.ray_reward_strategy={placement.strategy}) within {placement.timeout_s:.0f}s; "
+                              f"(launch.ray_reward_strategy={placement.strategy}) within {placement.timeout_s:g}s; "
                               f"the cluster has {ray.cluster_resources()}: lower reward.workers or change "
                               "launch.ray_reward_resources") from None
         self._gpus = placement.bundle().get("GPU", 0.0)

@@ -110,7 +110,7 @@ class RewardServer:
         while not self._server.started:
             if serving.done() or time.monotonic() > deadline:
                 sock.close()
-                raise RuntimeError(f"the reward server did not start on {host}:{port} within {timeout_s:.0f}s")
+                raise RuntimeError(f"the reward server did not start on {host}:{port} within {timeout_s:g}s")
             await asyncio.sleep(0.01)
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         return self.url

@@ -138,7 +138,7 @@ class Endpoint:
             if self._serving.done() or time.monotonic() > deadline:
                 sock.close()
                 raise RuntimeError(f"the OpenAI-compatible endpoint did not start on {host}:{port} within "
-                                   f"{timeout_s:.0f}s" + (f": {self._serving.exception()}" if self._serving.done()
+                                   f"{timeout_s:g}s" + (f": {self._serving.exception()}" if self._serving.done()
                                                           and self._serving.exception() else ""))
             await asyncio.sleep(0.01)
         shown = f"[{host}]" if ":" in host else host

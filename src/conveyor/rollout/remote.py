@@ -87,7 +87,7 @@ class _HTTP:
             try:
                 status, data = self._once(method, path, body, timeout)
             except TimeoutError:
-                raise RemoteEngineError(f"{where} gave no answer within {timeout:.0f}s; the server is overloaded "
+                raise RemoteEngineError(f"{where} gave no answer within {timeout:g}s; the server is overloaded "
                                         "or stuck: raise rollout.remote_timeout_s or check the server") from None
             except (ConnectionError, http.client.RemoteDisconnected, OSError) as e:
                 if last:
@@ -226,7 +226,7 @@ class RemoteEngine:
                 return
             if remaining <= 0:
                 raise RemoteEngineError(f"no healthy server at {self.http.base_url} (GET /health) within "
-                                        f"{timeout_s:.0f}s: {_START_HINT}")
+                                        f"{timeout_s:g}s: {_START_HINT}")
             time.sleep(min(0.5, max(0.05, remaining)))
 
     def _model_card(self, model: str | None) -> dict:

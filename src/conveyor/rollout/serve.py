@@ -211,7 +211,7 @@ class _EngineServer:
             if time.monotonic() > deadline:
                 raise WeightSyncTimeout(
                     f"engine {self.engine_id}: weights version {need} (a chunk was admitted for it) did not "
-                    f"arrive within {self.timeout_s:.0f}s; the engine holds version {self.version}")
+                    f"arrive within {self.timeout_s:g}s; the engine holds version {self.version}")
             time.sleep(0.0002)
             self.take_weights()
         if waited_from is not None:

@@ -334,7 +334,7 @@ class BroadcastWeights:
             if time.monotonic() > deadline:
                 raise WeightSyncTimeout(
                     f"weight broadcast: engine {late[0]} has not received version {self._version.value} "
-                    f"(serial {serial}) within {self.timeout_s:.0f}s; its receiver is stalled or dead")
+                    f"(serial {serial}) within {self.timeout_s:g}s; its receiver is stalled or dead")
             time.sleep(0.0002)
 
     def _watch(self) -> None:

@@ -59,7 +59,7 @@ class TrajectoryBuffer:
             self.put_wait_s += time.perf_counter() - t0
             self._check_closed()
             if not ok:
-                raise BufferTimeout(f"trajectory buffer stayed full ({self.capacity} groups) for {timeout:.0f}s; "
+                raise BufferTimeout(f"trajectory buffer stayed full ({self.capacity} groups) for {timeout:g}s; "
                                     "the trainer is not consuming")
             self._items.append(group)
             self._cond.notify_all()
@@ -73,7 +73,7 @@ class TrajectoryBuffer:
             self.get_wait_s += time.perf_counter() - t0
             self._check_closed()
             if not ok:
-                raise BufferTimeout(f"waited {timeout:.0f}s for {k} scored groups, have {len(self._items)}; "
+                raise BufferTimeout(f"waited {timeout:g}s for {k} scored groups, have {len(self._items)}; "
                                     "generation or scoring is stalled")
             out = [self._items.popleft() for _ in range(k)]
             self._cond.notify_all()

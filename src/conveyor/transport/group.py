@@ -75,7 +75,7 @@ class Membership:
                                         timeout=timedelta(seconds=self.timeout_s))
         except Exception as e:  # noqa: BLE001 - turned into a message that names the rendezvous
             raise WeightSyncError(f"weight broadcast: {self.names[self.rank]} could not join the group at "
-                                  f"{self.host}:{self.port} within {self.timeout_s:.0f}s ({e}); "
+                                  f"{self.host}:{self.port} within {self.timeout_s:g}s ({e}); "
                                   "an engine or the trainer did not start") from None
 
     def stale(self) -> bool:
@@ -95,7 +95,7 @@ class Membership:
                     missing = [self.names[r] for r, k in enumerate(keys) if not self._store.check([k])]
                     raise WeightSyncError(
                         f"weight broadcast: {', '.join(missing)} did not join group generation {gen} within "
-                        f"{self.timeout_s:.0f}s (launch.collective_timeout_s); seen from {self.names[self.rank]}")
+                        f"{self.timeout_s:g}s (launch.collective_timeout_s); seen from {self.names[self.rank]}")
                 time.sleep(0.01)
             else:
                 self.group, self.gen = self._make(gen), gen
@@ -142,12 +142,12 @@ class Membership:
                 if self.stale():
                     return False
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"collective did not complete within {self.timeout_s:.0f}s") from None
+                    raise RuntimeError(f"collective did not complete within {self.timeout_s:g}s") from None
         while stream is not None and not stream.query():
             if self.stale():
                 return False
             if time.monotonic() > deadline:
-                raise RuntimeError(f"collective did not complete within {self.timeout_s:.0f}s")
+                raise RuntimeError(f"collective did not complete within {self.timeout_s:g}s")
             time.sleep(0.001)  # each look takes the GIL: an engine's decode loop runs beside it
         return True
 
@@ -157,6 +157,6 @@ class Membership:
         while not self.stale():
             if time.monotonic() > deadline:
                 raise WeightSyncError(f"{what} failed: {str(error).splitlines()[0][:300]}; a member "
-                                      f"died or stalled and was not replaced within {self.timeout_s:.0f}s") \
+                                      f"died or stalled and was not replaced within {self.timeout_s:g}s") \
                     from None
             time.sleep(0.01)

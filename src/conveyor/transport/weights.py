@@ -88,7 +88,7 @@ def _acquire(lock, timeout: float, what: str, holder=None) -> None:
                 lock.release()
             continue
         if holder is None or time.monotonic() >= deadline:
-            raise WeightSyncTimeout(f"weight sync: {what} waited {timeout:.0f}s for the weight lock; "
+            raise WeightSyncTimeout(f"weight sync: {what} waited {timeout:g}s for the weight lock; "
                                     "the other side holds it (crashed mid-copy or stalled)")
 
 

@@ -129,7 +129,7 @@ def test_stalled_request_hits_its_deadline(url, script):
     eng = RemoteEngine(url, request_timeout_s=0.5)
     script.stall_s = 3.0
     t0 = time.monotonic()
-    with pytest.raises(RemoteEngineError, match="no answer within 0s|no answer within 1s"):
+    with pytest.raises(RemoteEngineError, match="no answer within 0.5s"):
         eng.generate([[1]], SamplingParams(n=1))
     assert time.monotonic() - t0 < 2.5
 

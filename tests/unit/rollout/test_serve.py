@@ -336,7 +336,7 @@ def test_a_version_that_never_comes_is_a_named_error(model, tok, params, short_l
     inbox, outbox, t = serve(fast(model, tok), StagedWeights(specs(model)), timeout_s=0.5)
     inbox.put(Generate(3, [long], params, 2))
     (err,) = messages(outbox, Failed, 1)
-    assert "engine 0: weights version 2 (a chunk was admitted for it) did not arrive within 0s" in err.traceback
+    assert "engine 0: weights version 2 (a chunk was admitted for it) did not arrive within 0.5s" in err.traceback
     assert "the engine holds version 0" in err.traceback
     t.join(timeout=10)
     assert not t.is_alive()

@@ -168,7 +168,7 @@ class McpConnection:
         except TimeoutError:
             fut.cancel()
             raise RuntimeError(f"MCP server {self.server.name!r} did not list its tools within "
-                               f"{self.server.start_timeout_s:.0f}s (start_timeout_s)") from None
+                               f"{self.server.start_timeout_s:g}s (start_timeout_s)") from None
         except Exception as e:
             raise RuntimeError(f"MCP server {self.server.name!r} cannot be reached: {type(e).__name__}: "
                                f"{_first_line(e)}") from None
