@@ -301,10 +301,9 @@ def test_killed_server_opens_the_breaker_and_it_closes_when_the_server_is_back()
         assert [o.reward_info["reward_error"] for o in outs] == ["raised RemoteUnreachable"] * 2 + \
             ["raised RemoteBreakerOpen"] * 2  # two failures in a row open it; then calls fail fast
         assert client.stats()["unreachable"] == 2 and client.stats()["breaker_open"] == 2
-        t0 = time.monotonic()
         with pytest.raises(RemoteBreakerOpen):
             client.score_batch([traj(9, "42")])
-        assert time.monotonic() - t0 < 0.5  # no network while open
+        assert client.stats()["unreachable"] == 2 and client.stats()["breaker_open"] == 3  # no network while open
         proc, url2 = start_cli(["math", "--port", port, "--batch-wait-ms", "1"])  # back on the same port
         assert url2 == url
         deadline = time.monotonic() + 5.0

@@ -127,11 +127,11 @@ def test_unavailable_answers_are_retried_then_named(url, script):
 
 def test_stalled_request_hits_its_deadline(url, script):
     eng = RemoteEngine(url, request_timeout_s=0.5)
-    script.stall_s = 3.0
+    script.stall_s = 60.0
     t0 = time.monotonic()
     with pytest.raises(RemoteEngineError, match="no answer within 0.5s"):
         eng.generate([[1]], SamplingParams(n=1))
-    assert time.monotonic() - t0 < 2.5
+    assert time.monotonic() - t0 < 30  # its deadline, not the stall (a loaded machine adds seconds, not 60)
 
 
 def test_misaligned_token_ids_and_missing_dev_mode_are_named(url, script):
