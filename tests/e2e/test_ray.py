@@ -189,7 +189,7 @@ def test_killed_engine_actor_past_the_budget_stops_the_run_with_its_name(cluster
     line = lines[0]
     assert "engine 0 (Ray actor on node" in line and f"pid {engine['pid']}" in line, err[-3000:]
     assert "died" in line
-    assert took < 20, f"the death took {took:.1f}s to stop the run"
+    assert took < 40, f"the death took {took:.1f}s to stop the run"  # not launch.timeout_s (120 s)
     print(f"the run stopped {took:.1f}s after the engine actor was killed")
 
 

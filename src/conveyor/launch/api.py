@@ -7,8 +7,10 @@ at ``path`` and returns ``Engines``: the ``EngineWorker`` handles
 (``transport.messages``), the context limit every prompt must fit, and
 ``warm``: where the controller publishes warm-start weights (every engine
 reads it; None when nothing can be published from the controller).
-``start_trainer(path, tokenizer)`` starts the trainer ranks and returns a
-``TrainerHandle`` (``trainer/api.py``). ``warm_start_trainer(cfg, path,
+``start_trainer(path, tokenizer, failed)`` starts the trainer ranks and returns a
+``TrainerHandle`` (``trainer/api.py``); while it waits for them it asks
+``failed()`` for another role's error (an engine that died meanwhile) and
+stops with it at once (``procs.stop_for``). ``warm_start_trainer(cfg, path,
 tokenizer)`` builds a plain ``Trainer`` in this process (the supervised
 warm start). ``stop_engines(workers)`` stops what ``start_engines`` started.
 ``trainer_gpus_alone()`` says, once the engines are started, whether every trainer rank has a
@@ -22,7 +24,7 @@ This module holds only the protocol: it starts nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from conveyor.rollout.api import EngineWorker
 from conveyor.trainer.api import Trainer, TrainerHandle
@@ -41,7 +43,8 @@ class Engines:
 class Launcher(Protocol):
     def start_engines(self, path: str, tokenizer: Any) -> Engines: ...
 
-    def start_trainer(self, path: str, tokenizer: Any) -> TrainerHandle: ...
+    def start_trainer(self, path: str, tokenizer: Any,
+                      failed: Callable[[], BaseException | None] = lambda: None) -> TrainerHandle: ...
 
     def warm_start_trainer(self, cfg: Any, path: str, tokenizer: Any) -> Trainer: ...
 

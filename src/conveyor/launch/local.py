@@ -41,8 +41,8 @@ class LocalLauncher:
     def trainer_gpus_alone(self) -> bool:
         return self.placement is not None and self.placement.trainer_alone
 
-    def start_trainer(self, path: str, tokenizer) -> TrainerHandle:
-        return roles.start_trainer(self.cfg, path, tokenizer, self.routes, self.placement, self.run_dir)
+    def start_trainer(self, path: str, tokenizer, failed=lambda: None) -> TrainerHandle:
+        return roles.start_trainer(self.cfg, path, tokenizer, self.routes, self.placement, self.run_dir, failed)
 
     def warm_start_trainer(self, cfg: RunConfig, path: str, tokenizer):
         return roles.make_trainer(cfg, path, tokenizer)

@@ -199,11 +199,11 @@ def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, t
     return [answers[i] for i in range(len(clients))]
 
 
-def stop_for(error: BaseException | None, what: str) -> None:
+def stop_for(error: BaseException | None, what: str, doing: str = "was running") -> None:
     """Raise ``error`` (another role's failure) as the run's error if there is one: a call that waits
     on a role which waits on the failed one would otherwise run out later and hide the cause."""
     if error is not None:
-        raise RoleError(f"{error}\n(the run stopped while {what} was running)") from error
+        raise RoleError(f"{error}\n(the run stopped while {what} {doing})") from error
 
 
 def _peer_died(clients: list[RpcClient], grace_s: float = 1.0) -> None:

@@ -66,6 +66,7 @@ from conveyor.launch.ray_roles import (
     RayWorker,
     TrainerRankActor,
     WarmWeights,
+    get_unless_failed,
 )
 from conveyor.launch.roles import await_ready, make_trainer, stop_engines, trainer_kwargs
 from conveyor.trainer.api import TrainerHandle
@@ -209,7 +210,7 @@ class RayLauncher:
         return Engines(workers, outbox, context_limit, f"{label} x {len(workers)}" if len(workers) > 1 else label,
                        warm)
 
-    def start_trainer(self, path: str, tokenizer) -> TrainerHandle:
+    def start_trainer(self, path: str, tokenizer, failed=lambda: None) -> TrainerHandle:
         cfg, la = self.cfg, self.cfg.launch
         device = "cuda:0" if self.gpu else "cpu"
         tcfg = cfg.trainer.model_copy(update={"device": device}) if self.gpu else cfg.trainer
@@ -226,10 +227,12 @@ class RayLauncher:
         places = []
         for r, a in enumerate(actors):
             try:
-                places.append(ray.get(a.where.remote(), timeout=la.timeout_s))
-            except Exception as e:  # noqa: BLE001 - the rank's constructor raised or its node died
+                places.append(get_unless_failed(a.where.remote(), la.timeout_s, failed, f"trainer rank {r}"))
+            except Exception as e:  # noqa: BLE001 - the rank's constructor raised, its node or an engine died
                 for b in actors:
                     ray.kill(b)
+                if isinstance(e, RoleError):
+                    raise
                 raise RoleError(f"trainer rank {r} did not start: {type(e).__name__}: {str(e).strip()[:3000]}") \
                     from None
             self._record(f"trainer{r}", places[-1])

@@ -67,7 +67,18 @@ class Place:
         return f"node {self.node} ({self.host}, Ray node {self.node_id[:12]}), pid {self.pid}"
 
 
-_SLICE_S = 0.5  # a trainer call's wait looks at the run's other roles this often
+_SLICE_S = 0.5  # a trainer's start or call looks at the run's other roles this often
+
+
+def get_unless_failed(ref, timeout: float, failed: Callable[[], BaseException | None], what: str):
+    """``ray.get(ref, timeout=timeout)``, but another role's failure (``failed()``) stops the wait
+    at once as the run's error (``procs.stop_for``): ``what`` was starting meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, _ = ray.wait([ref], timeout=max(0.0, min(_SLICE_S, deadline - time.monotonic())))
+        if done or time.monotonic() >= deadline:
+            return ray.get(ref, timeout=0)  # its answer, its error, or GetTimeoutError
+        stop_for(failed(), what, "was starting")
 
 UNKNOWN = Place("?", "?", "?", -1)  # an actor that died before it said where it was
 

@@ -33,7 +33,7 @@ from typing import Callable
 
 from conveyor.config import RunConfig
 from conveyor.launch.placement import Placement, free_port
-from conveyor.launch.procs import RoleError, RoleProcess, RpcClient, call_all
+from conveyor.launch.procs import RoleError, RoleProcess, RpcClient, call_all, stop_for
 from conveyor.launch.watchdog import Deadlines
 from conveyor.rollout.api import EngineWorker
 from conveyor.rollout.serve import engine_loop, engine_process
@@ -214,7 +214,8 @@ def _relay(source, outbox: queue.Queue, stop: threading.Event) -> None:
             outbox.put(msg)
 
 
-def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement, run_dir: Path):
+def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement, run_dir: Path,
+                  failed=lambda: None):
     if placement.sync == "inprocess":
         if placement.gpu:
             # This process's torch threads only do the host side of the GPU's work (collation, packed
@@ -241,7 +242,7 @@ def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
                                threads=cfg.launch.trainer_threads)
             rpcs.append(RpcClient(parent, proc))
         for rpc in rpcs:
-            _await(lambda: rpc.conn.poll(0.1), rpc.proc, cfg.launch.timeout_s, rpc.proc.role, rpcs)
+            _await(lambda: rpc.conn.poll(0.1), rpc.proc, cfg.launch.timeout_s, rpc.proc.role, rpcs, failed)
             rpc.conn.recv()
     except BaseException:
         for rpc in rpcs:
@@ -306,12 +307,13 @@ def await_ready(workers: list[EngineWorker], outbox: queue.Queue, timeout_s: flo
     return context_limit, label
 
 
-def _await(ready, proc: RoleProcess, timeout: float, what: str, peers=()) -> None:
+def _await(ready, proc: RoleProcess, timeout: float, what: str, peers=(), failed=lambda: None) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         proc.check()
         for rpc in peers:  # a rank that dies while starting leaves the others waiting for it
             rpc.proc.check()
+        stop_for(failed(), what, "was starting")  # an engine that died meanwhile: the start is not waited for
         if time.monotonic() > deadline:
             raise RoleError(f"{what} did not start within {timeout:g}s; last lines of its log:\n"
                             f"{proc.last_lines()}")

@@ -167,3 +167,26 @@ def test_a_call_stops_with_the_error_of_a_role_that_failed_meanwhile(tmp_path, m
         assert "while stuckrole.hang was running" in text
     finally:
         proc.stop(timeout=0)
+
+
+def test_a_role_start_stops_with_the_error_of_a_role_that_failed_meanwhile(tmp_path, monkeypatch):
+    # The trainer starts after the engines: an engine that dies while the trainer loads must stop
+    # the run then, not once the trainer is up (or its start deadline ran out).
+    import threading
+
+    from conveyor.launch.roles import _await
+    monkeypatch.syspath_prepend(ROOT)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = RoleProcess("stuckrole", _serve, (child,), tmp_path / "logs", ctx)  # never says it is ready
+    error: list = [None]
+    try:
+        failed_at = time.monotonic() + 1.0
+        threading.Timer(1.0, lambda: error.__setitem__(0, RoleError("engine 0 died: SIGKILL"))).start()
+        with pytest.raises(RoleError) as err:
+            _await(lambda: parent.poll(0.1), proc, 600.0, "stuckrole", (), lambda: error[0])
+        assert time.monotonic() - failed_at < 60  # not the start's 600 s deadline
+        assert str(err.value) == "engine 0 died: SIGKILL\n(the run stopped while stuckrole was starting)"
+        proc.check()  # still running: stopping it is the caller's (start_trainer stops every rank)
+    finally:
+        proc.stop(timeout=0)
