@@ -80,6 +80,7 @@ def get_unless_failed(ref, timeout: float, failed: Callable[[], BaseException | 
             return ray.get(ref, timeout=0)  # its answer, its error, or GetTimeoutError
         stop_for(failed(), what, "was starting")
 
+
 UNKNOWN = Place("?", "?", "?", -1)  # an actor that died before it said where it was
 
 
