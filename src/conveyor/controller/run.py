@@ -389,9 +389,10 @@ def _run(s: Session, base: str, start_path: str, ckpt: Path | None, t0: float) -
             _record(summary, s.evaluator.evaluate(0), "warmstart")
             s.logger.message(f"held-out reward: initial {summary['eval_reward_initial']:.3f}, "
                              f"after warm-start {summary['eval_reward_warmstart']:.3f}")
-    # A failed engine stops the trainer's start, and later a trainer call that waits on it.
-    s.trainer = s.launcher.start_trainer(start_path, s.tokenizer, failed=lambda: s.rollouts.error)
-    s.trainer.stop_if(lambda: s.rollouts.error)
+    def engines_failed() -> BaseException | None:  # stops the trainer's start, then a call that waits on them
+        return s.rollouts.error
+    s.trainer = s.launcher.start_trainer(start_path, s.tokenizer, failed=engines_failed)
+    s.trainer.stop_if(engines_failed)
     s.logger.message(f"trainer: {s.trainer.describe()}")
     length = s.evaluator.prompting.max_prompt_tokens + cfg.rollout.max_new_tokens
     if s.memory is not None:
