@@ -1,27 +1,54 @@
-"""How the suite is spread over pytest-xdist's two workers (`-n 2` in pyproject.toml).
+"""How the suite is spread over pytest-xdist's workers (`-n 3` in pyproject.toml), and its time.
 
 A unit of work is a test file, so a module's fixtures are built once; the files whose tests share a
-costly session fixture are one unit together (the two-node Ray cluster, `cluster`; the README's
-default run, `default_run`, whose warm start the LoRA test reuses), since each worker builds its
-own. The units go out in the order of the collection after this hook puts the units that hold
-whole training runs (`slow`) first: the long units start early and the short ones fill the end,
-so one worker is not left with a long tail while the other idles. Without xdist nothing changes but
-the order.
+costly session fixture that cannot cross processes are one unit together (the two-node Ray cluster,
+`cluster`), since each worker would build its own. The README's default run (`default_run`) is
+shared through the disk instead (tests/e2e/conftest.py: the first worker to ask runs it, the others
+wait for it). The units go out in the order of the collection after this hook puts the unit that
+builds the default run first and the other units that hold whole training runs (`slow`) next, and
+the readers of the default run last within their units: the long units start early and the short
+ones fill the end, so one worker is not left with a long tail while the others idle. Three workers
+on two cores: a worker of this suite keeps a core about two thirds busy (its tests wait on child
+processes, servers and deadlines). Without xdist nothing changes but the order.
+
+The suite's time is watched: every run ends with its wall time, the slowest tests and units, and
+the tests not marked `slow` that took over ``UNMARKED_S`` seconds. The rule that keeps
+`pytest -m "not slow"` a tier a developer runs in minutes: a test that takes over 5 s on an idle
+machine is marked `slow` (or made cheaper). The list is printed, never a failure: how long a
+test takes depends on the machine and its load, and no verdict here does.
 """
 from __future__ import annotations
 
+import os
+import sys
+import time
+
 import pytest
+
+UNMARKED_S = 5.0   # a test not marked `slow` should stay under this on an idle machine
+SLOWEST = 20       # how many tests and units the end-of-run summary lists
 
 # files whose tests share a session fixture -> that fixture: one unit of work per fixture
 SHARED = {"cluster": ("tests/e2e/test_ray.py", "tests/e2e/test_ray_bench.py", "tests/e2e/test_ray_channels.py",
-                      "tests/e2e/test_ray_rewards.py"),
-          "default_run": ("tests/e2e/test_learning.py", "tests/e2e/test_lora_learning.py")}
+                      "tests/e2e/test_ray_rewards.py")}
 _UNIT = {path: fixture for fixture, paths in SHARED.items() for path in paths}
+# the unit that asks for the shared default run first goes out first: the other readers wait for it
+BUILDS_DEFAULT_RUN = ("tests/e2e/test_learning.py",)
 
 
 def unit_of(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
     return _UNIT.get(path, path)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker runs torch (and the processes its tests start) on one thread: three workers
+    share two cores, and a pool of threads per worker spins against the others (a CPU-bound run
+    beside two others took 75 s on one thread each against 96 s on torch's default two)."""
+    if getattr(config, "workerinput", None) is not None:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(1)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -34,9 +61,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 raise pytest.UsageError(f"{item.nodeid} uses the session fixture {fixture!r}: add its file to "
                                         f"SHARED[{fixture!r}] in tests/conftest.py")
         units.setdefault(unit, []).append(item)
-    def slow(unit: list[pytest.Item]) -> bool:
-        return any(i.get_closest_marker("slow") for i in unit)
-    items[:] = [i for u in sorted(units.values(), key=lambda u: not slow(u)) for i in u]
+    def order(unit: list[pytest.Item]) -> tuple[bool, bool]:
+        slow = any(i.get_closest_marker("slow") for i in unit)
+        return not unit_of(unit[0].nodeid) in BUILDS_DEFAULT_RUN, not slow
+    for unit in units.values():  # a unit's readers of the shared default run last: it is built meanwhile
+        unit.sort(key=lambda i: "default_run" in i.fixturenames)
+    items[:] = [i for u in sorted(units.values(), key=order) for i in u]
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook
@@ -49,3 +79,43 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
     return ByUnit(config, log)
+
+
+_START = time.monotonic()
+_TOOK: dict[str, float] = {}      # nodeid -> setup + call + teardown seconds
+_SLOW: dict[str, bool] = {}       # nodeid -> marked slow
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _TOOK[report.nodeid] = _TOOK.get(report.nodeid, 0.0) + report.duration
+    if report.when == "call" or report.when == "setup":
+        _SLOW.setdefault(report.nodeid, "slow" in report.keywords)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """The suite's time at the end of every run (on xdist's controller the workers' reports)."""
+    if not _TOOK or getattr(config, "workerinput", None) is not None:
+        return
+    wall = time.monotonic() - _START
+    workers = getattr(config.option, "numprocesses", None) or 0
+    units: dict[str, float] = {}
+    for nodeid, took in _TOOK.items():
+        units[unit_of(nodeid)] = units.get(unit_of(nodeid), 0.0) + took
+    w = terminalreporter.write_line
+    w("")
+    quick = [t for n, t in _TOOK.items() if not _SLOW.get(n)]
+    w(f"suite: {len(_TOOK)} tests, wall {wall:.0f} s on {workers or 1} worker(s), "
+      f"{sum(_TOOK.values()):.0f} s of test time; of it the tests not marked slow: {len(quick)}, "
+      f"{sum(quick):.0f} s")
+    w(f"slowest {SLOWEST} tests (setup + call + teardown):")
+    for nodeid, took in sorted(_TOOK.items(), key=lambda kv: -kv[1])[:SLOWEST]:
+        w(f"  {took:7.1f} s  {'slow' if _SLOW.get(nodeid) else '    '}  {nodeid}")
+    w(f"slowest {min(SLOWEST, 10)} units of work (a file, or the files sharing a session fixture):")
+    for unit, took in sorted(units.items(), key=lambda kv: -kv[1])[:min(SLOWEST, 10)]:
+        w(f"  {took:7.1f} s  {unit}")
+    over = [(n, t) for n, t in _TOOK.items() if not _SLOW.get(n) and t > UNMARKED_S]
+    if over:
+        w(f"tests not marked slow that took over {UNMARKED_S:.0f} s here (mark them `slow` or make them "
+          "cheaper if they do so on an idle machine; tests/conftest.py):")
+        for nodeid, took in sorted(over, key=lambda kv: -kv[1]):
+            w(f"  {took:7.1f} s  {nodeid}")

@@ -1,6 +1,7 @@
-"""The two-node loopback Ray cluster the Ray tests share (``ray_cluster.RayCluster``): started once
-per test session by the first test that asks for ``cluster``, stopped at the end, and no process of
-it may be left."""
+"""The session fixtures of the end-to-end tests: the two-node loopback Ray cluster the Ray tests
+share (``ray_cluster.RayCluster``: started once per test session by the first test that asks for
+``cluster``, stopped at the end, and no process of it may be left), and the README's default run
+(``default_run``), which the workers share."""
 from __future__ import annotations
 
 import os
@@ -37,11 +38,21 @@ def cluster():
 
 
 @pytest.fixture(scope="session")
-def default_run(tmp_path_factory) -> Path:
+def default_run(tmp_path_factory, worker_id) -> Path:
     """The README's first command (`conveyor train`: the default recipe, seed 0), run once per test
-    session: the learning test checks it, and the LoRA learning test starts its RL phase from its
-    warm start (``warmstart/``) instead of training the same warm start again."""
+    session and shared by xdist's workers (the first to ask runs it under a file lock, the others
+    wait for it and read it): the learning test checks it, and the LoRA learning test and the Ray
+    streaming test start their RL from its warm start (``warmstart/``) instead of training the same
+    warm start again. A run that failed is not reused: the next worker to ask runs it again."""
+    from filelock import FileLock
+
     from conveyor.cli import main
-    run = tmp_path_factory.mktemp("default") / "run"
-    assert main(["train", f"--output-dir={run}", "observe.progress=false", "observe.tensorboard=false"]) == 0
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # xdist: one base directory per worker, under the session's
+        root = root.parent
+    run = root / "default-run"
+    with FileLock(str(root / "default-run.lock")):
+        if not (run / "summary.json").is_file():
+            shutil.rmtree(run, ignore_errors=True)
+            assert main(["train", f"--output-dir={run}", "observe.progress=false", "observe.tensorboard=false"]) == 0
     return run

@@ -62,6 +62,7 @@ def _cfg(tmp_path, env: str, **extra):
     return load_config(None, overrides)
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 @pytest.mark.parametrize("policy", ["retry", "drop"])
 def test_faulty_environment_is_counted_and_survived(tmp_path, policy):
     # (a breaker that never opens: this is about counting and surviving; the breaker has its own tests)

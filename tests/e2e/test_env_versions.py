@@ -16,12 +16,47 @@ pytestmark = pytest.mark.slow
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "guess_number.yaml"
 
 
+@pytest.fixture(autouse=True)
+def _turns_wait_out_training(monkeypatch):
+    """Marks the loop's training: from a train call until the producer hears of the new version.
+    A SlowGuess turn that ends meanwhile waits until then, so its episode's next turn is sampled
+    from the new weights however long the step takes."""
+    import threading
+
+    from conveyor import loop
+    from conveyor.controller.producer import Producer
+    idle = threading.Event()
+    idle.set()
+    train, published = loop.train_and_prepare_next, Producer.published
+
+    def training(*args, **kwargs):
+        idle.clear()
+        try:
+            return train(*args, **kwargs)
+        except BaseException:
+            idle.set()
+            raise
+
+    def announced(self, *args, **kwargs):
+        try:
+            return published(self, *args, **kwargs)
+        finally:
+            idle.set()
+    training.idle = idle  # found through the loop: the env may live in another copy of this module
+    monkeypatch.setattr(loop, "train_and_prepare_next", training)
+    monkeypatch.setattr(Producer, "published", announced)
+
+
 class SlowGuess(GuessNumber):
-    """The game with a slow answer: an episode outlasts a training step, so a swap can land
-    between its turns."""
+    """The game with a slow answer: an episode outlasts a training step, so a swap lands
+    between its turns (one that ends while the trainer trains waits for the new version)."""
 
     def step(self, action):
         time.sleep(0.2)
+        from conveyor import loop
+        idle = getattr(loop.train_and_prepare_next, "idle", None)
+        if idle is not None:
+            assert idle.wait(25.0), "the training step did not end"  # within env.step_timeout_s (30 s)
         return super().step(action)
 
 

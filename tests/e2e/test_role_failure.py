@@ -39,10 +39,11 @@ def test_killed_role_stops_the_run(tmp_path, role, extra):
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     try:
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=110)
     finally:
         proc.kill()
-    assert time.monotonic() - t0 < 30, "the controller took too long to notice"
+    # No-hang bound (seconds idle): the lines below say the death stopped it, not launch.timeout_s (120 s).
+    assert time.monotonic() - t0 < 100, "the controller took too long to notice"
     assert proc.returncode == 1
     assert f"conveyor: run stopped: {role} process exited with code -9" in err, err[-3000:]
     assert "last lines of" in err and f"{role}.log" in err

@@ -169,4 +169,4 @@ def test_server_gone_gives_named_error_quickly(server, tok):
     t0 = time.monotonic()
     with pytest.raises(RemoteEngineError, match="no healthy server at .* within 1s"):
         RemoteEngine(dead, tok, ready_timeout_s=1)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 20  # no-hang bound: its 1 s deadline idle (the default is 30 s)

@@ -16,6 +16,7 @@ TINY = ["sft.steps=0", "loop.steps=2", "loop.eval_every=1", "loop.batch_size=2",
         "model.tiny.intermediate_size=64", "observe.tensorboard=false", "observe.progress=false"]
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_every_variant_and_seed_runs_and_is_recorded(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVEYOR_BENCH_RESULTS", str(tmp_path / "results"))
     variants = tmp_path / "variants.txt"

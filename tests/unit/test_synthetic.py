@@ -1,3 +1,5 @@
+import pytest
+
 from conveyor.data.synthetic import (
     partial_credit,
     score_text,
@@ -11,6 +13,7 @@ def _traj(task, text):
     return Trajectory(task, (1,), (), (), (), (), text=text)
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_splits_are_disjoint_and_seeded():
     tr = synthetic_source("addition", "train", {"digits": 2}, eval_size=50, seed=3)
     ev = synthetic_source("addition", "eval", {"digits": 2}, eval_size=50, seed=3)
@@ -189,6 +192,7 @@ def _has_short_operand(task) -> bool:
     return min(len(v) for v in task.info["fields"].values()) == 1
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_short_operands_change_the_training_mix_and_never_the_held_out_sums():
     opts = {"digits": 2}
     uniform = synthetic_source("addition", "train", opts, eval_size=100, seed=0)

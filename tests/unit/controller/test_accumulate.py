@@ -22,6 +22,7 @@ def _run(tmp_path, name, *extra):
     return out, [r for r in rows if r.get("kind") == "train"]
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 @pytest.mark.parametrize("runner", ["hf", "fast"])
 def test_accumulated_parts_take_the_whole_batchs_step(tmp_path, runner):
     _, whole = _run(tmp_path, "whole", f"rollout.runner={runner}")
@@ -46,6 +47,7 @@ def test_accumulated_parts_take_the_whole_batchs_step(tmp_path, runner):
     assert sum(s["name"] == "accumulate" for s in spans) == 2 * 3  # 8 groups in parts of 3, 3, 2 per step
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])  # one process, or a trainer process
 def test_a_streaming_run_accumulates_the_groups_it_would_have_taken_whole(tmp_path, placement):
     stream = ["loop.max_staleness=1", "loop.steps=3", f"launch.placement={placement}"]

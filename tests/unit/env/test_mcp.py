@@ -71,7 +71,7 @@ def test_a_call_in_an_episode_step_reaches_the_server_and_a_tool_error_is_read_b
 def test_a_hung_server_is_cut_at_the_tool_deadline_and_the_next_call_works():
     out, counts, times = steps([call("sleepy", seconds=30), call("multiply", a=2, b=3)], [STDIO], tool_timeout_s=1.0)
     assert out[0][2] == "timeout" and "did not return within 1.0s" in out[0][0]
-    assert times[0] < 5.0, times
+    assert times[0] < 20.0, times  # no-hang bound: the 1 s deadline (and the server's start), not its 30 s sleep
     assert out[1][0] == "multiply: 6" and counts["timeout"] == 1
 
 

@@ -235,7 +235,7 @@ def test_tool_errors_the_model_should_read_do_not_trip_the_breaker():
 
 
 def test_concurrency_limit_and_overlap_of_waiting():
-    active, peak = [0], [0]
+    active, peak, full = [0], [0], asyncio.Event()
 
     class Sleepy:
         async def reset(self, task):
@@ -244,10 +244,12 @@ def test_concurrency_limit_and_overlap_of_waiting():
         async def step(self, action):
             active[0] += 1
             peak[0] = max(peak[0], active[0])
-            await asyncio.sleep(0.05)
+            if active[0] == 3:
+                full.set()
+            await full.wait()  # the first steps overlap until the limit is reached, however slow the loop
             active[0] -= 1
             return StepResult("", 1.0, True)
-    pool = EnvPool(Sleepy, limits(concurrency=3))
+    pool = EnvPool(Sleepy, limits(concurrency=3, step_timeout_s=30.0))
 
     async def episode():
         async with pool.session() as s:
@@ -261,13 +263,18 @@ def test_concurrency_limit_and_overlap_of_waiting():
     pool.close()
 
 
-def test_breaker_trial_after_cooldown():
+def test_breaker_trial_after_cooldown(monkeypatch):
+    import types
+
+    from conveyor import resilience
+    now = [100.0]
+    monkeypatch.setattr(resilience, "time", types.SimpleNamespace(monotonic=lambda: now[0]))  # its clock, by hand
     b = Breaker(failures=2, cooldown_s=0.05)
     b.record("x", False)
     assert b.allow("x")
     b.record("x", False)
     assert not b.allow("x")
-    time.sleep(0.06)
+    now[0] += 0.06
     assert b.allow("x")  # the trial call
     assert not b.allow("x")  # only one
     b.record("x", True)

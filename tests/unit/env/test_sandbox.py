@@ -138,7 +138,7 @@ def test_fork_bomb_contained_and_nothing_survives():
 
 @needs_bwrap
 def test_daemonised_child_killed_at_exit():
-    sb = PythonSandbox(SandboxLimits(wall_s=5))
+    sb = PythonSandbox(SandboxLimits(wall_s=20))  # ~0.6 s idle; well short of the daemon's 60 s
     tag = "dmn" + secrets.token_hex(5)
     r = sb.run(f"import os, time\nif os.fork() == 0:\n    os.setsid()\n    open('/proc/self/comm', 'w').write({tag!r})\n"
                "    os.close(1); os.close(2)\n    time.sleep(60)\nelse:\n    time.sleep(0.5)\n    print('parent done')")

@@ -74,7 +74,9 @@ def conforms(obj, proto) -> None:
         assert isinstance(obj, proto)
 
 
-@pytest.fixture(scope="module", params=sorted(LAUNCHES))
+# the launch with role processes takes seconds to start them: `pytest -m "not slow"` leaves it out
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k == "processes" else k
+                                        for k in sorted(LAUNCHES)])
 def launched(request, tmp_path_factory):
     from transformers import AutoTokenizer
     run_dir = tmp_path_factory.mktemp(request.param)

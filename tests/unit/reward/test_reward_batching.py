@@ -53,7 +53,7 @@ def test_submitted_trajectories_are_gathered_into_batches_of_max_batch():
         stats = svc.stats()
     # Two full batches at once, then the last two after the wait (not before: the batch might fill).
     assert rec.batches == [[f"t{i}" for i in range(4)], [f"t{i}" for i in range(4, 8)], ["t8", "t9"]]
-    assert 0.3 <= elapsed < 2.0
+    assert 0.3 <= elapsed < 10.0  # the wait happened; no-hang bound: ~0.3 s idle
     assert [t.task.id for t in out] == [f"t{i}" for i in range(10)]
     assert [t.reward for t in out] == [float(i) for i in range(10)]
     assert [t.reward_info["batch"] for t in out] == [4.0] * 8 + [2.0] * 2
@@ -75,13 +75,21 @@ def test_a_lone_trajectory_waits_at_most_the_batch_wait():
 
 def test_batches_fill_while_the_reward_is_busy():
     """Trajectories that arrive while a call runs form the next batch, without waiting."""
-    rec = Recorder(max_batch=8, delay_s=0.3)
-    with RewardService(rec, timeout_s=5.0, workers=1, batch_wait_s=0.0) as svc:
+    submitted = threading.Event()
+
+    def held(t):  # the first call runs until the rest are submitted
+        assert submitted.wait(30.0)
+        return float(len(t.text))
+
+    rec = Recorder(max_batch=8, result=held)
+    with RewardService(rec, timeout_s=60.0, workers=1, batch_wait_s=0.0) as svc:
         first = svc.submit(traj(0))
-        deadline = time.monotonic() + 2.0
-        while not rec.batches and time.monotonic() < deadline:  # until the first call (of one) runs
+        deadline = time.monotonic() + 30.0
+        while not rec.batches:  # until the first call (of one) runs
+            assert time.monotonic() < deadline, "the first call never started"
             time.sleep(0.005)
         rest = [svc.submit(traj(i)) for i in range(1, 6)]
+        submitted.set()
         assert [f.result(timeout=5.0).reward for f in [first, *rest]] == [3.0] * 6
     assert rec.batches == [["t0"], [f"t{i}" for i in range(1, 6)]]
 
@@ -131,7 +139,7 @@ def test_the_deadline_covers_the_whole_call_and_a_stuck_call_is_replaced():
     class Stuck(Recorder):
         def score_batch(self, trajs):
             if trajs[0].task.id == "t0":
-                release.wait(5.0)  # far past the 0.3 s deadline
+                release.wait(60.0)  # far past the 0.3 s deadline, until released below
             return super().score_batch(trajs)
 
     rec = Stuck(max_batch=4)
@@ -139,7 +147,7 @@ def test_the_deadline_covers_the_whole_call_and_a_stuck_call_is_replaced():
     try:
         start = time.monotonic()
         out = svc.score([traj(i) for i in range(4)])
-        assert time.monotonic() - start < 2.0
+        assert time.monotonic() - start < 20.0  # no-hang bound: the 0.3 s deadline idle; counted below
         assert [t.reward for t in out] == [-0.5] * 4
         assert all(t.reward_info == {"reward_error": "timeout"} for t in out)
         assert svc.stats() == {"scored": 4, "failures": 0, "timeouts": 4, "nonfinite": 0, "batches": 1, "stuck": 1}

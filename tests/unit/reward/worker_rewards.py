@@ -10,10 +10,15 @@ from pathlib import Path
 from conveyor.types import Trajectory
 
 
-def length(traj: Trajectory, sleep_s: float = 0.0) -> dict:
-    """The text's length, and which process scored it (after ``sleep_s``)."""
+def length(traj: Trajectory, sleep_s: float = 0.0, stamps: bool = False) -> dict:
+    """The text's length, and which process scored it (after ``sleep_s``); with ``stamps``, also
+    when the call ``started`` and ``ended`` (wall clock)."""
+    started = time.time()
     time.sleep(sleep_s)
-    return {"reward": float(len(traj.text)), "pid": os.getpid()}
+    out = {"reward": float(len(traj.text)), "pid": os.getpid()}
+    if stamps:
+        out.update(started=started, ended=time.time())
+    return out
 
 
 def held(traj: Trajectory, allow_file: str = "", prefix: str = "") -> float:

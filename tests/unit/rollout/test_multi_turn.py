@@ -183,7 +183,8 @@ def test_demonstrations_do_not_depend_on_the_order_environments_answer_in(served
     """The multi-turn warm start's teacher draws from a stream of its own per episode: the same
     demonstrations whichever episode's environment answers first."""
     order: list[str] = []
-    delays: dict[str, float] = {}
+    plan: list[tuple[str, int]] = []  # (task id, turn): the order the environments answer in
+    answered = threading.Condition()
 
     class Slow(Counter):
         def reset(self, task):
@@ -191,8 +192,10 @@ def test_demonstrations_do_not_depend_on_the_order_environments_answer_in(served
             return super().reset(task)
 
         def step(self, action):
-            time.sleep(delays[self.task_id])
-            order.append(self.task_id)
+            with answered:  # once every step before this one in the plan has answered
+                assert answered.wait_for(lambda: plan[len(order)] == (self.task_id, self.n), timeout=4.0)
+                order.append(self.task_id)
+                answered.notify_all()
             return super().step(action)
 
     def teacher(task, transcript, rng):
@@ -202,7 +205,8 @@ def test_demonstrations_do_not_depend_on_the_order_environments_answer_in(served
     tasks = [Task(id=f"t{i}", prompt=f"p{i}") for i in range(6)]
     played = []
     for slow_first in (True, False):  # the first tasks' environments slowest, then the last ones'
-        delays.update({t.id: 0.02 * (len(tasks) - i if slow_first else i + 1) for i, t in enumerate(tasks)})
+        ranked = tasks[::-1] if slow_first else tasks
+        plan[:] = [(t.id, turn) for turn in range(3) for t in ranked]
         order.clear()
         out = runner.demonstrate(tasks, teacher, random.Random(0), timeout_s=30)
         played.append(([t.task.id for t in out], [t.completion_ids for t in out], list(order)))

@@ -94,7 +94,7 @@ def test_server_down_is_a_named_error_within_the_deadline():
     t0 = time.monotonic()
     with pytest.raises(RemoteEngineError, match=r"no healthy server at http://127\.0\.0\.1:\d+ .*within 1s"):
         RemoteEngine(f"http://127.0.0.1:{free_port()}", ready_timeout_s=1)
-    assert time.monotonic() - t0 < 4
+    assert time.monotonic() - t0 < 20  # no-hang bound: its 1 s deadline idle (the default is 30 s)
 
 
 def test_request_body_and_parsed_completion(url, script):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import sys
 import threading
 import time
 
@@ -83,6 +84,20 @@ def on_decode_step(eng, step: int, action) -> None:
         return real(running, *ahead)
 
     eng.runner.decode = decode
+
+
+def waiting_for_weights(weights) -> threading.Event:
+    """Set once the serve loop waits for a version a chunk was admitted for: a poll from its
+    wait loop (``take_version``), after the wait's start was stamped."""
+    waiting, real = threading.Event(), weights.poll
+
+    def poll(*args, **kwargs):
+        caller = sys._getframe(2)  # poll <- take_weights <- take_version
+        if caller.f_code.co_name == "take_version" and caller.f_locals.get("waited_from") is not None:
+            waiting.set()
+        return real(*args, **kwargs)
+    weights.poll = poll
+    return waiting
 
 
 def read(outbox, kind: type, n: int, timeout: float = 15.0) -> list:
@@ -286,9 +301,10 @@ def test_a_chunk_waits_for_the_version_it_was_admitted_for(model, tok, params, s
     other = tiny(tok, seed=7)
     weights = StagedWeights(specs(model))
     eng = fast(model, tok)
+    waiting = waiting_for_weights(weights)
     inbox, outbox, t = serve(eng, weights, partial)
     inbox.put(Generate(0, [long], params, 1))  # admitted for version 1, not yet published
-    time.sleep(0.3)
+    assert waiting.wait(60)
     assert outbox.empty()  # waiting, not generating on version 0
     weights.publish(other.state_dict().items(), version=1)
     log = read(outbox, Done, 1)
@@ -362,6 +378,7 @@ def test_done_messages_carry_the_spans_of_the_work_they_report(model, tok, param
     short, long = short_long
     weights = StagedWeights(specs(model))
     eng = fast(model, tok)
+    waiting = waiting_for_weights(weights)
     inbox, outbox, t = serve(eng, weights, partial)
     before = time.time()
     inbox.put(Generate(0, [long, short], params))
@@ -369,6 +386,7 @@ def test_done_messages_carry_the_spans_of_the_work_they_report(model, tok, param
     inbox.put(Generate(-1, [short], params))  # an evaluation request
     done += messages(outbox, Done, 1)
     inbox.put(Generate(2, [short], params, 1))  # admitted for version 1, published a moment later
+    assert waiting.wait(60)  # its wait has begun: it lasts at least the 0.2 s below
     time.sleep(0.2)
     weights.publish(tiny(tok, seed=3).state_dict().items(), version=1)
     done += messages(outbox, Done, 1)

@@ -1,6 +1,8 @@
 """The Triton RMSNorm, SwiGLU and rotary kernels and the fused layer forwards, run by Triton's CPU
 interpreter, against Hugging Face's modules. The interpreter truncates float32 -> bf16 where a GPU
 rounds to nearest, so bf16 numerics are checked on a GPU (test_fused_layers_gpu.py)."""
+import pytest
+
 CHECK = r"""
 import torch
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
@@ -127,5 +129,6 @@ print("norm ok")
 """
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_triton_layers_match_hugging_face_in_the_interpreter(interpreted):
     assert "norm ok" in interpreted(CHECK, timeout=600)

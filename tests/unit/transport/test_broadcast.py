@@ -24,14 +24,17 @@ class _Engine:
         self.version = version
 
 
-def _reader(bw, engine_id, versions, out, last=None):
-    """Applies ``versions`` versions, or (with ``last``) until it applies version ``last``."""
+def _reader(bw, engine_id, versions, out, last=None, applied=None):
+    """Applies ``versions`` versions, or (with ``last``) until it applies version ``last``; each
+    version applied goes to ``applied[engine_id]`` (a shared array) too, if given."""
     engine, got = _Engine(), []
     deadline = time.monotonic() + 60
     while len(got) < versions and not (got and got[-1][0] == last) and time.monotonic() < deadline:
         v = bw.poll(engine, engine_id)
         if v is not None:
             got.append((v, {k: t.tolist() for k, t in engine.w.items()}))
+            if applied is not None:
+                applied[engine_id] = v
         time.sleep(0.001)
     out.put((engine_id, got))
 
@@ -42,14 +45,17 @@ def _announced_reader(bw, engine_id, versions, out):
     _reader(bw, engine_id, versions, out)
 
 
-def _waiting_reader(bw, engine_id, versions, out):
-    """Sleeps in wait_news (no polling loop) and applies each version it is woken for."""
+def _waiting_reader(bw, engine_id, versions, out, applied=None):
+    """Sleeps in wait_news (no polling loop) and applies each version it is woken for (and
+    says so in ``applied[engine_id]``, if given)."""
     engine, got = _Engine(), []
     bw.poll(engine, engine_id)  # starts the receiver
     while len(got) < versions:
         woke = bw.wait_news(engine, 30.0)
         v = bw.poll(engine, engine_id)
         got.append((woke, v, bw.announced_at, bw.received_at, {k: t.tolist() for k, t in engine.w.items()}))
+        if applied is not None and v is not None:
+            applied[engine_id] = v
     got.append(bw.wait_news(engine, 0.2))  # nothing more comes: times out
     out.put((engine_id, got))
 
@@ -66,6 +72,19 @@ def _serve(monkeypatch, engines: int, versions: int, reader=_reader, bucket_mb: 
     for p in procs:
         p.start()
     return bw, out, procs
+
+
+def _applied_by(engines: int):
+    """Per engine, the last version its reader applied (-1: none yet), shared with the readers."""
+    return mp.get_context("spawn").Array("q", [-1] * engines, lock=False)
+
+
+def _wait_applied(applied, version, timeout: float = 60.0) -> None:
+    """Until every reader has applied ``version`` (poll takes the newest: the next must wait)."""
+    deadline = time.monotonic() + timeout
+    while any(v < version for v in applied):
+        assert time.monotonic() < deadline, f"the engines applied {list(applied)}, not version {version}"
+        time.sleep(0.01)
 
 
 def _weights(v):
@@ -95,12 +114,13 @@ def test_layout_packs_buckets_up_to_the_cap():
 
 
 def test_every_engine_receives_every_version_exactly(monkeypatch):
-    bw, out, procs = _serve(monkeypatch, engines=2, versions=3)
+    applied = _applied_by(2)
+    bw, out, procs = _serve(monkeypatch, engines=2, versions=3, reader=functools.partial(_reader, applied=applied))
     for v in range(3):
         bw.publish([("a", torch.full((3, 4), float(v))), ("b", torch.arange(1000.0) + v),
                     ("c", torch.full((5,), -v, dtype=torch.float64)), ("ignored", torch.zeros(1))], v)
         assert list(bw._acks) == [v + 1] * 2  # publish returns once every engine holds the version
-        time.sleep(0.2)  # let the engines apply each version before the next
+        _wait_applied(applied, v)  # let the engines apply each version before the next
     results = _applied(out, procs)
     for i in range(2):
         assert [v for v, _ in results[i]] == [0, 1, 2]
@@ -111,14 +131,16 @@ def test_every_engine_receives_every_version_exactly(monkeypatch):
 
 def test_a_reader_sleeping_in_wait_news_is_woken_for_each_version_of_mixed_dtype_tensors(monkeypatch):
     # One bucket whose tensors come in three dtypes: each dtype is copied by a call of its own.
-    bw, out, procs = _serve(monkeypatch, engines=1, versions=2, reader=_waiting_reader, bucket_mb=1.0)
+    applied = _applied_by(1)
+    bw, out, procs = _serve(monkeypatch, engines=1, versions=2, reader=functools.partial(_waiting_reader, applied=applied),
+                            bucket_mb=1.0)
+    t0 = time.time()
     for v in (1, 2):
-        t0 = time.time()
         bw.publish([("a", torch.full((3, 4), float(v), dtype=torch.bfloat16)), ("b", torch.arange(1000.0) + v),
                     ("c", torch.full((5,), -v, dtype=torch.float64))], v)
         while bw._acks[0] < v:
             time.sleep(0.01)
-        time.sleep(0.3)  # the reader applies it before the next publish
+        _wait_applied(applied, v)  # the reader applies it before the next publish
     got = _applied(out, procs)[0]
     assert got[-1] is False
     for (woke, v, announced_at, received_at, w), want in zip(got[:-1], (1, 2)):
@@ -126,6 +148,7 @@ def test_a_reader_sleeping_in_wait_news_is_woken_for_each_version_of_mixed_dtype
         _assert_whole(w, v)
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_a_missing_tensor_is_named_and_the_engines_keep_the_last_whole_version(monkeypatch):
     bw, out, (proc,) = _serve(monkeypatch, engines=1, versions=2, reader=functools.partial(_reader, last=2))
     bw.publish(_weights(1), 1)
@@ -157,14 +180,16 @@ def test_an_engine_that_never_joins_stops_the_writer_with_a_named_error():
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_a_publish_that_does_not_wait_sends_the_values_it_was_given(monkeypatch):
-    bw, out, procs = _serve(monkeypatch, engines=2, versions=3)
+    applied = _applied_by(2)
+    bw, out, procs = _serve(monkeypatch, engines=2, versions=3, reader=functools.partial(_reader, applied=applied))
     for v in range(3):
         named = _weights(v)
         publish_all([bw], named, v, wait=False)
         for _, t in named:  # the caller trains on at once: its tensors change under the transfer
             t.fill_(-99.0)
-        time.sleep(0.2)
+        _wait_applied(applied, v)  # each engine applies each version before the next
     bw.close()  # the writer waits for the last transfer
     assert not bw._works
     results = _applied(out, procs)
@@ -174,6 +199,7 @@ def test_a_publish_that_does_not_wait_sends_the_values_it_was_given(monkeypatch)
             _assert_whole(w, v)
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_an_engine_that_dies_fails_the_next_publish_with_a_named_error(monkeypatch):
     bw, out, (proc,) = _serve(monkeypatch, engines=1, versions=99, reader=_announced_reader)
     assert out.get(timeout=120) == "up"  # a busy machine may take long to start a process: not timed
@@ -188,4 +214,4 @@ def test_an_engine_that_dies_fails_the_next_publish_with_a_named_error(monkeypat
     with pytest.raises((WeightSyncError, WeightSyncTimeout), match="engine|version 2"):
         publish_all([bw], _weights(2), 2, wait=False)
         publish_all([bw], _weights(3), 3, wait=False)  # the failed transfer of 2 is found here
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 50  # no-hang bound: its 5 s wait for a re-formed group, not the group's 60 s

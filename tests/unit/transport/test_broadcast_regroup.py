@@ -97,6 +97,7 @@ class _Group:
                 p.kill()
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_a_replaced_reader_gets_the_current_version_between_publishes(monkeypatch):
     g = _Group(monkeypatch, engines=2, last=4)
     for v in (1, 2):
@@ -120,6 +121,7 @@ def test_a_replaced_reader_gets_the_current_version_between_publishes(monkeypatc
     g.close()
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_a_reader_killed_mid_publish_is_replaced_and_the_publish_completes(monkeypatch):
     g = _Group(monkeypatch, engines=3, last=3)
     g.bw.publish(_weights(1), 1)
@@ -134,7 +136,8 @@ def test_a_reader_killed_mid_publish_is_replaced_and_the_publish_completes(monke
     for name, t in _weights(2)[1:]:
         g.bw.put(name, t)
     g.bw.commit()  # returns once every engine, the replacement included, holds version 2
-    assert time.monotonic() - t0 < 30 and list(g.bw._acks) == [int(g.bw._serial.value)] * 3
+    # No-hang bound: the replacement's start (a few seconds idle), not the group's 60 s deadline.
+    assert time.monotonic() - t0 < 50 and list(g.bw._acks) == [int(g.bw._serial.value)] * 3
     for i in range(3):
         g.wait_for(i, 2)
     g.bw.publish(_weights(3), 3)
@@ -146,6 +149,7 @@ def test_a_reader_killed_mid_publish_is_replaced_and_the_publish_completes(monke
     g.close()
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_a_replacement_that_never_joins_is_named_and_nothing_waits_past_the_deadline(monkeypatch):
     g = _Group(monkeypatch, engines=2, last=99, timeout_s=3)
     for i in (0, 1):  # the 3 s are for joining, not for starting a process on a loaded CPU
@@ -156,9 +160,9 @@ def test_a_replacement_that_never_joins_is_named_and_nothing_waits_past_the_dead
     g.bw.regroup()  # a replacement is announced but never starts
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError, match="engine 1 did not join group generation 1 within 3s"):
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the watcher's failure, or this publish's own
             g.bw.publish(_weights(2), 2)
             time.sleep(0.5)
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 40  # no-hang bound: its 3 s deadline (named above) and a publish
     g.close()

@@ -55,6 +55,7 @@ def test_objects_pickle_by_address_and_reject_misuse(state):
         state.Array("d", 2)
 
 
+@pytest.mark.slow  # over 5 s on a 2-core CPU: `pytest -m "not slow"` leaves it out
 def test_acquire_waits_no_longer_than_its_timeout(state):
     sem = state.Semaphore(0)
     t0 = time.monotonic()
