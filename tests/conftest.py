@@ -5,8 +5,8 @@ costly session fixture that cannot cross processes are one unit together (the tw
 `cluster`), since each worker would build its own. The README's default run (`default_run`) is
 shared through the disk instead (tests/e2e/conftest.py: the first worker to ask runs it, the others
 wait for it). The units go out in the order of the collection after this hook puts the unit that
-builds the default run first and the other units that hold whole training runs (`slow`) next, and
-the readers of the default run last within their units: the long units start early and the short
+builds the default run first, the longest units next (``FIRST``), then the other units that hold
+whole training runs (`slow`), and the readers of the default run last within their units: the long units start early and the short
 ones fill the end, so one worker is not left with a long tail while the others idle. Three workers
 on two cores: a worker of this suite keeps a core about two thirds busy (its tests wait on child
 processes, servers and deadlines). Without xdist nothing changes but the order.
@@ -32,8 +32,9 @@ SLOWEST = 20       # how many tests and units the end-of-run summary lists
 SHARED = {"cluster": ("tests/e2e/test_ray.py", "tests/e2e/test_ray_bench.py", "tests/e2e/test_ray_channels.py",
                       "tests/e2e/test_ray_rewards.py")}
 _UNIT = {path: fixture for fixture, paths in SHARED.items() for path in paths}
-# the unit that asks for the shared default run first goes out first: the other readers wait for it
-BUILDS_DEFAULT_RUN = ("tests/e2e/test_learning.py",)
+# units that go out first, in this order: the one that builds the shared default run (its other
+# readers wait for it), then the longest (the Ray cluster's tests, the agent's learning run)
+FIRST = ("tests/e2e/test_learning.py", "cluster", "tests/e2e/test_agent_learning.py")
 
 
 def unit_of(nodeid: str) -> str:
@@ -61,9 +62,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 raise pytest.UsageError(f"{item.nodeid} uses the session fixture {fixture!r}: add its file to "
                                         f"SHARED[{fixture!r}] in tests/conftest.py")
         units.setdefault(unit, []).append(item)
-    def order(unit: list[pytest.Item]) -> tuple[bool, bool]:
-        slow = any(i.get_closest_marker("slow") for i in unit)
-        return not unit_of(unit[0].nodeid) in BUILDS_DEFAULT_RUN, not slow
+    def order(unit: list[pytest.Item]) -> tuple[int, bool]:
+        name = unit_of(unit[0].nodeid)
+        return FIRST.index(name) if name in FIRST else len(FIRST), not any(i.get_closest_marker("slow") for i in unit)
     for unit in units.values():  # a unit's readers of the shared default run last: it is built meanwhile
         unit.sort(key=lambda i: "default_run" in i.fixturenames)
     items[:] = [i for u in sorted(units.values(), key=order) for i in u]
