@@ -96,7 +96,7 @@ class RayCluster:
         return {p for p in self.processes() if _alive(p)}
 
 
-def wait_first_step(proc: subprocess.Popen, run: Path, deadline_s: float = 180.0) -> None:
+def wait_first_step(proc: subprocess.Popen, run: Path, deadline_s: float = 600.0) -> None:
     """Wait until the run in ``run`` has logged a step; fail with its stderr if it ended first."""
     deadline = time.monotonic() + deadline_s
     while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
