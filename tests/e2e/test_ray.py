@@ -101,7 +101,8 @@ def test_ray_handles_meet_their_protocols(cluster, tmp_path):
     from conveyor.launch import watchdog
     from conveyor.launch.ray import RayLauncher, connect
     checks = _conformance_checks()
-    cfg = load_config(None, [*checks.TINY, "launch.placement=disaggregated", *on_ray(cluster)])
+    cfg = load_config(None, [*checks.TINY, "launch.placement=disaggregated", "launch.timeout_s=300",
+                             "launch.collective_timeout_s=300", *on_ray(cluster)])
     assert connect(cfg)
     launcher = engines = trainer = None
     try:
