@@ -21,7 +21,8 @@ abandons its group and joins the next one with the same rank.
   in them: no spinning against another thread's GIL), or with NCCL polls
   ``stream`` (made to wait for the works by the caller), and returns
   False as soon as the generation moves on (the caller abandons the works);
-  a failed work raises ``RuntimeError``. It waits at most ``timeout_s``.
+  a failed work raises ``RuntimeError`` (a slice that runs out as the work
+  completes is not a failure). It waits at most ``timeout_s``.
 - ``abandon()`` gives the group up: the communicator is aborted (NCCL stops
   waiting at once) and the object is dropped on a thread of its own, since a
   gloo group's destructor waits for its pending operations (each ends at its
@@ -137,8 +138,12 @@ class Membership:
                     w.wait(step)
                     break
                 except RuntimeError:
+                    # A slice that ran out says "Operation timed out!" even when the work
+                    # completed just after: its own wait() tells success from a failure
+                    # (a peer died or the group broke), and re-raises the failure.
                     if w.is_completed():
-                        raise  # it failed: a peer died or the group broke
+                        w.wait()
+                        break
                 if self.stale():
                     return False
                 if time.monotonic() > deadline:
