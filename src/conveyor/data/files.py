@@ -127,18 +127,33 @@ def _require_file(path: str) -> None:
         raise DataError(f"data file {path} does not exist; check data.path / data.eval_path")
 
 
+def text_lines(path: str | Path) -> Iterator[tuple[int, str | None, str]]:
+    """``(n, text, "")`` for every line of a UTF-8 text file (n 1-based; a byte-order mark before
+    the first line is dropped); a line that is not UTF-8 is ``(n, None, what is wrong)``, so the
+    reader names that row or skips it instead of failing the whole file."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                yield n, raw.decode("utf-8-sig" if n == 1 else "utf-8"), ""
+            except UnicodeDecodeError as e:
+                yield n, None, (f"is not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the "
+                                "line); save the file as UTF-8")
+
+
 def _read_jsonl(path: str) -> Iterator[Row]:
     _require_file(path)
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield n, f"is not valid JSON ({e.msg} at column {e.colno})"
-                continue
-            yield n, row if isinstance(row, dict) else f"is a JSON {type(row).__name__}, not an object"
+    for n, line, problem in text_lines(path):
+        if line is None:
+            yield n, problem
+            continue
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            yield n, f"is not valid JSON ({e.msg} at column {e.colno})"
+            continue
+        yield n, row if isinstance(row, dict) else f"is a JSON {type(row).__name__}, not an object"
 
 
 def _read_parquet(path: str) -> Iterator[Row]:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.data.api import DataError
+from conveyor.data.files import text_lines
 
 Message = dict[str, str]
 
@@ -52,10 +53,11 @@ def read_pairs(path: str | Path) -> list[PreferencePair]:
         raise DataError(f"preference pairs {str(path)!r}: no such file; give a JSONL file of "
                         '{"prompt", "chosen", "rejected"} rows')
     pairs = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if line.strip():
-                pairs.append(_pair(line, f"{path}:{n}", n))
+    for n, line, problem in text_lines(p):
+        if line is None:
+            raise DataError(f"{path}:{n}: {problem}")
+        if line.strip():
+            pairs.append(_pair(line, f"{path}:{n}", n))
     if not pairs:
         raise DataError(f"preference pairs {str(path)!r} holds no rows; give one JSON object per line")
     return pairs

@@ -115,6 +115,19 @@ def test_skip_invalid_counts_and_warns_once(tmp_path, caplog):
     assert "row 2: missing field 'prompt'" in warnings[0]
 
 
+def test_bytes_that_are_not_utf8_name_file_and_row_or_are_skipped(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps(ROWS[0]).encode()
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + '{"prompt": "caf\u00e9=", "answer": "1"}'.encode("latin-1")
+                     + b"\n" + json.dumps(ROWS[1]).encode())  # a BOM first; the last row has no newline
+    with pytest.raises(DataError) as e:
+        load_file_source(cfg(source="jsonl", path=str(path)))
+    assert str(e.value) == (f"{path} row 2: is not UTF-8 text (byte 0xe9 at byte 16 of the line); save the "
+                            "file as UTF-8; fix the row or set data.skip_invalid=true")
+    src = load_file_source(cfg(source="jsonl", path=str(path), skip_invalid=True))
+    assert [t.id for t in src] == ["train-1", "train-3"] and src.stats["skipped"] == 1
+
+
 def test_missing_file_and_empty_data(tmp_path):
     with pytest.raises(DataError, match=r"data file .*nope.jsonl does not exist"):
         load_file_source(cfg(source="jsonl", path=str(tmp_path / "nope.jsonl")))

@@ -46,6 +46,14 @@ def test_a_broken_row_is_named_with_its_line(tmp_path, line, needle):
     assert str(e.value).startswith(f"{f}:3: ")  # the blank line 2 is counted, not read
 
 
+def test_a_row_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    f = tmp_path / "pairs.jsonl"
+    f.write_bytes(b'{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "\xff", "chosen": "a", "rejected": "b"}\n')
+    with pytest.raises(DataError) as e:
+        read_pairs(f)
+    assert str(e.value) == f"{f}:2: is not UTF-8 text (byte 0xff at byte 13 of the line); save the file as UTF-8"
+
+
 def test_the_three_row_forms(tmp_path, lm):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(lm)
