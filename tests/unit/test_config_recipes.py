@@ -39,6 +39,23 @@ def test_no_base_inherits_nothing_and_paths_are_relative_to_the_recipe(tmp_path)
     assert load_config(alone).sft.steps == 0 and base_config(alone)[1] == RunConfig()
 
 
+def test_replace_drops_what_the_base_has_under_a_key(tmp_path):
+    _write(tmp_path / "parent.yaml", "base: none\ndata: {source: 'synthetic:addition', options: {digits: 2, "
+                                     "teacher_error: 0.5}}\n")
+    merged = _write(tmp_path / "merged.yaml", "base: parent.yaml\ndata: {options: {length: 5}}\n")
+    replaced = _write(tmp_path / "replaced.yaml", "base: parent.yaml\ndata: {options: !replace {length: 5}}\n")
+    emptied = _write(tmp_path / "emptied.yaml", "base: parent.yaml\ndata:\n  options: !replace {}\n")
+    assert load_config(merged).data.options == {"digits": 2, "teacher_error": 0.5, "length": 5}
+    assert load_config(replaced).data.options == {"length": 5}
+    assert load_config(emptied).data.options == {} and load_config(emptied).data.source == "synthetic:addition"
+    # a recipe based on the replacing one merges into the replaced mapping again
+    grandchild = _write(tmp_path / "grandchild.yaml", "base: replaced.yaml\ndata: {options: {size: 3}}\n")
+    assert load_config(grandchild).data.options == {"length": 5, "size": 3}
+    bad = _write(tmp_path / "bad.yaml", "base: parent.yaml\nrollout: {stop: !replace [a]}\n")
+    with pytest.raises(ConfigError, match=r"is malformed: .*!replace goes on a mapping"):
+        load_config(bad)
+
+
 @pytest.mark.parametrize("text,needle", [
     ("base: nowhere.yaml\n", "base 'nowhere.yaml' is not a recipe file"),
     ("base: self.yaml\n", "base chain loops back"),

@@ -23,6 +23,25 @@ BUILTIN_BASES = {"default": DEFAULT_RECIPE, "pretrained": PRETRAINED_RECIPE}
 NO_BASE = ("none", "null", None)
 
 
+class Replace(dict):
+    """A recipe's mapping tagged ``!replace``: it replaces the mapping its base has under that key
+    instead of being merged into it (``data.options: !replace {size: 3}``)."""
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    pass
+
+
+def _replace(loader: yaml.SafeLoader, node: yaml.Node) -> Replace:
+    if not isinstance(node, yaml.MappingNode):
+        raise yaml.constructor.ConstructorError(None, None, "!replace goes on a mapping (a list or value "
+                                                "already replaces what the base has)", node.start_mark)
+    return Replace(loader.construct_mapping(node, deep=True))
+
+
+_RecipeLoader.add_constructor("!replace", _replace)
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"recipe {path} does not exist; give a YAML or TOML file path")
@@ -31,7 +50,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
         else:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_RecipeLoader) or {}  # noqa: S506 - a SafeLoader
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
         first = str(e).strip().splitlines()[0]
         raise ConfigError(f"recipe {path} is malformed: {first}") from None
@@ -234,9 +253,16 @@ def describe_section(cfg: RunConfig, name: str) -> str:
 
 
 def _deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """``b`` over ``a``, mapping by mapping; a ``Replace`` mapping of ``b`` takes the place of
+    ``a``'s (and is a plain mapping from then on, so a later layer merges into it again)."""
     out = dict(a)
     for k, v in b.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        if isinstance(v, Replace):
+            out[k] = _deep_merge({}, dict(v))
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = _deep_merge({}, v) if isinstance(v, dict) else v
     return out
 
 
