@@ -46,11 +46,16 @@ from __future__ import annotations
 import ast
 import json
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from conveyor.env.api import Tool, ToolCall, ToolError
+
+# Model text parsed as Python: a literal like 2x is a SyntaxError (answered as such), and
+# Python also warns about it on stderr, which would reach the console once per form.
+warnings.filterwarnings("ignore", category=SyntaxWarning, module="<tool-call>")
 
 FORMATS = ("hermes", "llama3", "plain", "auto")
 PARSE_ERROR_KINDS = ("malformed_call",)
@@ -147,7 +152,7 @@ def _loads_object(body: str) -> dict | None:
     except (ValueError, RecursionError):
         # Small models write Python dicts (single quotes, True/None); accept the literal.
         try:
-            obj = ast.literal_eval(body)
+            obj = ast.literal_eval(ast.parse(body.lstrip(" \t"), filename="<tool-call>", mode="eval"))
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             return None
     return obj if isinstance(obj, dict) else None
@@ -273,7 +278,7 @@ def _positional_order(schema: Mapping[str, Any]) -> list[str]:
 
 def _parse_call_args(inner: str) -> ast.Call | None:
     try:
-        tree = ast.parse(f"_f({inner})", mode="eval")
+        tree = ast.parse(f"_f({inner})", filename="<tool-call>", mode="eval")
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
     body = tree.body

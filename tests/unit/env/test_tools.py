@@ -164,3 +164,20 @@ def test_template_that_fails_on_tools_falls_back_to_the_system_message():
                          "{% for m in messages %}{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}")
     prompt = render_prompt(tok, USER, [calculator_tool()])
     assert prompt == f"system> {tools_system_prompt([calculator_tool()])}\nuser> What is 123*456?\n"
+
+
+def test_model_text_that_python_warns_about_stays_off_the_console():
+    # "2or 3" parses, and Python prints a SyntaxWarning for it ("invalid decimal literal") on
+    # stderr: the tool answers its error, the console stays clean (a fresh interpreter: pytest
+    # records warnings).
+    import subprocess
+    import sys
+    code = ("from conveyor.env.api import ToolError\n"
+            "from conveyor.env.parsers import parse_tool_calls\n"
+            "from conveyor.env.tools.calculator import calculate, calculator_tool\n"
+            "try:\n    calculate('2or 3')\nexcept ToolError as e:\n    print(e)\n"
+            "parse_tool_calls('calculator(expression=3if 1 else 2)', 'plain', [calculator_tool()])\n"
+            "parse_tool_calls('<tool_call>calculator(expression=4is 4)</tool_call>', 'auto', [calculator_tool()])\n")
+    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "calculator:" in out.stdout, out.stderr
+    assert out.stderr == ""

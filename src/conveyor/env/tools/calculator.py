@@ -17,9 +17,14 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import warnings
 from fractions import Fraction
 
 from conveyor.env.api import Tool, ToolError
+
+# Model text parsed as Python: a literal like 2x is a SyntaxError (answered as such), and
+# Python also warns about it on stderr, which would reach the console once per form.
+warnings.filterwarnings("ignore", category=SyntaxWarning, module="<calculator>")
 
 MAX_EXPRESSION_CHARS = 500
 MAX_EXPONENT = 1000
@@ -60,7 +65,7 @@ def calculate(expression: str) -> str:
         raise ToolError(f"calculator: expression is {len(text)} characters, over "
                         f"{MAX_EXPRESSION_CHARS}; split it", "bad_arguments")
     try:
-        tree = ast.parse(text, mode="eval")
+        tree = ast.parse(text, filename="<calculator>", mode="eval")
     except (SyntaxError, ValueError):
         raise ToolError(f"calculator: cannot parse {text!r}; use numbers, + - * / // % ** "
                         "and parentheses", "bad_arguments") from None
