@@ -38,12 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` w
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit" / "controller"))
 
 from benchmarks.harness import append_record  # noqa: E402
+from conveyor.controller.multi_turn import EpisodeLimits  # noqa: E402
+from conveyor.controller.openai_server import Endpoint, EndpointSettings  # noqa: E402
 from conveyor.data.tiny import build_model, build_tokenizer  # noqa: E402
+from conveyor.env.api import StepResult  # noqa: E402
 from conveyor.env.calculator_agent import client_for  # noqa: E402
 from conveyor.rollout.api import Completion, SamplingParams  # noqa: E402
-from conveyor.rollout.multi_turn import EpisodeLimits  # noqa: E402
-from conveyor.rollout.openai_server import Endpoint, EndpointSettings  # noqa: E402
-from conveyor.env.api import StepResult  # noqa: E402
 from conveyor.types import Task  # noqa: E402
 
 import agent_rig  # noqa: E402  (the tests' runner + endpoint + engine thread)

@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` w
 
 from benchmarks.harness import append_record  # noqa: E402
 from conveyor.controller.episodes import EpisodeRunner  # noqa: E402
+from conveyor.controller.multi_turn import EpisodeLimits, TurnFormat  # noqa: E402
 from conveyor.data.tiny import build_model, build_tokenizer  # noqa: E402
 from conveyor.env.api import StepResult  # noqa: E402
 from conveyor.env.pool import EnvPool, PoolLimits  # noqa: E402
 from conveyor.launch.roles import ThreadWorker  # noqa: E402
 from conveyor.rollout.api import SamplingParams  # noqa: E402
-from conveyor.rollout.multi_turn import EpisodeLimits, TurnFormat  # noqa: E402
 from conveyor.rollout.native import NativeEngine  # noqa: E402
 from conveyor.rollout.serve import engine_loop  # noqa: E402
 from conveyor.transport.messages import Done, Stop  # noqa: E402

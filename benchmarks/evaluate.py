@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 def evaluate_checkpoint(cfg, model_path: str | Path, work_dir: str | Path) -> dict:
-    from conveyor.launch.local import run_local
+    from conveyor.run.local import run_local
 
     # The benchmark's recording reward is swapped for the task's plain one (evaluation must not
     # add lines to a training trajectory log), and RL is switched off.

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` w
 def measure(launcher_cls, cfg, run_dir: Path, n: int, warmup: int, tokens: int) -> dict:
     from transformers import AutoTokenizer
 
-    from conveyor.controller.run import resolve_model_path
     from conveyor.rollout.api import SamplingParams
+    from conveyor.run.session import resolve_model_path
     from conveyor.transport.messages import Done, Failed, Generate
     path = resolve_model_path(cfg, run_dir)
     tok = AutoTokenizer.from_pretrained(path)

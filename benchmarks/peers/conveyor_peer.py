@@ -30,14 +30,14 @@ def _last_train_time(run_dir: Path) -> float | None:
 
 
 def main() -> int:
-    from conveyor.launch.local import run_local
+    from conveyor.run.local import run_local
 
     spec = load_spec(spec_path_from_argv())
     run_dir = Path(spec["run_dir"])
     cfg = run_config(spec)
     result: dict = {"system": "conveyor", "machine": describe_machine()}
     if cfg.launch.backend == "ray":
-        from conveyor.launch.ray import run_ray
+        from conveyor.run.ray import run_ray
         summary = run_ray(cfg, run_dir)
     else:
         summary = run_local(cfg, run_dir)

@@ -109,7 +109,7 @@ def grpo_args(cfg, spec: dict, out_dir: Path, cuda: bool, eos_id: int, max_steps
 def ordered_rows(cfg, tokenizer, steps: int) -> list[dict]:
     """The tasks conveyor's TaskCursor yields for ``steps`` steps, as dataset rows, in that order."""
     from conveyor.data.api import TaskCursor
-    from conveyor.controller.run import load_sources
+    from conveyor.run.session import load_sources
     train_src, _ = load_sources(cfg, tokenizer)
     cursor = TaskCursor(train_src, cfg.loop.batch_size, seed=cfg.loop.seed)
     rows = []

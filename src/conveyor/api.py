@@ -88,13 +88,13 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = Fals
     from conveyor.observe.progress import quiet_libraries, say
     if cfg.launch.backend == "ray":  # the cluster's devices, not this machine's, are the roles'
         try:
-            from conveyor.launch.ray import run_ray as run_roles
+            from conveyor.run.ray import run_ray as run_roles
         except ModuleNotFoundError as e:
             if e.name != "ray":
                 raise
             raise ConfigError("launch.backend=ray needs Ray on this machine: pip install 'conveyor[ray]'") from None
     else:
-        from conveyor.launch.local import run_local as run_roles
+        from conveyor.run.local import run_local as run_roles
         check_devices(cfg)
     quiet_libraries()
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
@@ -125,7 +125,7 @@ def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
 def model_dir(run_dir: str | Path, checkpoint: str | Path | None = None) -> Path:
     """Where the run's model is: ``final/`` (a plain HF directory), or the given checkpoint's
     directory (a path, a step number, or ``latest``), which may be sharded (see ``export``)."""
-    from conveyor.controller.run import latest_checkpoint
+    from conveyor.run.session import latest_checkpoint
     run_dir = Path(run_dir)
     if checkpoint is not None:
         return checkpoint_dir(run_dir, checkpoint)
@@ -139,7 +139,7 @@ def model_dir(run_dir: str | Path, checkpoint: str | Path | None = None) -> Path
 
 
 def checkpoint_dir(run_dir: Path, checkpoint: str | Path) -> Path:
-    from conveyor.controller.run import latest_checkpoint
+    from conveyor.run.session import latest_checkpoint
     text = str(checkpoint)
     if text == "latest":
         ckpt = latest_checkpoint(run_dir)
@@ -291,10 +291,10 @@ def evaluate(run_dir: str | Path, overrides: Sequence[str] = (), *,
     e.g. ``data.eval_size=500``), greedy and at the rollout temperature."""
     import tempfile
 
-    from conveyor.controller.run import build
     from conveyor.launch.local import LocalLauncher
     from conveyor.launch.preflight import check_devices
     from conveyor.observe.progress import quiet_libraries
+    from conveyor.run.session import build
     cfg = run_config(run_dir, overrides)
     cfg = _reader_config(cfg)
     cfg = cfg.model_copy(update={"loop": cfg.loop.model_copy(update={"eval_sampled": True})})
@@ -334,9 +334,9 @@ def _episodes(cfg: RunConfig, run_dir: str | Path, prompts: Sequence[str], param
     import itertools
     import tempfile
 
-    from conveyor.controller.run import build
     from conveyor.env.pool import EnvFailure
     from conveyor.launch.local import LocalLauncher
+    from conveyor.run.session import build
     from conveyor.types import Task
     with tempfile.TemporaryDirectory(prefix="conveyor-generate-") as tmp, \
             _plain_model(run_dir, checkpoint) as path:

@@ -103,10 +103,10 @@ def _train(ns) -> int:
 
 def _sft(ns) -> int:
     from conveyor import api
-    from conveyor.controller.run import build, resolve_model_path, warm_start_phase
     from conveyor.launch.local import LocalLauncher
     from conveyor.launch.preflight import check_devices
     from conveyor.observe.progress import quiet_libraries
+    from conveyor.run.session import build, resolve_model_path, warm_start_phase
     cfg, _ = _config(ns.args, ns.output_dir)
     if cfg.sft.steps == 0:
         raise ConfigError("sft.steps is 0: set sft.steps=N to run the warm-start")

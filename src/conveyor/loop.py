@@ -34,9 +34,9 @@ from conveyor.controller.replay import ReplayStore
 from conveyor.controller.schedule import Ledger
 from conveyor.controller.step_batch import prepare, train_and_prepare_next
 from conveyor.controller.step_stats import engine_stats, rollout_stats, sync_stats
-from conveyor.launch import watchdog
-from conveyor.launch.procs import RoleError
-from conveyor.launch.watchdog import Deadlines
+from conveyor.runtime import watchdog
+from conveyor.runtime.errors import RoleError
+from conveyor.runtime.watchdog import Deadlines
 from conveyor.trainer.api import TrainerHandle
 from conveyor.transport.buffer import BufferTimeout
 

@@ -13,7 +13,7 @@ from conveyor.api import load_config, train
 from conveyor.env.api import StepResult
 from conveyor.env.pool import EnvPool, PoolLimits
 from conveyor.env.tool_env import ToolEnv
-from conveyor.launch.procs import RoleError
+from conveyor.runtime.errors import RoleError
 from conveyor.transport.buffer import BufferClosed
 from conveyor.types import Task
 

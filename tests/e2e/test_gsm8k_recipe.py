@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from conveyor.config import load_config
-from conveyor.launch.local import run_local
 from conveyor.observe.report import read_metrics
+from conveyor.run.local import run_local
 
 pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "not slow"` leaves it out
 

@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from conveyor.config import load_config
-from conveyor.launch.local import SetupError, run_local
 from conveyor.observe.report import read_metrics
+from conveyor.run.local import run_local
+from conveyor.runtime.errors import SetupError
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -98,9 +98,9 @@ def test_ray_handles_meet_their_protocols(cluster, tmp_path):
     from transformers import AutoTokenizer
 
     from conveyor.config import load_config
-    from conveyor.controller.run import resolve_model_path
-    from conveyor.launch import watchdog
     from conveyor.launch.ray import RayLauncher, connect
+    from conveyor.run.session import resolve_model_path
+    from conveyor.runtime import watchdog
     checks = _conformance_checks()
     cfg = load_config(None, [*checks.TINY, "launch.placement=disaggregated", *DEADLINES, *on_ray(cluster)])
     assert connect(cfg)
@@ -115,7 +115,7 @@ def test_ray_handles_meet_their_protocols(cluster, tmp_path):
         checks.test_the_launcher_and_its_handles_meet_their_protocols(launched)
         checks.test_a_published_step_reaches_the_chunk_admitted_for_it(launched)
         assert_spread(tmp_path)
-        # A wait that runs out asks every role's actor where it was (launch.watchdog).
+        # A wait that runs out asks every role's actor where it was (runtime.watchdog).
         watchdog.configure(tmp_path / "logs")
         where = watchdog.dump_stacks("a look from the test")
         assert "engine0: " in where and "trainer0: " in where and "no stacks" not in where, where

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.launch.procs import RoleError
+from conveyor.runtime.errors import RoleError
 from conveyor.types import Task, Trajectory
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -46,8 +46,8 @@ def traj(i: int, text: str = "ok") -> Trajectory:
 
 def service(fn: str, kwargs: dict | None = None, resources: dict | None = None, strategy: str = "PACK",
             placement_timeout_s: float = 60.0, **kw):
+    from conveyor.launch.ray_rewards import RayRewardService, RewardPlacement
     from conveyor.reward.factory import RewardSpec
-    from conveyor.reward.ray_actors import RayRewardService, RewardPlacement
     return RayRewardService(RewardSpec(W + fn, kwargs or {}),
                             RewardPlacement(resources or {}, strategy, placement_timeout_s), **kw)
 
@@ -117,9 +117,9 @@ def live_groups(ray) -> list:
 
 
 def test_a_reward_that_cannot_load_is_one_line_and_leaves_no_group(ray_driver):
+    from conveyor.launch.ray_rewards import RayRewardService, RewardPlacement
     from conveyor.plugins import PluginError
     from conveyor.reward.factory import RewardSpec
-    from conveyor.reward.ray_actors import RayRewardService, RewardPlacement
     with pytest.raises(PluginError, match=r"reward 'nowhere.module:fn' cannot be loaded in a reward worker "
                                           r"process: .*cannot import module 'nowhere.module'"):
         RayRewardService(RewardSpec("nowhere.module:fn"), RewardPlacement(ON_B, "PACK", 60.0), workers=1)

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from conveyor.config import load_config
-from conveyor.launch.local import run_local
 from conveyor.observe.report import read_metrics
+from conveyor.run.local import run_local
 
 pytestmark = pytest.mark.slow  # several whole training runs
 

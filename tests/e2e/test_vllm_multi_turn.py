@@ -8,8 +8,8 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is installed only in the vLLM venv (docs/vllm.md)")
 
 from conveyor.config import load_config  # noqa: E402
-from conveyor.launch.local import run_local  # noqa: E402
 from conveyor.observe.report import read_metrics  # noqa: E402
+from conveyor.run.local import run_local  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

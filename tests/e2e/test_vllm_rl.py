@@ -13,8 +13,8 @@ pytest.importorskip("vllm", reason="vLLM is installed only in the vLLM venv (doc
 
 from conveyor.cli import DEFAULT_RECIPE  # noqa: E402
 from conveyor.config import load_config  # noqa: E402
-from conveyor.launch.local import run_local  # noqa: E402
 from conveyor.observe.report import read_metrics  # noqa: E402
+from conveyor.run.local import run_local  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "not slow"` leaves it out
 

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from conveyor.config import load_config
-from conveyor.trainer.checkpoint import export_hf
-from conveyor.launch.local import run_local
 from conveyor.observe.report import read_metrics
+from conveyor.run.local import run_local
+from conveyor.trainer.checkpoint import export_hf
 
 pytestmark = pytest.mark.slow  # a whole training run or several: `pytest -m "not slow"` leaves it out
 

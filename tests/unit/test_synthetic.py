@@ -97,8 +97,8 @@ def test_run_renders_synthetic_prompts_through_the_templates():
     import pytest
 
     from conveyor.config import load_config
-    from conveyor.controller.run import SetupError, load_sources
     from conveyor.data.tiny import build_tokenizer
+    from conveyor.run.session import SetupError, load_sources
     tok = build_tokenizer()
     cfg = load_config(None, ["data.source=synthetic:reverse", "data.prompt_template=Reverse {text}.",
                              "data.chat_template=true", "data.eval_size=4"])
@@ -173,8 +173,8 @@ def test_run_renders_every_term_and_names_the_fields_of_a_two_term_sum():
     import pytest
 
     from conveyor.config import load_config
-    from conveyor.controller.run import SetupError, load_sources
     from conveyor.data.tiny import build_tokenizer
+    from conveyor.run.session import SetupError, load_sources
     tok = build_tokenizer()
     cfg = load_config(None, ["data.source=synthetic:addition", "data.options={digits: 1, terms: 3}",
                              "data.prompt_template=What is {a} + {b} + {c}?", "data.eval_size=4"])

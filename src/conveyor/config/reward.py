@@ -58,7 +58,7 @@ class JudgeConfig(_Section):
     def _usable(self) -> "JudgeConfig":
         import re
 
-        from conveyor.reward.judge_text import DEFAULT_TEMPLATES, pattern_problem, template_problem
+        from conveyor.config.reward_rules import DEFAULT_TEMPLATES, pattern_problem, template_problem
         problem = template_problem(self.template or DEFAULT_TEMPLATES[self.mode], self.mode)
         if problem:
             raise ValueError(f"reward.judge.template {problem}")
@@ -160,7 +160,7 @@ class RewardConfig(_Section):
         if self.fn != "auto" or self.kwargs:
             raise ValueError(f"reward.components replaces reward.fn and reward.kwargs (set: fn={self.fn!r}, "
                              f"kwargs={self.kwargs}); leave reward.fn auto and give each component its own kwargs")
-        from conveyor.reward.compose import check_parts, parts_of
+        from conveyor.config.reward_rules import check_parts, parts_of
         try:
             check_parts(parts_of(self.components))
         except ValueError as e:

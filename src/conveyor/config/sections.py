@@ -577,7 +577,7 @@ class RunConfig(_Section):
 
     def _check_routing_replay(self) -> None:
         """algo.routing_replay: what can record experts, before the run (a model.path's own config is
-        checked when the run starts, controller/run.py)."""
+        checked when the run starts, run/session.py)."""
         if self.model.path is None and self.model.tiny.num_experts == 0:
             raise ValueError("algo.routing_replay needs a mixture-of-experts model, and the tiny model is dense: "
                              "set model.tiny.num_experts (e.g. 8), or give an MoE model.path")

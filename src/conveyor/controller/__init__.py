@@ -1,1 +1,1 @@
-"""controller: the pieces the loop and a run use besides the roles (admission, batches, step stats, objective, evaluation, warm start, one run)."""
+"""controller: the pieces the loop and a run use besides the roles (admission, batches, step stats, objective, evaluation, warm start, episodes and the agents' endpoint); one run is ``run/session.py``."""

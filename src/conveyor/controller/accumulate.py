@@ -19,29 +19,22 @@ run with accumulate_groups > 0 is not bit-reproducible from its seed; 0 is). In 
 (``loop.max_staleness`` > 0) the parts are the groups the buffer holds, of whichever admitted step,
 as a whole batch would take them; the step, and the publish that lets the producer admit more,
 ends a part's training after the last group instead of a whole batch's. It knows nothing
-of engines: ``memory`` is the loop's handle on their KV pools, or None.
+of engines: ``memory`` is the loop's handle on their KV pools (``runtime.handles.EngineMemory``), or None.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from conveyor.controller import objective
 from conveyor.controller.step_batch import StepBatch, prepare
 from conveyor.observe import timeline
+from conveyor.runtime.handles import EngineMemory
 
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import RunConfig
     from conveyor.observe.timers import PhaseTimer
     from conveyor.trainer.api import LossFn, TrainerHandle
     from conveyor.transport.buffer import TrajectoryBuffer
-
-
-class EngineMemory(Protocol):
-    """The colocated engines' KV pools: released while the trainer trains, taken back before generation."""
-
-    def release(self) -> None: ...
-
-    def reacquire(self) -> None: ...
 
 
 def accumulated_step(trainer: TrainerHandle, buffer: TrajectoryBuffer, cfg: RunConfig, loss_fn: LossFn,

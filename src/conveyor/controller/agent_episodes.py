@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import time
 
+from conveyor.controller.multi_turn import EpisodeLimits, TurnEngine
+from conveyor.controller.openai_server import Endpoint, EndpointSettings
 from conveyor.env.agent import AgentEnv, agent_result
 from conveyor.env.pool import EnvFailure, EnvSession
 from conveyor.rollout.api import SamplingParams
-from conveyor.rollout.multi_turn import EpisodeLimits, TurnEngine
-from conveyor.rollout.openai_server import Endpoint, EndpointSettings
 from conveyor.types import Task, Trajectory
 
 
@@ -38,7 +38,7 @@ class AgentEpisodes:
         self.endpoint, self.timeout_s = endpoint, timeout_s
 
     async def start(self, engine: TurnEngine) -> str:
-        from conveyor.controller.run import SetupError
+        from conveyor.runtime.errors import SetupError
         try:
             return await self.endpoint.start(engine)
         except RuntimeError as e:  # a taken address, a server that did not come up: the run cannot start
@@ -75,7 +75,7 @@ class AgentEpisodes:
 
 def agent_episodes(cfg, tokenizer, limits: EpisodeLimits, add_special_tokens: bool, count) -> AgentEpisodes:
     """The endpoint and agent episodes a ``RunConfig`` with ``env.name: agent`` asks for."""
-    from conveyor.controller.run import SetupError
+    from conveyor.runtime.errors import SetupError
     for module in ("starlette", "uvicorn", "jsonschema"):
         try:
             __import__(module)

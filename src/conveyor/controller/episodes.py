@@ -2,7 +2,7 @@
 
 Contract: ``EpisodeRunner(workers, pool, fmt, limits, ...)`` runs an asyncio
 loop in a thread of its own. ``start_group(index, task, seed)`` runs the
-group's n episodes concurrently (``rollout.multi_turn.run_episode``, each
+group's n episodes concurrently (``controller.multi_turn.run_episode``, each
 in a session of the ``EnvPool``); each turn is a ``messages.Generate`` of
 one prompt sent to the engine worker with the fewest turns in flight,
 tagged with a turn id (>= 0, so a streaming engine merges concurrent
@@ -37,9 +37,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from conveyor.controller.multi_turn import EpisodeLimits, TurnFormat, run_episode
 from conveyor.env.pool import EnvFailure, EnvPool
 from conveyor.rollout.api import Completion, EngineWorker, SamplingParams
-from conveyor.rollout.multi_turn import EpisodeLimits, TurnFormat, run_episode
 from conveyor.transport.messages import Done, Generate
 from conveyor.types import Group, Task, Trajectory
 
@@ -274,8 +274,8 @@ class _Teacher:
 def _check_builds(build: Callable, e) -> None:
     """Build one instance before the run starts, so a bad ``env.kwargs`` is one line now rather
     than a stream of failed episodes later."""
-    from conveyor.controller.run import SetupError
     from conveyor.env.pool import _close_quietly
+    from conveyor.runtime.errors import SetupError
     try:
         instance = build()
     except Exception as err:  # noqa: BLE001 - any error of user code is reported the same way

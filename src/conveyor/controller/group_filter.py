@@ -15,7 +15,7 @@ Contract
 - The draws of a training step are bounded: slot ``index`` belongs to step
   ``index // batch_size``, and a step that would draw more than
   ``algo.max_draws_per_step * loop.batch_size`` groups stops the run with
-  ``NoLearningSignal`` (named, with the counts and the fix) instead of
+  ``NoLearningSignal`` (``runtime.errors``; named, with the counts and the fix) instead of
   sampling forever. ``take_stats()`` gives the groups kept and dropped since
   its last call and the dropped fraction (the loop logs them each step);
   ``dropped_total`` counts the whole run. Reading the stats is thread-safe.
@@ -37,11 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from conveyor.config import RunConfig
+from conveyor.runtime.errors import NoLearningSignal
 from conveyor.types import Batch, Group, Trajectory
-
-
-class NoLearningSignal(RuntimeError):
-    """Dynamic sampling drew a step's whole budget of groups and could not fill its batch."""
 
 
 @dataclass(frozen=True)

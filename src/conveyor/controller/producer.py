@@ -43,12 +43,12 @@ from dataclasses import dataclass, field
 
 from conveyor import staleness
 from conveyor.config import LoopConfig
-from conveyor.launch.procs import RoleError
+from conveyor.controller.schedule import ResumePoint
+from conveyor.controller.time_share import TimeShare
 from conveyor.observe import timeline
 from conveyor.rollout.api import EngineWorker, SamplingParams
 from conveyor.rollout.single_turn import prepare_prompts, to_groups
-from conveyor.controller.schedule import ResumePoint
-from conveyor.controller.time_share import TimeShare
+from conveyor.runtime.errors import RoleError
 from conveyor.transport.messages import Done, EngineClock, Failed, Generate, MemoryDone, Ready, Scored, WeightSwap
 from conveyor.types import Group, Task
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from conveyor.launch.procs import RoleError
 from conveyor.rollout.api import EngineWorker
+from conveyor.runtime.errors import RoleError
 from conveyor.transport.messages import Memory, MemoryDone
 
 

@@ -57,7 +57,7 @@ class ToolEnv:
     def step(self, action: str) -> StepResult:
         gold = (self.task.answer or "") if self.task else ""
         if self.answer == "math":
-            from conveyor.reward.verifiers import math_reward
+            from conveyor.verifiers import math_reward
             traj = Trajectory(task=self.task, prompt_ids=(), completion_ids=(), logprobs=(), versions=(),
                               loss_mask=(), text=action)
             ok = float(math_reward(traj)) >= 1.0

@@ -1,7 +1,7 @@
 """The local launcher: every role on this machine, in this process or in child processes.
 
-Contract: ``run_local(cfg, run_dir, resume)`` runs ``controller.run.run``
-with a ``LocalLauncher``, which provides the ``launch.api.Launcher`` calls:
+Contract: a ``LocalLauncher`` (``run.local.run_local`` runs a run with one)
+provides the ``launch.api.Launcher`` calls:
 it plans the placement (``placement.plan``; one that does not fit the
 visible GPUs is a ``SetupError``), allocates the weight routes once
 (``placement.make_routes``) and starts the engine workers and the trainer
@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from conveyor.config import RunConfig
-from conveyor.controller.run import SetupError, run
 from conveyor.launch import placement, roles
 from conveyor.launch.api import Engines
+from conveyor.runtime.errors import SetupError
 from conveyor.trainer.api import TrainerHandle
 
-__all__ = ["LocalLauncher", "SetupError", "run_local"]
+__all__ = ["LocalLauncher", "SetupError"]
 
 
 class LocalLauncher:
@@ -49,7 +49,3 @@ class LocalLauncher:
 
     def stop_engines(self, workers) -> None:
         roles.stop_engines(workers)
-
-
-def run_local(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
-    return run(cfg, run_dir, resume, LocalLauncher)

@@ -1,10 +1,11 @@
 """The Ray launcher: trainer ranks and engines as Ray actors in one placement group.
 
-Contract: ``run_ray(cfg, run_dir, resume)`` connects to the cluster at
-``launch.ray_address`` (empty: ``ray.init()`` starts a local Ray instance for
-the run, stopped after it), runs ``controller.run.run`` in this process (the
-driver: the controller never leaves it) with a ``RayLauncher``, and removes
-the placement group and disconnects at the end. ``RayLauncher`` provides the
+Contract: ``launchers(cfg)`` (``run.ray.run_ray`` runs a run in it) connects
+to the cluster at ``launch.ray_address`` (empty: ``ray.init()`` starts a local
+Ray instance for the run, stopped after it) and yields the factory of
+``RayLauncher``s the run builds in this process (the driver: the controller
+never leaves it); at the end it closes every launcher made (their placement
+groups removed) and disconnects. ``RayLauncher`` provides the
 ``launch.api.Launcher`` calls:
 - one placement group (``launch.ray_strategy``) with a bundle per trainer
   rank and per engine (disaggregated) or per (rank i, engine i) pair
@@ -37,12 +38,14 @@ It knows nothing of the loop, the schedule or the formulas.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import os
 import queue
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,11 +57,8 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from conveyor.config import RunConfig
-from conveyor.controller.run import SetupError, run
-from conveyor.launch import watchdog
 from conveyor.launch.api import Engines
 from conveyor.launch.placement import Routes, engine_dtype, free_port
-from conveyor.launch.procs import RoleError
 from conveyor.launch.ray_roles import (
     EngineActor,
     Place,
@@ -69,9 +69,11 @@ from conveyor.launch.ray_roles import (
     get_unless_failed,
 )
 from conveyor.launch.roles import await_ready, make_trainer, stop_engines, trainer_kwargs
+from conveyor.runtime import watchdog
+from conveyor.runtime.errors import RoleError, SetupError
 from conveyor.trainer.api import TrainerHandle
 
-__all__ = ["RayLauncher", "run_ray"]
+__all__ = ["RayLauncher", "launchers"]
 
 
 @dataclass(frozen=True)
@@ -284,7 +286,9 @@ def cpus_needed(cfg: RunConfig) -> int:
     return la.trainer_ranks * la.trainer_threads + la.engines * la.engine_threads + rewards
 
 
-def run_ray(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
+@contextlib.contextmanager
+def launchers(cfg: RunConfig) -> Iterator[Callable[[RunConfig, Path], RayLauncher]]:
+    """Connected to the cluster, the factory of the run's ``RayLauncher``s (see the module docstring)."""
     connected = connect(cfg)
     made: list[RayLauncher] = []
 
@@ -292,7 +296,7 @@ def run_ray(cfg: RunConfig, run_dir: Path, resume: bool = False) -> dict:
         made.append(RayLauncher(c, d))
         return made[-1]
     try:
-        return run(cfg, run_dir, resume, launcher)
+        yield launcher
     finally:
         for la in made:
             la.close()

@@ -48,10 +48,10 @@ from typing import Callable
 
 import ray
 
-from conveyor.launch import watchdog
-from conveyor.launch.procs import RoleError, stop_for
 from conveyor.launch.roles import TrainerProxy
-from conveyor.launch.watchdog import Deadlines
+from conveyor.runtime import watchdog
+from conveyor.runtime.procs import RoleError, stop_for
+from conveyor.runtime.watchdog import Deadlines
 from conveyor.transport.messages import Answer, Failed, Ready
 
 
@@ -110,9 +110,9 @@ class EngineActor:
 
     def _serve(self, spec: dict, reader, engine_id: int, partial: bool) -> None:
         from conveyor.config import RolloutConfig
-        from conveyor.launch.procs import bind_device
         from conveyor.rollout.factory import make_engine
         from conveyor.rollout.serve import engine_loop
+        from conveyor.runtime.procs import bind_device
         try:
             bind_device(spec["device"])
             engine = make_engine(RolloutConfig.model_validate(spec["rollout"]), spec["path"])
@@ -130,8 +130,8 @@ class EngineActor:
         self._warm.take(named, version)
 
     def stacks(self) -> str:
-        """Every thread's stack (``launch.watchdog``: a wait that ran out says where this actor was)."""
-        from conveyor.launch.watchdog import own_stacks
+        """Every thread's stack (``runtime.watchdog``: a wait that ran out says where this actor was)."""
+        from conveyor.runtime.watchdog import own_stacks
         return own_stacks()
 
     def channel(self, authkey: bytes) -> tuple[str, int]:
@@ -294,7 +294,7 @@ class TrainerRankActor:
 
     def stacks(self) -> str:
         """Every thread's stack (beside a call in progress: the actor runs two at once)."""
-        from conveyor.launch.watchdog import own_stacks
+        from conveyor.runtime.watchdog import own_stacks
         return own_stacks()
 
     def call(self, method: str, arguments: tuple[tuple, dict]) -> Answer:

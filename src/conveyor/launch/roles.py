@@ -33,10 +33,10 @@ from typing import Callable
 
 from conveyor.config import RunConfig
 from conveyor.launch.placement import Placement, free_port
-from conveyor.launch.procs import RoleError, RoleProcess, RpcClient, call_all, stop_for
-from conveyor.launch.watchdog import Deadlines
 from conveyor.rollout.api import EngineWorker
 from conveyor.rollout.serve import engine_loop, engine_process
+from conveyor.runtime.procs import RoleError, RoleProcess, RpcClient, call_all, stop_for
+from conveyor.runtime.watchdog import Deadlines
 from conveyor.trainer.api import LossFn
 from conveyor.trainer.serve import TrainerHost, trainer_process
 from conveyor.transport.messages import Failed, Ready, Stop, Trained

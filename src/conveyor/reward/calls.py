@@ -10,13 +10,17 @@ Contract
   the result; anything it raises (even ``SystemExit``) is ``raised(e, ...)``:
   ``fallback`` with ``reward_error`` "raised <Type>", counted ``failures``.
   None of these raise.
-- ``Outcome.problem`` is what to log once per kind of failure (``Problem``):
+- ``Outcome.problem`` is what to log once per kind of failure (``Problem``; both
+  are defined in ``conveyor/types.py``, as they cross to a worker's parent, and
+  re-exported here):
   a formatted message and, for a raise, the traceback as text, so that it can
   cross a process boundary (``Problem.exc``, the exception itself, stays in
   the process that caught it).
 - ``reward_value(out)`` is the check alone: the value and the other keys, or
   ``WrongType``; it does not look at NaN (a composite adds its parts first).
-- ``Ledger(logger, counters)``: one service's counters (``COUNTERS`` plus
+- ``Ledger(logger, counters)``: one service's counters (``COUNTERS``, defined
+  in ``config/reward_rules.py`` beside the names a composite's parts may not
+  take, plus
   whatever the service adds) and its log-once set; ``count`` adds a
   trajectory returned (``scored``) and the counter of its failure,
   ``report``/``log_once`` log the first of each kind. Thread safe.
@@ -41,33 +45,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from conveyor.types import Trajectory
-
-COUNTERS = ("scored", "failures", "timeouts", "nonfinite")
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """A failure worth one log line per ``key``: ``message`` is complete; ``traceback`` is the
-    text of a raise; ``exc`` the exception, only in the process that caught it."""
-    key: str
-    message: str
-    traceback: str = ""
-    exc: BaseException | None = dataclasses.field(default=None, compare=False, repr=False)
-
-    def portable(self) -> Problem:
-        """The same problem without the exception object (which may not pickle)."""
-        return dataclasses.replace(self, exc=None)
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """What one trajectory gets: ``reward`` and ``info`` (its ``reward_info``), and when it is
-    a fallback, the counter it falls under (``failure``) and what to log (``problem``)."""
-    reward: float
-    info: dict[str, Any]
-    failure: str | None = None
-    problem: Problem | None = None
+from conveyor.config.reward_rules import COUNTERS
+from conveyor.types import Outcome, Problem, Trajectory
 
 
 class WrongType(TypeError):

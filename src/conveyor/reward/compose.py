@@ -25,67 +25,26 @@ Contract
   non-finite: counted ``nonfinite``, fallback likewise.
 - ``part_name(fn)`` is a part's default name: a builtin's name, else the last
   part of the dotted path (``pkg.mod:partial_credit`` -> ``partial_credit``).
+  ``Part``, ``part_name``, ``parts_of``, ``check_parts``, ``composite_name`` and
+  ``RESERVED`` (the names a part may not take) are defined in
+  ``config/reward_rules.py`` (the config checks ``reward.components`` by them
+  when it loads) and re-exported here.
 
 It knows nothing of threads, processes or deadlines: the whole composite is
 one reward call under the service's ``reward.timeout_s``.
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
+from conveyor.config.reward_rules import RESERVED, Part, check_parts, composite_name, part_name, parts_of
 from conveyor.plugins import PluginError
 from conveyor.reward.api import BatchReward, load_reward
-from conveyor.reward.calls import COUNTERS, reward_value
+from conveyor.reward.calls import reward_value
 from conveyor.types import Trajectory
 
-# Not a part's name: keys of a composite's own, and names whose metric (reward_<name>) the loop
-# already logs (the reward's std, the service's counters).
-RESERVED = ("reward", "gated", "reward_error", "std", *COUNTERS, "stuck", "batches", "worker_deaths", "restarts")
-
-
-@dataclass(frozen=True)
-class Part:
-    """One component: what to load (``fn``, ``kwargs``), its metric ``name``, its ``weight`` in
-    the total and its ``gate`` (None: no gate)."""
-    name: str
-    fn: str
-    kwargs: Mapping[str, Any] = field(default_factory=dict)
-    weight: float = 1.0
-    gate: float | None = None
-
-    def __post_init__(self) -> None:
-        if not self.name or "/" in self.name or self.name in RESERVED:
-            raise ValueError(f"component name {self.name!r} is empty, has a '/' or is one of "
-                             f"{', '.join(RESERVED)}; give the component another name")
-        if not math.isfinite(self.weight) or (self.gate is not None and not math.isfinite(self.gate)):
-            raise ValueError(f"component {self.name!r}: weight and gate must be finite numbers")
-
-
-def composite_name(parts: Sequence[Part]) -> str:
-    return "compose(" + "+".join(p.name for p in parts) + ")"
-
-
-def part_name(fn: str) -> str:
-    return fn.replace(":", ".").rsplit(".", 1)[-1]
-
-
-def parts_of(components: Sequence[Any]) -> tuple[Part, ...]:
-    """The parts of config components (objects with ``fn``, ``kwargs``, ``weight``, ``gate`` and
-    ``name``, ``reward.components``); the name defaults to ``part_name(fn)``."""
-    return tuple(Part(c.name or part_name(c.fn), c.fn, dict(c.kwargs), c.weight, c.gate) for c in components)
-
-
-def check_parts(parts: Sequence[Part]) -> None:
-    """Raise ``ValueError`` unless there is at least one part and their names are distinct."""
-    if not parts:
-        raise ValueError("a composite reward needs at least one component")
-    names = [p.name for p in parts]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"several components are named {', '.join(dup)}; give each a distinct name")
+__all__ = ["RESERVED", "Composite", "Part", "check_parts", "composite_name", "part_name", "parts_of"]
 
 
 class Composite:

@@ -12,15 +12,16 @@ Contract
 - ``model_spec(cfg, device)``: the spec of ``reward.fn: rm`` that a worker
   process builds its own ``model.RewardModel`` from (the checkpoint path,
   ``device``, ``max_batch`` and ``normalize``, as plain values).
-- ``reward_service(cfg, spec, reward=None)`` starts the service: executor
-  ``thread`` -> ``service.RewardService`` over ``reward`` (an already built
-  reward, such as a reward model) or ``spec.load()``; ``process`` ->
+- ``reward_service(cfg, spec, reward=None, launch=None)`` starts the service:
+  executor ``thread`` -> ``service.RewardService`` over ``reward`` (an already
+  built reward, such as a reward model) or ``spec.load()``; ``process`` ->
   ``processes.ProcessRewardService(spec)``, whose workers load the reward
   themselves (a ``BatchReward``, such as a reward model, scores batches
   there) and report a reward that cannot load as ``PluginError`` before the
-  run starts; ``ray`` -> ``ray_actors.RayRewardService``: those workers as
-  Ray actors placed by ``launch`` (``launch.ray_reward_resources`` /
-  ``ray_reward_strategy``). All are an ``api.RewardHandle``.
+  run starts. Both are an ``api.RewardHandle``. ``ray`` (those workers as Ray
+  actors) is a piece of the Ray launcher, above the roles:
+  ``launch.ray_rewards.ray_reward_service``, which the run calls instead; here
+  it is a ``ValueError`` that says so.
 
 It knows nothing of how a reward computes, nor of the run that uses it.
 """
@@ -68,14 +69,9 @@ def model_spec(cfg: RewardConfig, device: str) -> RewardSpec:
 
 def reward_service(cfg: RewardConfig, spec: RewardSpec, reward: Any = None,
                    launch: LaunchConfig | None = None) -> RewardHandle:
-    if cfg.executor == "ray":  # worker processes as Ray actors, placed by launch.ray_reward_*
-        from conveyor.config import LaunchConfig as _Launch
-        from conveyor.reward.ray_actors import RayRewardService, RewardPlacement
-        la = launch or _Launch()
-        return RayRewardService(spec, RewardPlacement(dict(la.ray_reward_resources), la.ray_reward_strategy,
-                                                      la.timeout_s),
-                                timeout_s=cfg.timeout_s, fallback=cfg.fallback, workers=cfg.workers,
-                                max_restarts=cfg.max_restarts, batch_wait_s=cfg.batch_wait_ms / 1e3)
+    if cfg.executor == "ray":  # worker processes as Ray actors: the Ray launcher places them
+        raise ValueError("reward.executor=ray: the reward workers are Ray actors, which the Ray launcher starts "
+                         "(conveyor.launch.ray_rewards.ray_reward_service, with launch.backend=ray)")
     if cfg.executor == "process":
         from conveyor.reward.processes import ProcessRewardService
         return ProcessRewardService(spec, timeout_s=cfg.timeout_s, fallback=cfg.fallback, workers=cfg.workers,

@@ -3,8 +3,8 @@ critique ending in a score, which becomes the reward (an ``api.BatchReward``).
 
 Contract
 - ``JudgeReward(engine, tokenizer, cfg, max_batch, fallback_value, seed, wait_s)`` judges with any
-  ``rollout.api.RolloutEngine`` (the native engine on a device of its own, vLLM, a remote
-  server) and the judge's tokenizer; ``cfg`` is the run's ``reward.judge`` section
+  ``runtime.handles.Generator``, such as every ``rollout.api.RolloutEngine`` (the native engine on
+  a device of its own, vLLM, a remote server), and the judge's tokenizer; ``cfg`` is the run's ``reward.judge`` section
   (``config.JudgeConfig``). ``score_batch(trajs)`` renders every judge prompt of the batch
   (template fields cut in the middle to fit the judge's context; ``{prompt}`` is the task
   before the policy's templates, ``task.info["raw_prompt"]``, where the data layer kept it),
@@ -58,12 +58,11 @@ from conveyor.reward.judge_text import (
     hash_score,
     template_problem,
 )
-from conveyor.rollout.api import SamplingParams
-from conveyor.types import Trajectory
+from conveyor.runtime.handles import Generator
+from conveyor.types import SamplingParams, Trajectory
 
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import JudgeConfig
-    from conveyor.rollout.api import RolloutEngine
 
 COUNTERS = ("calls", "items", "prompts", "samples", "unparseable", "out_of_range", "fallbacks", "too_long",
             "no_pair", "tokens")
@@ -90,7 +89,7 @@ class _Item:
 class JudgeReward:
     name = "judge"
 
-    def __init__(self, engine: RolloutEngine, tokenizer: Any, cfg: JudgeConfig, *, max_batch: int = 64,
+    def __init__(self, engine: Generator, tokenizer: Any, cfg: JudgeConfig, *, max_batch: int = 64,
                  fallback_value: float = 0.0, seed: int = 0, wait_s: float = 600.0) -> None:
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.template = cfg.template or DEFAULT_TEMPLATES[cfg.mode]

@@ -7,7 +7,9 @@ Contract
   ``{prompt}``, ``{answer}``, ``{completion_a}`` and ``{completion_b}`` and must show both
   completions. ``template_problem(template, mode)`` names what is wrong (unknown or missing
   field, positional field, bad braces) or returns None; ``DEFAULT_TEMPLATES`` holds one
-  template per mode that asks for a short critique ending in a line ``Score: N``.
+  template per mode that asks for a short critique ending in a line ``Score: N``. These, with
+  ``pattern_problem``, are defined in ``config/reward_rules.py`` (the config checks
+  ``reward.judge`` by them when it loads) and re-exported here.
 - ``fit_fields(render, fields, shrinkable, budget)`` renders a prompt and, when it has more
   than ``budget`` tokens, cuts the middle out of the longest shrinkable field (its head and
   tail stay, joined by ``" [...] "``) until it fits; None when even empty fields do not fit.
@@ -26,83 +28,27 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-import string
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-Mode = Literal["pointwise", "pairwise"]
+from conveyor.config.reward_rules import (
+    DEFAULT_TEMPLATES,
+    FIELDS,
+    REQUIRED,
+    Mode,
+    pattern_problem,
+    template_fields,
+    template_problem,
+)
 
-FIELDS: dict[str, frozenset[str]] = {
-    "pointwise": frozenset({"prompt", "completion", "answer"}),
-    "pairwise": frozenset({"prompt", "answer", "completion_a", "completion_b"}),
-}
-REQUIRED: dict[str, frozenset[str]] = {
-    "pointwise": frozenset({"completion"}),
-    "pairwise": frozenset({"completion_a", "completion_b"}),
-}
+__all__ = ["CUT", "DEFAULT_SCORE_PATTERN", "DEFAULT_TEMPLATES", "FIELDS", "NO_ANSWER", "REQUIRED", "Mode", "Parsed",
+           "ScoreParser", "aggregate", "fit_fields", "hash_score", "pattern_problem", "template_fields",
+           "template_problem"]
 
-DEFAULT_TEMPLATES: dict[str, str] = {
-    "pointwise": (
-        "Task: {prompt}\n"
-        "Reference answer: {answer}\n"
-        "Response: {completion}\n"
-        "Judge the response. Write a short critique, then a last line \"Score: N\" "
-        "with N from 0 (wrong) to 10 (correct)."
-    ),
-    "pairwise": (
-        "Task: {prompt}\n"
-        "Reference answer: {answer}\n"
-        "Response A: {completion_a}\n"
-        "Response B: {completion_b}\n"
-        "Compare the two responses. Write a short critique, then a last line \"Score: N\" "
-        "with N from 0 (B is much better) through 5 (equal) to 10 (A is much better)."
-    ),
-}
 NO_ANSWER = "(none given)"  # what {answer} shows for a task without a reference answer
 CUT = " [...] "             # what replaces the middle of a field cut to fit the judge's context
 DEFAULT_SCORE_PATTERN = r"Score:\s*(-?\d+(?:\.\d+)?)"
-
-
-def template_fields(template: str) -> list[str]:
-    """The field names a ``str.format`` template uses, in order (may raise ValueError)."""
-    return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
-
-
-def template_problem(template: str, mode: str) -> str | None:
-    """What makes ``template`` unusable for ``mode``, or None."""
-    allowed, required = FIELDS[mode], REQUIRED[mode]
-    try:
-        names = template_fields(template)
-    except ValueError as e:
-        return f"is not a format string ({e}); write literal braces as {{{{ and }}}}"
-    positional = [n for n in names if n == "" or n.isdigit()]
-    if positional:
-        return f"has a positional field {{}}; name the fields: {', '.join(sorted(allowed))}"
-    # "{prompt.x}" / "{prompt[0]}" reach into the value: only plain names are accepted.
-    if any(re.search(r"[.\[]", n) for n in names):
-        return f"uses attribute or index access in a field; use the plain fields {', '.join(sorted(allowed))}"
-    roots = set(names)
-    unknown = sorted(roots - allowed)
-    if unknown:
-        return (f"names unknown field(s) {', '.join('{' + u + '}' for u in unknown)}; a {mode} template "
-                f"may use {', '.join('{' + a + '}' for a in sorted(allowed))}")
-    missing = sorted(required - roots)
-    if missing:
-        return f"never shows {', '.join('{' + m + '}' for m in missing)}, so the judge cannot see what it scores"
-    return None
-
-
-def pattern_problem(pattern: str) -> str | None:
-    """What makes a score regex unusable, or None."""
-    try:
-        rx = re.compile(pattern)
-    except re.error as e:
-        return f"is not a regular expression ({e})"
-    if rx.groups < 1:
-        return "has no group; put the number in parentheses, e.g. Score:\\s*(\\d+)"
-    return None
 
 
 def fit_fields(render: Callable[[Mapping[str, str]], list[int]], fields: Mapping[str, str],

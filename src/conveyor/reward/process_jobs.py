@@ -23,8 +23,8 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
-from conveyor.launch.procs import RoleError
 from conveyor.reward.batching import Gathering
+from conveyor.runtime.errors import RoleError
 from conveyor.types import Trajectory
 
 

@@ -42,7 +42,7 @@ Contract
 - ``close()`` cancels queued trajectories, lets running calls end or time
   out, then asks the workers to exit and kills those that do not.
 - A worker is made by ``_worker(index, track)``: a ``worker.WorkerProcess``
-  here, a Ray actor behind the same face in ``ray_actors.RayRewardService``
+  here, a Ray actor behind the same face in ``launch.ray_rewards.RayRewardService``
   (whose ``end()`` says in words how it ended, where a process gives its
   exit code).
 
@@ -61,13 +61,13 @@ from concurrent.futures import Future, InvalidStateError
 from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING
 
-from conveyor.launch.procs import RoleError
 from conveyor.observe import timeline
 from conveyor.plugins import PluginError
 from conveyor.reward.batching import Gathering
 from conveyor.reward.calls import COUNTERS, Ledger, check_settings, rewarded, settle
 from conveyor.reward.process_jobs import Job, JobQueue
 from conveyor.reward.worker import WorkerProcess, exit_text
+from conveyor.runtime.errors import RoleError
 from conveyor.transport.messages import RewardLoaded, ScoreReply, ScoreRequest
 from conveyor.types import Trajectory
 
@@ -374,7 +374,7 @@ class ProcessRewardService:
         slot.deadline = time.monotonic() + self.load_timeout_s
 
     def _worker(self, index: int, track: str) -> WorkerProcess:
-        """A new worker for slot ``index`` (``ray_actors.RayRewardService``: a Ray actor instead)."""
+        """A new worker for slot ``index`` (``launch.ray_rewards.RayRewardService``: a Ray actor instead)."""
         return WorkerProcess(self._ctx, self.spec, self.fallback, track)
 
     def _stop_all(self) -> None:

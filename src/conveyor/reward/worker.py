@@ -20,7 +20,7 @@ watches its parent's pid.
 
 ``load(spec)``, ``answer(fn, batched, name, request, fallback)`` and
 ``unpicklable(reply, name, fallback, error)`` are that loading and scoring,
-shared with the reward workers that run as Ray actors (``ray_actors.py``).
+shared with the reward workers that run as Ray actors (``launch/ray_rewards.py``).
 
 It knows nothing of deadlines, queues or counters: ``processes.py`` owns them.
 """

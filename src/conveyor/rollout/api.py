@@ -1,4 +1,8 @@
-"""The rollout engine's contract: sampling parameters, completions, and the engine Protocol.
+"""The rollout engine's contract: the engine Protocol over sampling parameters and completions.
+
+``SamplingParams``, ``Completion``, ``StreamChunk`` and ``FinishReason`` are defined in
+``conveyor/types.py`` (the vocabulary every consumer of generation shares) and re-exported here;
+what they mean for an engine is this contract.
 
 Contract
 - ``RolloutEngine.generate(prompts, params)`` takes token ids (never text: rollouts
@@ -42,95 +46,15 @@ the loop, the workflows and every engine share.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, runtime_checkable
+
+from conveyor.types import Completion, FinishReason, SamplingParams, StreamChunk
 
 if TYPE_CHECKING:  # pragma: no cover
-    import numpy
     import torch
 
-    from conveyor.config import RolloutConfig
-
-FinishReason = Literal["stop", "length", "abort"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one ``generate`` call.
-
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
-    top_p: nucleus truncation of the temperature-scaled distribution (1.0 = off).
-    top_k: keep the k largest logits (0 = off).
-    max_new_tokens: completion budget per sample (capped by the model's context).
-    stop_token_ids: extra token ids that end a completion (EOS always does).
-    stop_strings: strings that end a completion when its decoded text contains them.
-    n: completions per prompt (the group size).
-    eos_bias: added to the EOS logit(s) before sampling and before the logprob.
-    seed: keys the random streams of this call's samples (None: fresh entropy); the
-          native engine gives prompt i the streams of prompt 0 of a call seeded seed + i.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()
-    n: int = 1
-    eos_bias: float = 0.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        # Lists are accepted for convenience and frozen to tuples so params stay hashable.
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "stop_strings", tuple(str(s) for s in self.stop_strings))
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.n < 1:
-            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
-        if any(s == "" for s in self.stop_strings):
-            raise ValueError("SamplingParams.stop_strings must not contain the empty string")
-
-    @classmethod
-    def from_config(cls, cfg: "RolloutConfig", **overrides: Any) -> "SamplingParams":
-        """Sampling fields of a ``RolloutConfig``; keyword overrides win (e.g. seed, n)."""
-        base = dict(
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            max_new_tokens=cfg.max_new_tokens, stop_strings=tuple(cfg.stop), n=cfg.n,
-            eos_bias=cfg.eos_bias,
-        )
-        base.update(overrides)
-        return cls(**base)
-
-
-@dataclass
-class Completion:
-    """One sampled completion; ``token_ids``, ``logprobs`` and ``versions`` align.
-    ``routed_experts``: what ``Trajectory.routed_experts`` describes, from an engine that
-    records experts (mixture-of-experts models), else None."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    finish_reason: FinishReason
-    text: str = ""
-    routed_experts: "numpy.ndarray | None" = None
-
-
-@dataclass(frozen=True)
-class StreamChunk:
-    """Prompts that join a running ``generate_stream`` call; ``tag`` comes back in ``on_done``.
-    ``seed``: the chunk's own (its prompt i draws as prompt 0 of a call seeded seed + i), or
-    None to continue the call's seed over the prompts numbered so far."""
-    tag: Any
-    prompts: list[list[int]]
-    seed: int | None = None
+__all__ = ["Completion", "EngineWorker", "FinishReason", "RolloutEngine", "SamplingParams", "StreamChunk",
+           "capped_budgets"]
 
 
 @runtime_checkable

@@ -398,8 +398,8 @@ def _joins(msg: Generate, first_id: int, params) -> bool:
 def engine_process(spec: dict, inbox, outbox, weights: WeightReader, engine_id: int, partial: bool) -> None:
     """Main of an engine child process: build the engine, then serve."""
     from conveyor.config import RolloutConfig
-    from conveyor.launch.procs import bind_device
     from conveyor.rollout.factory import make_engine
+    from conveyor.runtime.procs import bind_device
     bind_device(spec["device"])
     # The weight receiver and watcher threads must get the GIL from the decode loop within
     # a fraction of a millisecond, not the default 5 ms: that wait is weight-sync latency.

@@ -33,7 +33,7 @@ from conveyor.config.base import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import RunConfig
-    from conveyor.controller.accumulate import EngineMemory
+    from conveyor.runtime.handles import EngineMemory
     from conveyor.trainer.api import TrainerHandle
 
 

@@ -181,7 +181,7 @@ def build_rank(spec: dict, init_method: str):
     from datetime import timedelta
 
     from conveyor.config import TrainerConfig
-    from conveyor.launch.procs import bind_device
+    from conveyor.runtime.procs import bind_device
     bind_device(spec["device"])
     cfg = TrainerConfig.model_validate(spec["trainer"])
     kwargs = {k: spec[k] for k in ("total_steps", "temperature", "pad_token_id")}
@@ -205,7 +205,7 @@ def build_rank(spec: dict, init_method: str):
 
 def trainer_process(spec: dict, conn, writers: list[WeightWriter]) -> None:
     """Main of a trainer rank's process: bind the device, join the ranks, build, serve."""
-    from conveyor.launch.procs import serve_rpc
+    from conveyor.runtime.procs import serve_rpc
     from conveyor.transport.messages import Answer
     trainer = build_rank(spec, f"tcp://127.0.0.1:{spec['port']}")
     conn.send(Answer(True, "ready"))

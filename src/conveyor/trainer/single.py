@@ -42,6 +42,7 @@ from torch import nn
 
 from conveyor import routing
 from conveyor.config import TrainerConfig
+from conveyor.runtime.errors import NonFiniteLossError
 from conveyor.trainer import checkpoint, lora, packing
 from conveyor.trainer.accumulation import AccumulatingTrainer, Accumulation
 from conveyor.trainer.api import LossFn
@@ -60,10 +61,6 @@ from conveyor.trainer.step_metrics import MetricMean, to_host
 from conveyor.trainer.streamed import StreamPlan
 from conveyor.transport.weights import copy_pairs
 from conveyor.types import Batch
-
-
-class NonFiniteLossError(FloatingPointError):
-    """A loss or gradient norm was NaN/inf; no optimizer step was taken for that mini-batch."""
 
 
 def resolve_device(name: str) -> torch.device:

@@ -4,7 +4,7 @@ Contract: each message is a frozen dataclass; its fields are documented here
 and nowhere else, and a receiver reads fields by name (a dispatch on the
 message's type, never on a tuple's first element). The same classes travel
 through ``queue.Queue`` (roles in threads), ``multiprocessing`` queues and
-the RPC pipe of ``launch.procs`` (roles in processes): they pickle.
+the RPC pipe of ``runtime.procs`` (roles in processes): they pickle.
 
 Controller -> engine worker (its inbox): ``Generate``, ``Memory``, ``Stop``.
 Engine worker -> controller (the shared outbox): ``Ready``, ``Done``,
@@ -12,7 +12,8 @@ Engine worker -> controller (the shared outbox): ``Ready``, ``Done``,
 Producer -> loop (the trajectory buffer): ``Scored``.
 Trainer -> loop (the answer of ``train_and_publish``): ``Trained``.
 Inside ``Done`` and ``Trained``: ``Span`` (what a role did when, for the timeline).
-Controller <-> a child served by ``serve_rpc``: ``Call``, ``Answer``.
+Controller <-> a child served by ``serve_rpc``: ``Call``, ``Answer`` (defined with the
+RPC in ``runtime/procs.py``, the floor below, and re-exported here).
 Reward service <-> a reward worker process (``reward.processes``): ``RewardLoaded``,
 ``ScoreRequest``, ``ScoreReply``.
 
@@ -22,13 +23,10 @@ what is sent.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from conveyor.rollout.api import Completion, SamplingParams
-from conveyor.types import Group, Trajectory
-
-if TYPE_CHECKING:  # pragma: no cover
-    from conveyor.reward.calls import Outcome
+from conveyor.runtime.procs import Answer, Call
+from conveyor.types import Completion, Group, Outcome, SamplingParams, Trajectory
 
 
 @dataclass(frozen=True)
@@ -173,21 +171,6 @@ class Trained:
 
 
 @dataclass(frozen=True)
-class Call:
-    """Call ``method(*args, **kwargs)`` on the object a child serves; method ``"__stop__"`` ends it."""
-    method: str
-    args: tuple = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Answer:
-    """What a ``Call`` returned (``ok``) or the child's traceback (not ``ok``)."""
-    ok: bool
-    value: Any = None
-
-
-@dataclass(frozen=True)
 class RewardLoaded:
     """A reward worker process loaded its reward (``error`` empty) or could not (``error``: one
     line saying why); ``name`` is the reward's name for logs; ``max_batch`` is a batched reward's
@@ -208,7 +191,7 @@ class ScoreRequest:
 
 @dataclass(frozen=True)
 class ScoreReply:
-    """The ``outcomes`` of request ``seq``, one per trajectory in order (``reward.calls.Outcome``,
+    """The ``outcomes`` of request ``seq``, one per trajectory in order (``types.Outcome``,
     each problem without the exception object), and when the call started and ended
     (``time.time()``)."""
     seq: int

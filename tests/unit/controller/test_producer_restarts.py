@@ -17,11 +17,11 @@ from conveyor.controller.producer import Producer, Prompting
 from conveyor.data.api import TaskCursor
 from conveyor.data.synthetic import synthetic_source
 from conveyor.data.tiny import build_model, build_tokenizer
-from conveyor.launch.procs import RoleError
 from conveyor.reward.service import RewardService
 from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.native import NativeEngine
 from conveyor.rollout.serve import engine_loop
+from conveyor.runtime.errors import RoleError
 from conveyor.transport.buffer import TrajectoryBuffer
 from conveyor.transport.messages import Ready, Stop
 from conveyor.transport.weights import StagedWeights

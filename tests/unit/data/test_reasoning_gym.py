@@ -6,11 +6,11 @@ import sys
 import pytest
 
 from conveyor.config import DataConfig, RunConfig
-from conveyor.controller.run import load_sources
 from conveyor.data import reasoning_gym as rgs
 from conveyor.data.api import DataError, TaskSource
 from conveyor.data.reasoning_gym import reasoning_gym_reward, reasoning_gym_source
 from conveyor.reward.api import load_reward
+from conveyor.run.session import load_sources
 from conveyor.types import Task, Trajectory
 
 

@@ -6,10 +6,10 @@ import threading
 import pytest
 
 from conveyor.config import DataConfig, EnvConfig, RunConfig
-from conveyor.controller.run import SetupError, load_sources
 from conveyor.data.api import DataError, TaskSource
 from conveyor.env.api import Env, StepResult, load_env
 from conveyor.env.ecosystem import TextArenaEnv, textarena_source
+from conveyor.run.session import SetupError, load_sources
 from conveyor.types import Task
 
 

@@ -22,10 +22,10 @@ import torch
 
 from conveyor.config import load_config
 from conveyor.controller.objective import sft_loss
-from conveyor.controller.run import resolve_model_path
 from conveyor.launch.api import Engines, Launcher
 from conveyor.launch.local import LocalLauncher
 from conveyor.rollout.api import EngineWorker, RolloutEngine, SamplingParams
+from conveyor.run.session import resolve_model_path
 from conveyor.trainer.api import Trainer, TrainerHandle
 from conveyor.transport.api import WeightReader, WeightWriter
 from conveyor.transport.messages import Done, Failed, Generate, Trained, WeightSwap

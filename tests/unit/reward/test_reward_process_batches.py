@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from conveyor.config import RewardConfig, load_config
-from conveyor.controller.run import SetupError, reward_model_spec
 from conveyor.data.tiny import build_tiny
 from conveyor.reward.factory import MODEL_REWARD, RewardSpec, model_spec, reward_service
 from conveyor.reward.model import RewardModel
 from conveyor.reward.processes import ProcessRewardService
 from conveyor.reward.service import RewardService
+from conveyor.run.session import SetupError, reward_model_spec
 from conveyor.types import Task, Trajectory
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from conveyor.config import RewardConfig
-from conveyor.launch.procs import RoleError
 from conveyor.observe import timeline
 from conveyor.observe.timeline import Timeline, read_timeline
 from conveyor.plugins import PluginError
@@ -23,6 +22,7 @@ from conveyor.reward.api import RewardHandle
 from conveyor.reward.factory import RewardSpec, reward_service
 from conveyor.reward.processes import ProcessRewardService
 from conveyor.reward.service import RewardService
+from conveyor.runtime.errors import RoleError
 from conveyor.types import Task, Trajectory
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -281,8 +281,8 @@ def test_quantised_rollouts_default_to_truncated_importance_sampling():
 @pytest.mark.slow  # a whole (tiny) training run, ~20 s
 def test_rl_steps_with_fp8_rollouts(tmp_path, capsys):
     from conveyor.config import load_config
-    from conveyor.launch.local import run_local
     from conveyor.observe.report import read_metrics
+    from conveyor.run.local import run_local
 
     over = ["sft.steps=0", "loop.steps=3", "loop.batch_size=4", "rollout.n=4", "data.eval_size=8",
             "loop.eval_every=0", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",

@@ -200,8 +200,8 @@ def test_dense_model_has_no_routers(tokenizer):
 
 
 def test_run_refuses_replay_on_a_dense_checkpoint(tmp_path):
-    from conveyor.controller.run import SetupError, _check_moe
     from conveyor.data.tiny import build_tiny
+    from conveyor.run.session import SetupError, _check_moe
     dense = build_tiny(tmp_path / "dense", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                        intermediate_size=64)
     with pytest.raises(SetupError, match="algo.routing_replay needs a mixture-of-experts model"):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.launch import watchdog
-from conveyor.launch.procs import RoleError, RoleProcess, RpcClient, serve_rpc
+from conveyor.runtime import watchdog
+from conveyor.runtime.procs import RoleError, RoleProcess, RpcClient, serve_rpc
 
 ROOT = str(Path(__file__).resolve().parents[3])
 
@@ -66,8 +66,8 @@ _PARENT = """
 import multiprocessing as mp, sys, time
 sys.path.insert(0, {root!r})
 from pathlib import Path
-from tests.unit.launch.test_watchdog import _serve
-from conveyor.launch.procs import RoleProcess
+from tests.unit.runtime.test_watchdog import _serve
+from conveyor.runtime.procs import RoleProcess
 if __name__ == "__main__":
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

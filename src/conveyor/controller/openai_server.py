@@ -12,7 +12,7 @@ Contract
 - ``open(task, params, engine=None)`` returns an ``Episode`` whose ``key`` is
   the API key its client sends (``Authorization: Bearer <key>``, or the
   ``X-Conveyor-Episode`` header, which wins). Its calls are served one at a
-  time, in order, and recorded by a ``rollout.transcript.Transcript``: each
+  time, in order, and recorded by a ``controller.transcript.Transcript``: each
   request's messages are rendered by the chat template (the model's own
   replies rendered as the text it sampled, recognised by their content and
   tool calls), matched against the recorded tokens and only the new suffix is
@@ -50,13 +50,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from conveyor.controller import openai_api as api
+from conveyor.controller.multi_turn import EpisodeLimits, TurnEngine
+from conveyor.controller.transcript import Transcript
 from conveyor.env.api import Tool, ToolError
 from conveyor.env.pool import EnvFailure
 from conveyor.net import listen
-from conveyor.rollout import openai_api as api
 from conveyor.rollout.api import Completion, SamplingParams
-from conveyor.rollout.multi_turn import EpisodeLimits, TurnEngine
-from conveyor.rollout.transcript import Transcript
 from conveyor.types import Task
 
 log = logging.getLogger(__name__)

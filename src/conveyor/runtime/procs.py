@@ -22,10 +22,12 @@ Contract
   error, or None) the call also stops as soon as another role has failed,
   with that role's error (``stop_for``): a trainer waiting on a dead
   engine's weight receipt would otherwise run out later and hide it.
-- Calls and answers (``transport.messages.Call`` / ``Answer``) travel as
-  ``dumps``/``loads`` bytes in which CPU tensors are their raw bytes, not a
-  shared-memory file per tensor as torch's default reduction would make.
+- Calls and answers (``Call`` / ``Answer``, defined here and listed with every
+  other message in ``transport.messages``) travel as ``dumps``/``loads`` bytes
+  in which CPU tensors are their raw bytes, not a shared-memory file per
+  tensor as torch's default reduction would make.
 - ``bind_device(device)``: the first thing a role's child main does.
+- ``RoleError`` is ``runtime.errors.RoleError``.
 
 It knows nothing of what the roles do.
 """
@@ -37,15 +39,27 @@ import pickle
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from conveyor.launch import watchdog
-from conveyor.transport.messages import Answer, Call
+from conveyor.runtime import watchdog
+from conveyor.runtime.errors import RoleError
 
 
-class RoleError(RuntimeError):
-    """A role failed; the message names the role and says what happened."""
+@dataclass(frozen=True)
+class Call:
+    """Call ``method(*args, **kwargs)`` on the object a child serves; method ``"__stop__"`` ends it."""
+    method: str
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a ``Call`` returned (``ok``) or the child's traceback (not ``ok``)."""
+    ok: bool
+    value: Any = None
 
 
 def _tensor(raw: bytes, dtype, shape: tuple) -> Any:
@@ -80,7 +94,7 @@ def _bootstrap(role: str, log_path: str, threads: int, target: Callable, args: t
     os.dup2(fd, 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-    from conveyor.launch.watchdog import child_guard
+    from conveyor.runtime.watchdog import child_guard
     child_guard()  # stacks on SIGUSR1 into this log; gone with the controller
     import torch
     torch.set_num_threads(max(1, threads))

@@ -3,10 +3,10 @@ suffix is appended; a stop token the template does not write back, and a reply t
 differently, still match; a rewritten history starts a new segment and the episode is refused; budgets."""
 import pytest
 
+from conveyor.controller.multi_turn import EpisodeLimits
+from conveyor.controller.transcript import Span, Transcript, match_prefix
 from conveyor.env.pool import EnvFailure
 from conveyor.rollout.api import Completion
-from conveyor.rollout.multi_turn import EpisodeLimits
-from conveyor.rollout.transcript import Span, Transcript, match_prefix
 from conveyor.types import Task
 
 # A toy vocabulary: one id per piece; 9 is EOS, 7 is "ab" (a merge of 1 "a" and 2 "b").

@@ -1,6 +1,15 @@
 """Reward workers as Ray actors: ``reward.executor=ray`` (with ``launch.backend=ray``).
 
+A piece of the Ray launcher: the reward role's process service (``reward/processes.py``) with
+its workers placed on the cluster; the run (``run/session.py``) starts it where
+``reward.executor=ray``, through ``ray_reward_service``.
+
 Contract
+- ``ray_reward_service(cfg, spec, launch)``: the service of ``reward.executor=ray`` for the
+  run's ``reward`` section ``cfg`` and ``launch`` section (None: the defaults): a
+  ``RayRewardService`` placed by ``launch.ray_reward_resources`` / ``ray_reward_strategy``
+  within ``launch.timeout_s``, with the section's deadline, fallback, workers, restarts and
+  batch wait (``reward.factory.reward_service`` starts the other executors).
 - ``RayRewardService(spec, placement, **process_service_kwargs)`` is a
   ``processes.ProcessRewardService`` whose workers are Ray actors instead of
   local processes: the same ``api.RewardHandle``, the same results, counters,
@@ -53,6 +62,7 @@ from conveyor.reward.worker import answer, load, unpicklable
 from conveyor.transport.messages import RewardLoaded, ScoreReply, ScoreRequest
 
 if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.config import LaunchConfig, RewardConfig
     from conveyor.reward.factory import RewardSpec
 
 
@@ -186,3 +196,13 @@ class RayRewardService(ProcessRewardService):
         if self._pg is not None and not self._thread.is_alive():
             remove_placement_group(self._pg)
             self._pg = None
+
+
+def ray_reward_service(cfg: RewardConfig, spec: RewardSpec, launch: LaunchConfig | None = None) -> RayRewardService:
+    """``reward.executor=ray``: the reward workers as Ray actors (see the module docstring)."""
+    from conveyor.config import LaunchConfig as _Launch
+    la = launch or _Launch()
+    return RayRewardService(spec, RewardPlacement(dict(la.ray_reward_resources), la.ray_reward_strategy,
+                                                  la.timeout_s),
+                            timeout_s=cfg.timeout_s, fallback=cfg.fallback, workers=cfg.workers,
+                            max_restarts=cfg.max_restarts, batch_wait_s=cfg.batch_wait_ms / 1e3)

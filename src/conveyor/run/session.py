@@ -10,9 +10,13 @@ starting point and reference model), has the launcher start the trainer,
 runs ``loop.rl_loop``, evaluates again and writes a final HF checkpoint and
 ``summary.json``. With ``resume`` it restores the newest
 ``run_dir/checkpoints/step_N`` (weights, optimizer, RNG, data cursor) and
-continues. ``Session`` holds one run's parts, each typed; ``SetupError`` is a
-run that cannot start, with the fix in its message. It knows which parts a
-config asks for, and nothing of where roles run or of the formulas.
+continues. ``Session`` holds one run's parts, each typed; ``SetupError``
+(``runtime.errors``) is a run that cannot start, with the fix in its message.
+The reward service is ``reward.factory.reward_service``'s, or with
+``reward.executor=ray`` the Ray launcher's (``launch.ray_rewards``). It knows
+which parts a config asks for, and nothing of where roles run or of the
+formulas: the launcher it is given starts them (``run/local.py``,
+``run/ray.py`` give it one).
 """
 from __future__ import annotations
 
@@ -40,15 +44,12 @@ from conveyor.observe.progress import PhaseProgress
 from conveyor.observe.timers import PhaseTimer
 from conveyor.reward.api import RewardHandle
 from conveyor.rollout.api import SamplingParams
+from conveyor.runtime.errors import SetupError
+from conveyor.trainer import sm_share
 from conveyor.trainer.api import TrainerHandle
 from conveyor.trainer.checkpoint import reader_of
-from conveyor.trainer import sm_share
 from conveyor.trainer.fit import check_micro_batches, needs_time_share, own_gpu_default
 from conveyor.transport.buffer import TrajectoryBuffer
-
-
-class SetupError(ValueError):
-    """A run that cannot start; the message names the thing and the fix."""
 
 
 @dataclass
@@ -240,7 +241,11 @@ def build(cfg: RunConfig, run_dir: Path, path: str, launcher: Launcher, purge_st
     if spec.fn == "rm" and cfg.reward.executor in ("process", "ray"):
         spec = reward_model_spec(cfg)
     reward = reward_model(cfg) if spec.fn == "rm" else judge(cfg, run_dir) if spec.fn == "judge" else None
-    rewards = reward_service(cfg.reward, spec, reward, cfg.launch)
+    if cfg.reward.executor == "ray":  # worker processes as Ray actors: the Ray launcher places them
+        from conveyor.launch.ray_rewards import ray_reward_service
+        rewards = ray_reward_service(cfg.reward, spec, cfg.launch)
+    else:
+        rewards = reward_service(cfg.reward, spec, reward, cfg.launch)
     lc = cfg.loop
     return Session(
         cfg=cfg, run_dir=run_dir, launcher=launcher, tokenizer=tokenizer, rewards=rewards,
@@ -312,7 +317,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool, launcher: Callable[[RunConf
         trainer = cfg.trainer.model_copy(update={"profile_dir": str(run_dir / "profile")})
         cfg = cfg.model_copy(update={"trainer": trainer})
     save_config(cfg, run_dir / "config.yaml")
-    from conveyor.launch import watchdog
+    from conveyor.runtime import watchdog
     watchdog.configure(run_dir / "logs")  # where a wait that runs out writes the controller's stacks
     t0 = time.perf_counter()
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -349,7 +354,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool, launcher: Callable[[RunConf
 def _blame_dead_engine(s: Session, error: Exception) -> None:
     """A trainer call that fails because an engine died (a broken broadcast) reports the engine:
     the root cause, with its exit code and log, rather than the peer's symptom."""
-    from conveyor.launch.procs import RoleError
+    from conveyor.runtime.errors import RoleError
     if s.rollouts is None:
         return
     deadline = time.monotonic() + 3.0  # a death is reaped a moment after the peer notices it

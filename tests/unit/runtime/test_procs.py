@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.launch.procs import dumps, loads
+from conveyor.runtime.procs import dumps, loads
 from conveyor.types import Batch
 
 
