@@ -27,12 +27,23 @@ executor), where only the service's deadline limits a call.
 """
 from __future__ import annotations
 
+import logging
 import re
 import threading
 
 from math_verify import parse, verify
 
 from conveyor.types import Trajectory
+
+
+def _not_the_timeout_notice(record: logging.LogRecord) -> bool:
+    # math-verify says once per process that its timeout is off; off the main thread it is off by
+    # design here (the module docstring), and the reward service's deadline bounds the call.
+    return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.grader", "math_verify.parser"):
+    logging.getLogger(_name).addFilter(_not_the_timeout_notice)
 
 # Thousands separators only in groups of three, so "3, 5" is two numbers, not "35".
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
