@@ -21,6 +21,7 @@ import yaml
 from conveyor.config import (DEFAULT_RECIPE, PRETRAINED_RECIPE, ConfigError, base_config, config_diff,
                              describe_section, did_you_mean, format_diff, load_config, recipe_without_file,
                              sections)
+from conveyor.runtime.errors import RunStop  # imports nothing
 
 # Errors that mean "the user asked for something impossible"; resolved lazily
 # so `conveyor config` never imports torch.
@@ -259,14 +260,16 @@ def _build_tiny(ns) -> int:
 # What stops a run with a message that already says why and what to do: a dead or failing role
 # (RoleError: the role, its exit code or traceback, its last log lines), a non-finite loss or
 # gradient (NonFiniteLossError: the trainer step, and what to check) or dynamic sampling that
-# cannot fill a step (NoLearningSignal: the bound, and the settings to change).
+# cannot fill a step (NoLearningSignal: the bound, and the settings to change): every
+# runtime.errors.RunStop (an environment that never worked, env.pool.EnvUnusable, is one), and
+# these by name when they crossed a process.
 _RUN_STOPS = ("RoleError", "NonFiniteLossError", "NoLearningSignal")
 
 
 def _run_stop(e: BaseException) -> BaseException | None:
     """The run-stopping error behind an exception (``_RUN_STOPS``), if any."""
     while e is not None:
-        if type(e).__name__ in _RUN_STOPS:
+        if isinstance(e, RunStop) or type(e).__name__ in _RUN_STOPS:
             return e
         e = e.__cause__ or e.__context__
     return None

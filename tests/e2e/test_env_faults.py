@@ -11,7 +11,7 @@ import pytest
 
 from conveyor.api import load_config, train
 from conveyor.env.api import StepResult
-from conveyor.env.pool import EnvPool, PoolLimits
+from conveyor.env.pool import EnvPool, EnvUnusable, PoolLimits
 from conveyor.env.tool_env import ToolEnv
 from conveyor.runtime.errors import RoleError
 from conveyor.transport.buffer import BufferClosed
@@ -126,3 +126,13 @@ def test_bad_env_kwargs_are_refused_before_the_run_in_one_line(tmp_path, capsys)
     assert any("env.name='tools' with env.kwargs={'tools': ['abacus']}: building it raised ValueError: "
                "env.kwargs.tools: unknown tool(s) ['abacus']" in line for line in err), err
     assert not any("Traceback" in line for line in err)
+
+
+def test_an_environment_broken_from_the_start_stops_the_run_at_once_naming_its_error(tmp_path):
+    # The default breaker: five failures in a row before any reset worked is a broken environment,
+    # not an outage to wait out (before, the run waited out launch.timeout_s and named nothing).
+    cfg = _cfg(tmp_path, "tests.e2e.test_env_faults:Broken")
+    with pytest.raises(EnvUnusable, match=r"environment tests.e2e.test_env_faults:Broken failed 5 times in a row "
+                                          r"and never worked \(last: crash: Broken.reset raised ConnectionError: "
+                                          r"service is down\); fix it or its env.kwargs"):
+        train(cfg, tmp_path / "run")

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from conveyor.controller.multi_turn import EpisodeLimits, TurnFormat, run_episode
-from conveyor.env.pool import EnvFailure, EnvPool
+from conveyor.env.pool import EnvFailure, EnvPool, EnvUnusable
 from conveyor.rollout.api import Completion, EngineWorker, SamplingParams
 from conveyor.transport.messages import Done, Generate
 from conveyor.types import Group, Task, Trajectory
@@ -224,7 +224,8 @@ class EpisodeRunner:
         bug = next((o for o in outs if isinstance(o, Exception) and not isinstance(o, EnvFailure)), None)
         failed = next((o for o in outs if isinstance(o, EnvFailure)), None)
         if bug is not None:  # not an environment failure: it must reach the producer, not vanish here
-            log.error("episode group %d failed", index, exc_info=bug)
+            if not isinstance(bug, EnvUnusable):  # that one's message says all (env/pool.py)
+                log.error("episode group %d failed", index, exc_info=bug)
             self._finished.put(GroupOutcome(index, task, None, f"{type(bug).__name__}: {bug}", fatal=True))
         elif failed is not None:
             self._finished.put(GroupOutcome(index, task, None, f"{failed.kind}: {failed}"))

@@ -26,7 +26,11 @@ Contract
   ``breaker_cooldown_s``; then one trial call decides. Calls to a
   quarantined tool answer an error observation; a quarantined environment
   holds new episodes back (up to ``reset_timeout_s``, then
-  ``EnvFailure("quarantined")``) until its trial call.
+  ``EnvFailure("quarantined")``, naming the last failure) until its trial
+  call. An environment quarantined before it ever worked (no reset, step or
+  play succeeded yet) is not an outage to wait out but a broken one: every
+  new session raises ``EnvUnusable`` naming it and its last failure, which
+  stops the run at once.
 - ``EnvSession.play(fn, *args, timeout, what)``: a whole episode in one
   call of user code (an external agent, ``env.agent``) under ``timeout``;
   its failure is counted, recorded by the breaker and drops the instance,
@@ -55,6 +59,7 @@ from typing import Any, AsyncIterator, Callable
 from conveyor.env.api import StepResult, Tool, ToolError, as_step_result, env_tools
 from conveyor.observe import timeline
 from conveyor.resilience import Breaker
+from conveyor.runtime.errors import RunStop
 from conveyor.types import Task
 
 log = logging.getLogger(__name__)
@@ -85,6 +90,11 @@ class EnvFailure(Exception):
         self.kind = kind
 
 
+class EnvUnusable(RunStop):
+    """The environment failed ``breaker_failures`` times in a row before it ever worked: the run
+    stops (not an ``EnvFailure``, which a run survives), naming it and its last failure."""
+
+
 class EnvPool:
     def __init__(self, factory: Callable[[], Any], limits: PoolLimits = PoolLimits(), tool_format: str = "auto",
                  name: str = "env"):
@@ -98,6 +108,8 @@ class EnvPool:
         self._threads = ThreadPoolExecutor(max_workers=limits.concurrency * 2 + 4, thread_name_prefix="env")
         self._slots: asyncio.Semaphore | None = None
         self._busy_slots: set[int] = set()  # timeline rows in use (sessions live on one event loop)
+        self.worked = False      # a reset, step or play has succeeded
+        self.last_failure = ""   # the last failure the breaker recorded, as "kind: message"
 
     # ----- counters --------------------------------------------------------------------
     def count(self, key: str, n: int = 1) -> None:
@@ -110,6 +122,15 @@ class EnvPool:
 
     def quarantined(self) -> list[str]:
         return self.breaker.open_keys()
+
+    def record(self, failure: EnvFailure | None) -> None:
+        """The environment's call succeeded (None) or failed: the breaker's record, and what a
+        quarantine names."""
+        if failure is None:
+            self.worked = True
+        else:
+            self.last_failure = f"{failure.kind}: {failure}"
+        self.breaker.record("env", failure is None)
 
     # ----- calls into user code --------------------------------------------------------
     async def call(self, fn: Callable, *args: Any, timeout: float, what: str) -> Any:
@@ -162,10 +183,14 @@ class EnvPool:
         would only burn the tasks of the slots the producer refills until the run stops."""
         deadline = time.monotonic() + self.limits.reset_timeout_s
         while not self.breaker.allow("env"):
+            if not self.worked:
+                raise EnvUnusable(f"environment {self.name} failed {self.limits.breaker_failures} times in a row "
+                                  f"and never worked (last: {self.last_failure}); fix it or its env.kwargs")
             left = deadline - time.monotonic()
             if left <= 0:
                 self.count("quarantined")
-                raise EnvFailure("quarantined", f"environment {self.name} is quarantined after repeated failures")
+                raise EnvFailure("quarantined", f"environment {self.name} is quarantined after repeated failures "
+                                                f"(last: {self.last_failure})")
             await asyncio.sleep(min(0.25, left))
 
     async def _instance(self) -> Any:
@@ -175,8 +200,8 @@ class EnvPool:
         try:
             instance = await self._retrying(self.factory, timeout=self.limits.reset_timeout_s,
                                             what=f"creating environment {self.name}")
-        except EnvFailure:
-            self.breaker.record("env", False)
+        except EnvFailure as e:
+            self.record(e)
             raise
         self.count("instances_created")
         with self._lock:
@@ -216,15 +241,16 @@ class EnvSession:
             with timeline.measure("environment", "reset", track=self.track):
                 obs = await p._retrying(self.env.reset, task, timeout=p.limits.reset_timeout_s,
                                         what=f"{type(self.env).__name__}.reset")
-        except EnvFailure:
+        except EnvFailure as e:
             self.healthy = False
-            p.breaker.record("env", False)
+            p.record(e)
             raise
         if obs is not None and not isinstance(obs, str):
             self.healthy = False
             p.count("bad_return")
             raise EnvFailure("bad_return", f"{type(self.env).__name__}.reset returned {type(obs).__name__}; "
                                            "return the first observation as a str (or None for the task's prompt)")
+        p.worked = True
         p.count("episodes")
         return obs or task.prompt
 
@@ -245,9 +271,10 @@ class EnvSession:
             kind = e.kind if isinstance(e, EnvFailure) else "bad_return"
             self.healthy = False
             p.count(kind)
-            p.breaker.record("env", False)
-            raise EnvFailure(kind, str(e)) from e
-        p.breaker.record("env", True)
+            failure = EnvFailure(kind, str(e))
+            p.record(failure)
+            raise failure from e
+        p.record(None)
         return result, (), ""
 
     async def play(self, fn: Callable, *args: Any, timeout: float, what: str) -> Any:
@@ -260,10 +287,10 @@ class EnvSession:
         except EnvFailure as e:
             self.healthy = False
             p.count(e.kind)
-            p.breaker.record("env", False)
+            p.record(e)
             raise
         p.count("episodes")
-        p.breaker.record("env", True)
+        p.record(None)
         return out
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from conveyor.env.api import StepResult, Tool, ToolError, as_step_result, load_env
-from conveyor.env.pool import Breaker, EnvFailure, EnvPool, PoolLimits
+from conveyor.env.pool import Breaker, EnvFailure, EnvPool, EnvUnusable, PoolLimits
 from conveyor.plugins import PluginError
 from conveyor.types import Task
 
@@ -171,9 +171,41 @@ def test_reset_is_retried_with_backoff_then_fails_and_the_breaker_quarantines():
     assert len(calls) == 4  # one retry each
     assert pool.counts()["crash"] == 4
     assert pool.quarantined() == ["env"]
-    with pytest.raises(EnvFailure) as e:
+    # It never worked: not an outage to wait out, a broken environment that stops the run at once.
+    with pytest.raises(EnvUnusable) as e:  # at once: a quarantine's wait would end in EnvFailure
         run(episode())
-    assert e.value.kind == "quarantined" and len(calls) == 4  # not even tried
+    assert str(e.value) == ("environment env failed 2 times in a row and never worked (last: crash: "
+                            "Flaky.reset raised ConnectionError: backend unreachable); fix it or its env.kwargs")
+    assert len(calls) == 4  # not tried again
+    pool.close()
+
+
+def test_an_environment_that_worked_and_then_fails_is_waited_for_and_named():
+    down = []
+
+    class Outage:
+        def reset(self, task):
+            if down:
+                raise ConnectionError("backend unreachable")
+            return "obs"
+
+        def step(self, action):
+            return StepResult("", 0.0, True)
+    pool = EnvPool(Outage, limits(breaker_failures=2, reset_timeout_s=0.3))
+
+    async def episode():
+        async with pool.session() as s:
+            await s.reset(TASK)
+    run(episode())
+    down.append(1)
+    for _ in range(2):
+        with pytest.raises(EnvFailure, match="ConnectionError"):
+            run(episode())
+    with pytest.raises(EnvFailure) as e:  # quarantined: held back up to reset_timeout_s, then named
+        run(episode())
+    assert e.value.kind == "quarantined"
+    assert str(e.value) == ("environment env is quarantined after repeated failures (last: crash: Outage.reset "
+                            "raised ConnectionError: backend unreachable)")
     pool.close()
 
 
