@@ -83,7 +83,53 @@ def default_run_dir(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False) -> TrainSummary:
+# What a resume cannot change: the weights come from the checkpoint, the warm start is done.
+RESUME_FIXED = ("model.", "sft.")
+# What makes a resume another run (what it learns from, how it scores and updates): refused
+# unless allow_changes, and then recorded in run_dir/config_changes.jsonl.
+RESUME_GUARDED = ("data.", "algo.", "reward.", "env.", "rollout.n", "rollout.temperature", "rollout.top_p",
+                  "rollout.top_k", "rollout.max_new_tokens", "seed")
+
+
+def check_resume(cfg: RunConfig, run_dir: str | Path, allow_changes: bool = False) -> list[tuple[str, Any, Any]]:
+    """The fields ``cfg`` changes from the run's saved config.yaml; a ``ConfigError`` naming them when
+    they change the model or the warm start (never allowed) or, without ``allow_changes``, the data,
+    the rewards, the environment, the sampling or the algorithm. Allowed changes are appended to
+    ``run_dir/config_changes.jsonl`` (config.yaml then says what trains from here on)."""
+    import json
+    import time
+
+    import yaml
+
+    from conveyor.config import config_diff, validate
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"--resume {run_dir}: no config.yaml there; give a run directory written by conveyor train")
+    saved = validate(yaml.safe_load(path.read_text()))
+    changes = [(k, old, new) for k, old, new in config_diff(cfg, saved) if not k.startswith("trainer.profile_dir")]
+
+    def named(prefixes: tuple[str, ...]) -> list[str]:
+        return [f"{k} ({old!r} -> {new!r})" for k, old, new in changes
+                if any(k == p or k.startswith(p) for p in prefixes)]
+    fixed, guarded = named(RESUME_FIXED), named(RESUME_GUARDED)
+    if fixed:
+        raise ConfigError(f"--resume {run_dir}: {', '.join(fixed)} cannot change in a resumed run (its weights "
+                          "are the checkpoint's); start a new run, e.g. with model.path=<the checkpoint>")
+    if guarded and not allow_changes:
+        raise ConfigError(f"--resume {run_dir}: {', '.join(guarded)} would make it another run; drop the "
+                          "override, or pass --allow-changes (recorded in config_changes.jsonl)")
+    if changes:
+        record = {"time": time.time(), "changes": {k: {"from": old, "to": new} for k, old, new in changes}}
+        with (Path(run_dir) / "config_changes.jsonl").open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+    return changes
+
+
+def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False,
+          allow_changes: bool = False) -> TrainSummary:
+    """Train ``cfg`` in ``run_dir``; ``resume``: continue it from its latest checkpoint, with the
+    changes ``check_resume`` allows (``allow_changes``: those to the data, rewards, environment,
+    sampling and algorithm too)."""
     from conveyor.launch.preflight import check_devices
     from conveyor.observe.progress import quiet_libraries, say
     if cfg.launch.backend == "ray":  # the cluster's devices, not this machine's, are the roles'
@@ -98,6 +144,10 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = Fals
         check_devices(cfg)
     quiet_libraries()
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
+    if resume:
+        changes = check_resume(cfg, run_dir, allow_changes)
+        if changes:
+            say(f"resume changes: {', '.join(f'{k}={new!r}' for k, _, new in changes)}")
     if cfg.sft.steps == 0 and not resume:
         if cfg.model.path:
             say(f"warm-start: skipped (sft.steps is 0); RL starts from {cfg.model.path} as it is")

@@ -94,7 +94,7 @@ def _train(ns) -> int:
         recipe, overrides = _split(ns.args)
         if recipe:
             raise ConfigError("--resume takes the recipe saved in the run directory; pass only key=value overrides")
-        api.train(api.run_config(run_dir, overrides), run_dir, resume=True)
+        api.train(api.run_config(run_dir, overrides), run_dir, resume=True, allow_changes=ns.allow_changes)
     else:
         cfg, recipe = _config(ns.args, ns.output_dir)
         _say_base(cfg, recipe)
@@ -296,7 +296,11 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--output-dir", default=None, help="run directory (default runs/<name>-<time>)")
         if name == "train":
             sp.add_argument("--resume", metavar="RUN_DIR", default=None,
-                            help="continue RUN_DIR from its latest checkpoint (overrides allowed)")
+                            help="continue RUN_DIR from its latest checkpoint (overrides of the loop, launch, "
+                                 "trainer and logging allowed)")
+            sp.add_argument("--allow-changes", action="store_true",
+                            help="with --resume: allow overrides of the data, rewards, environment, sampling and "
+                                 "algorithm too (recorded in RUN_DIR/config_changes.jsonl)")
         if name == "config":
             sp.add_argument("--diff", action="store_true", help="only the fields that differ from the base")
         sp.set_defaults(fn=fn)

@@ -55,3 +55,28 @@ def test_import_conveyor_stays_light():
     code = "import sys, conveyor; f = conveyor.load_config; print('torch' in sys.modules, f.__module__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "conveyor.api"]
+
+
+def test_a_resume_that_changes_the_model_data_or_algorithm_is_refused_naming_the_fields(tmp_path, capsys):
+    import json
+
+    from conveyor.api import check_resume
+    from conveyor.cli import main
+    from conveyor.config import ConfigError, load_config, save_config
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_config(None, ["loop.steps=4"]), run / "config.yaml")
+    # The CLI: one line naming the field, before anything starts; the record is untouched.
+    assert main(["train", "--resume", str(run), "model.tiny.hidden_size=64"]) == 2
+    err = capsys.readouterr().err
+    assert "model.tiny.hidden_size (128 -> 64) cannot change in a resumed run" in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match=r"data.eval_size \(256 -> 50\) would make it another run; .* "
+                                          r"--allow-changes"):
+        check_resume(load_config(None, ["loop.steps=4", "data.eval_size=50"]), run)
+    assert not (run / "config_changes.jsonl").exists()
+    # Allowed: the loop's length always, the data with allow_changes; both recorded.
+    assert check_resume(load_config(None, ["loop.steps=8"]), run) == [("loop.steps", 4, 8)]
+    check_resume(load_config(None, ["loop.steps=4", "algo.loss=decoupled_ppo"]), run, allow_changes=True)
+    records = [json.loads(line) for line in (run / "config_changes.jsonl").read_text().splitlines()]
+    assert [r["changes"] for r in records] == [{"loop.steps": {"from": 4, "to": 8}},
+                                               {"algo.loss": {"from": "ppo", "to": "decoupled_ppo"}}]
