@@ -125,6 +125,16 @@ def check_resume(cfg: RunConfig, run_dir: str | Path, allow_changes: bool = Fals
     return changes
 
 
+def _refuse_a_used_dir(run_dir: Path) -> None:
+    """A run writes into a directory no other run trained in: appended to, its logs would read as
+    one run of two, and its export would meet the other's files."""
+    held = [name for name in ("summary.json", "metrics.jsonl", "checkpoints", "final")
+            if (run_dir / name).exists() and not (name == "metrics.jsonl" and (run_dir / name).stat().st_size == 0)]
+    if held:
+        raise ConfigError(f"--output-dir {run_dir} holds another run ({', '.join(held)}); give a new directory, "
+                          f"or --resume {run_dir} to continue that one")
+
+
 def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False,
           allow_changes: bool = False) -> TrainSummary:
     """Train ``cfg`` in ``run_dir``; ``resume``: continue it from its latest checkpoint, with the
@@ -144,6 +154,8 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = Fals
         check_devices(cfg)
     quiet_libraries()
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
+    if not resume:
+        _refuse_a_used_dir(run_dir)
     if resume:
         changes = check_resume(cfg, run_dir, allow_changes)
         if changes:

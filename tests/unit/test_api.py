@@ -80,3 +80,17 @@ def test_a_resume_that_changes_the_model_data_or_algorithm_is_refused_naming_the
     records = [json.loads(line) for line in (run / "config_changes.jsonl").read_text().splitlines()]
     assert [r["changes"] for r in records] == [{"loop.steps": {"from": 4, "to": 8}},
                                                {"algo.loss": {"from": "ppo", "to": "decoupled_ppo"}}]
+
+
+def test_a_directory_that_holds_a_run_is_refused_unless_resumed(tmp_path, capsys):
+    from conveyor.cli import main
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")  # an empty log: a run that wrote nothing yet is no run
+    (run / "summary.json").write_text("{}")
+    assert main(["train", f"--output-dir={run}", "loop.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--output-dir {run} holds another run (summary.json); give a new directory, or --resume {run}" in err
+    assert "Traceback" not in err and (run / "summary.json").read_text() == "{}"
+    with pytest.raises(ConfigError, match="holds another run"):
+        api.train(load_config(None, ["loop.steps=1"]), run)
