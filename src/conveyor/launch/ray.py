@@ -271,11 +271,36 @@ def connect(cfg: RunConfig) -> bool:
     if ray.is_initialized():
         return False
     if cfg.launch.ray_address:
-        ray.init(address=cfg.launch.ray_address, log_to_driver=False)
+        address = cfg.launch.ray_address
+        _probe(address)
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise SetupError(f"launch.ray_address={address}: could not connect to the Ray cluster ({first}); "
+                             "check the address (`ray status` on the head node prints it)") from None
     else:  # a Ray of this run only: as many CPUs as the roles' bundles ask for (threads, not cores)
         ray.init(num_cpus=max(os.cpu_count() or 1, cpus_needed(cfg)), include_dashboard=False,
                  log_to_driver=False, object_store_memory=200 * 2**20)
     return True
+
+
+def _probe(address: str, timeout_s: float = 5.0) -> None:
+    """A ``host:port`` that nothing answers on is a one-line error in seconds: Ray itself would
+    retry it for many minutes. (``auto`` and ``ray://`` addresses are Ray's to resolve.)"""
+    import socket
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise SetupError(f"launch.ray_address={address}: give host:port (the head node's GCS address, e.g. "
+                         "10.0.0.1:6379), auto, or empty for a Ray of the run's own")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise SetupError(f"launch.ray_address={address}: nothing answers there ({e.strerror or e}); start the "
+                         "cluster (ray start --head) or fix the address") from None
 
 
 def cpus_needed(cfg: RunConfig) -> int:

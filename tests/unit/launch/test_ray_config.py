@@ -33,3 +33,18 @@ def test_a_local_ray_gets_a_cpu_per_reward_actor(placement, executor, want):
     cfg = load_config(None, ["launch.backend=ray", f"launch.placement={placement}", f"reward.executor={executor}",
                              "reward.workers=3"])
     assert cpus_needed(cfg) == want
+
+
+@pytest.mark.parametrize("address, needle", [
+    ("127.0.0.1:{port}", "nothing answers there"),
+    ("headnode", "give host:port"),
+])
+def test_a_wrong_ray_address_is_one_line_at_once(address, needle):
+    # Before: Ray retried a dead address for about 14 minutes, then raised a raw ConnectionError.
+    from conveyor.launch.placement import free_port
+    from conveyor.launch.ray import connect
+    from conveyor.runtime.errors import SetupError
+    address = address.format(port=free_port())  # a port nothing listens on
+    cfg = load_config(None, ["launch.backend=ray", f"launch.ray_address={address}"])
+    with pytest.raises(SetupError, match=rf"launch.ray_address={address}: {needle}"):
+        connect(cfg)
