@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable
 from conveyor.controller.multi_turn import EpisodeLimits, TurnFormat, run_episode
 from conveyor.env.pool import EnvFailure, EnvPool, EnvUnusable
 from conveyor.rollout.api import Completion, EngineWorker, SamplingParams
+from conveyor.runtime import watchdog
 from conveyor.transport.messages import Done, Generate
 from conveyor.types import Group, Task, Trajectory
 
@@ -77,7 +78,8 @@ class EpisodeRunner:
         self.agents = agents
         if agents is not None:  # the endpoint's calls are turns of this loop, like run_episode's
             try:
-                asyncio.run_coroutine_threadsafe(agents.start(self), self._loop).result(timeout=60)
+                watchdog.result(asyncio.run_coroutine_threadsafe(agents.start(self), self._loop), 60,
+                                "the agents' endpoint's start")
             except BaseException:
                 self.close()
                 raise
@@ -126,7 +128,7 @@ class EpisodeRunner:
         async def all_of():
             return await asyncio.gather(*(one(t, seeded(i)) for i, t in enumerate(tasks)))
         fut = asyncio.run_coroutine_threadsafe(all_of(), self._loop)
-        return fut.result(timeout=timeout_s)
+        return watchdog.result(fut, timeout_s, f"{len(tasks)} episodes")
 
     def demonstrate(self, tasks: list[Task], teacher: Callable, rng, timeout_s: float) -> list[Trajectory]:
         """Episodes played by a scripted ``teacher(task, transcript, rng) -> action`` instead of
@@ -148,7 +150,8 @@ class EpisodeRunner:
 
         async def all_of():
             return await asyncio.gather(*(one(t) for t in tasks))
-        out = asyncio.run_coroutine_threadsafe(all_of(), self._loop).result(timeout=timeout_s)
+        out = watchdog.result(asyncio.run_coroutine_threadsafe(all_of(), self._loop), timeout_s,
+                              f"the warm start's {len(tasks)} demonstrated episodes")
         return [t for t in out if t is not None]
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from conveyor.observe import timeline
 from conveyor.observe.progress import report_length_skips
 from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.single_turn import prepare_prompts, to_groups
+from conveyor.runtime import watchdog
 from conveyor.types import Task
 
 
@@ -64,7 +65,8 @@ class Evaluator:
         tasks, prompts = prepare_prompts(p.tokenizer, tasks, p.max_prompt_tokens, p.add_special_tokens)
         report_length_skips(self.logger, p.max_prompt_tokens, n - len(tasks), n, prefix, self.length_notes)
         t0 = time.perf_counter()
-        outs = self.rollouts.request([list(x) for x in prompts], params).result(timeout=cfg.launch.timeout_s)
+        outs = watchdog.result(self.rollouts.request([list(x) for x in prompts], params), cfg.launch.timeout_s,
+                               f"the evaluation's {len(prompts)} generations ({prefix.rstrip('_')})")
         groups = to_groups(p.tokenizer, tasks, prompts, outs, time.perf_counter() - t0)
         return self._means([t for g in groups for t in g.trajectories], prefix, step=step)
 

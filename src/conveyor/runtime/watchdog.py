@@ -18,6 +18,12 @@ Contract
   that ends the child when its parent is gone (a controller killed with
   SIGKILL leaves no role process behind; the child notices within
   ``PARENT_POLL_S``).
+- ``result(future, timeout_s, what)``: ``future.result(timeout_s)`` for a wait of
+  one role on another (an evaluation, a batch of episodes, an agent server's
+  start); one that runs out is a ``RoleError`` saying what did not finish in
+  how long, with every role's stacks dumped and where each was (a raw
+  ``TimeoutError`` named nothing). tests/unit/runtime/test_watchdog.py lists
+  every other ``.result(timeout=...)`` in the code and why it may wait alone.
 - ``Deadlines(base_s)``: the deadline of a wait of some kind is the larger of
   ``base_s`` (``launch.timeout_s``) and ``GROWTH`` times the longest wait of
   that kind that completed, so a stuck run stops within minutes while a
@@ -120,6 +126,16 @@ def dump_stacks(what: str) -> str:
         lines.append(f"{r.role} (pid {r.proc.pid}): {where or 'no stack written'}; stacks in {r.log_path}")
     lines.extend(_remote_line(role, fetch, what) for role, fetch in list(_remote.items()))
     return "\n".join(lines)
+
+
+def result(future, timeout_s: float, what: str):
+    """``future.result(timeout_s)``; running out is a ``RoleError`` with every role's stacks."""
+    from conveyor.runtime.errors import RoleError
+    try:
+        return future.result(timeout=timeout_s)
+    except TimeoutError:  # concurrent.futures' and asyncio's TimeoutError are this one
+        raise RoleError(f"{what} did not finish within {timeout_s:g}s (launch.timeout_s)\nwhere each role was:\n"
+                        f"{dump_stacks(what)}") from None
 
 
 def _remote_line(role: str, fetch: Callable[[float], str], what: str) -> str:

@@ -191,3 +191,45 @@ def test_a_role_start_stops_with_the_error_of_a_role_that_failed_meanwhile(tmp_p
         proc.check()  # still running: stopping it is the caller's (start_trainer stops every rank)
     finally:
         proc.stop(timeout=0)
+
+
+def test_a_wait_that_runs_out_is_a_role_error_with_every_roles_stacks(tmp_path):
+    from concurrent.futures import Future
+    watchdog.configure(tmp_path / "logs")
+    with pytest.raises(RoleError) as e:
+        watchdog.result(Future(), 0.01, "the evaluation's 8 generations (eval)")
+    msg = str(e.value)
+    assert msg.startswith("the evaluation's 8 generations (eval) did not finish within 0.01s (launch.timeout_s)")
+    assert f"controller: stacks in {tmp_path / 'logs' / 'controller.log'}" in msg
+    done = Future()
+    done.set_result(7)
+    assert watchdog.result(done, 0.01, "x") == 7
+
+
+# Every other wait on a future with a deadline, and why it may run out on its own: a new one
+# either goes through watchdog.result or is added here with its reason.
+OWN_DEADLINES = {
+    ("runtime/watchdog.py", "future.result"): "the watchdog's own wait",
+    ("env/tools/mcp.py", "fut.result"): "an MCP server's start: a tool failure the pool counts",
+    ("env/tools/mcp.py", "asyncio.run_coroutine_threadsafe(settle(), self._loop).result"): "closing a server",
+    ("reward/calls.py", "fut.result"): "a reward call's deadline: the reward's fallback, counted",
+    ("controller/episodes.py", "asyncio.run_coroutine_threadsafe(self.agents.stop(), self._loop).result"):
+        "closing the agents' endpoint",
+    ("controller/episodes.py", "asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result"):
+        "closing the episodes' loop",
+}
+
+
+def test_every_wait_on_a_future_goes_through_the_watchdog_or_says_why_not():
+    import ast
+    src = Path(__file__).resolve().parents[3] / "src" / "conveyor"
+    raw = set()
+    for path in src.rglob("*.py"):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "result"
+                    and (node.args or any(k.arg == "timeout" for k in node.keywords))
+                    and ast.get_source_segment(text, node.func) != "watchdog.result"):
+                raw.add((str(path.relative_to(src)), ast.get_source_segment(text, node.func)))
+    assert raw - set(OWN_DEADLINES) == set(), "wait through runtime.watchdog.result (or list it in OWN_DEADLINES)"
+    assert set(OWN_DEADLINES) - raw == set(), "OWN_DEADLINES names waits that are gone"
