@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conveyor.api import load_config, train
-from conveyor.env.api import StepResult
+from conveyor.env.api import StepResult, Tool
 from conveyor.env.pool import EnvPool, EnvUnusable, PoolLimits
 from conveyor.env.tool_env import ToolEnv
 from conveyor.runtime.errors import RoleError
@@ -47,6 +47,17 @@ class Flaky:
 class Broken:
     def reset(self, task):
         raise ConnectionError("service is down")
+
+    def step(self, action):
+        return StepResult("", 0.0, True)
+
+
+class BadTool:
+    """A tool whose schema names a type JSON does not have."""
+    tools = [Tool("calc", "adds", {"type": "object", "properties": {"x": {"type": "int"}}}, lambda x: str(x))]
+
+    def reset(self, task):
+        return task.prompt
 
     def step(self, action):
         return StepResult("", 0.0, True)
@@ -136,3 +147,13 @@ def test_an_environment_broken_from_the_start_stops_the_run_at_once_naming_its_e
                                           r"and never worked \(last: crash: Broken.reset raised ConnectionError: "
                                           r"service is down\); fix it or its env.kwargs"):
         train(cfg, tmp_path / "run")
+
+
+def test_a_tool_with_a_broken_schema_is_refused_before_the_run_in_one_line(tmp_path, capsys):
+    from conveyor.cli import main
+    rc = main(["train", f"--output-dir={tmp_path / 'run'}", "env.name=tests.e2e.test_env_faults:BadTool",
+               "sft.steps=0", "loop.steps=1", "observe.progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and "conveyor: error: env.name='tests.e2e.test_env_faults:BadTool': tool calc: " \
+        "parameters.properties.x.type 'int' is not a JSON type" in "\n".join(err), err
+    assert not any("Traceback" in line for line in err)

@@ -286,4 +286,11 @@ def _check_builds(build: Callable, e) -> None:
         first = str(err).splitlines()[0] if str(err) else ""
         raise SetupError(f"env.name={e.name!r} with env.kwargs={dict(e.kwargs)}: building it raised "
                          f"{type(err).__name__}: {first}; fix env.kwargs or the environment") from None
-    _close_quietly(instance)
+    try:
+        from conveyor.env.api import env_tools
+        from conveyor.env.parsers import tool_problem
+        problems = [p for p in map(tool_problem, env_tools(instance)) if p]
+        if problems:
+            raise SetupError(f"env.name={e.name!r}: {problems[0]}; fix the tool's declaration")
+    finally:
+        _close_quietly(instance)

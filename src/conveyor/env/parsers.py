@@ -30,6 +30,11 @@ Contract
     malformed call wins.
 - ``check_call(call, tools) -> ToolError | None``: ``unknown_tool`` (the message lists the
   known tools) or ``bad_arguments`` (the arguments against the tool's schema).
+- ``tool_problem(tool) -> str | None``: what is wrong with a tool's declaration
+  (its name, or its ``parameters`` as a schema of the subset below: an
+  ``object`` schema, known ``type`` names, ``properties`` of schemas,
+  ``required`` naming properties, ``enum`` a list, ``items`` one schema); the
+  pool's environment is refused before the run when one of its tools has one.
 - ``format_tool_result(name, text)`` is ``"<name>: <text>"``; ``format_error(message)`` is
   ``"error: <message>"``: the observation texts the model reads.
 
@@ -344,6 +349,48 @@ def _signature(tool: Tool) -> str:
     parts = [f"{k}: {(v or {}).get('type', 'any') if isinstance(v, Mapping) else 'any'}"
              + ("" if k in required else " (optional)") for k, v in props.items()]
     return f"{tool.name}({', '.join(parts)})"
+
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def tool_problem(tool: Tool) -> str | None:
+    """What is wrong with ``tool``'s declaration (see the module docstring), or None."""
+    if not isinstance(tool.name, str) or not _TOOL_NAME.fullmatch(tool.name):
+        return f"tool name {tool.name!r} must be 1-64 letters, digits, _ . or -"
+    schema = tool.parameters
+    if not isinstance(schema, Mapping) or schema.get("type") != "object":
+        return f"tool {tool.name}: parameters must be a JSON schema of type object, got {schema!r:.120}"
+    problem = _declaration_problem(schema, "parameters")
+    return f"tool {tool.name}: {problem}" if problem else None
+
+
+def _declaration_problem(schema: Any, where: str) -> str | None:
+    if not isinstance(schema, Mapping):
+        return f"{where} must be a schema (a mapping), got {type(schema).__name__}"
+    types = schema.get("type")
+    if types is not None:
+        names = [types] if isinstance(types, str) else types
+        if not isinstance(names, list) or not names or any(t not in _JSON_TYPES for t in names):
+            return f"{where}.type {types!r} is not a JSON type ({', '.join(_JSON_TYPES)}, or a list of them)"
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return f"{where}.enum must be a list, got {type(schema['enum']).__name__}"
+    props = schema.get("properties", {})
+    if not isinstance(props, Mapping):
+        return f"{where}.properties must map names to schemas, got {type(props).__name__}"
+    for key, sub in props.items():
+        problem = _declaration_problem(sub, f"{where}.properties.{key}")
+        if problem:
+            return problem
+    required = schema.get("required", [])
+    if not isinstance(required, list) or any(not isinstance(r, str) for r in required):
+        return f"{where}.required must be a list of property names, got {required!r:.120}"
+    missing = [r for r in required if r not in props]
+    if missing:
+        return f"{where}.required names {missing} that are not in its properties"
+    if "items" in schema:
+        return _declaration_problem(schema["items"], f"{where}.items")
+    return None
 
 
 def _schema_problem(value: Any, schema: Mapping[str, Any], where: str) -> str | None:

@@ -208,3 +208,25 @@ def test_check_call_schema_subset(schema, value, ok):
 def test_observation_texts():
     assert format_tool_result("calculator", "56088\n") == "calculator: 56088"
     assert format_error("unknown tool 'x'") == "error: unknown tool 'x'"
+
+
+@pytest.mark.parametrize("name, parameters, problem", [
+    ("add", {"type": "object", "properties": {"a": {"type": "int"}}},
+     "tool add: parameters.properties.a.type 'int' is not a JSON type"),
+    ("add", {"type": "object", "properties": {"a": {"type": "number"}}, "required": ["b"]},
+     "tool add: parameters.required names ['b'] that are not in its properties"),
+    ("add", {"properties": {}}, "tool add: parameters must be a JSON schema of type object"),
+    ("add two", {"type": "object"}, "tool name 'add two' must be 1-64 letters"),
+    ("add", {"type": "object", "properties": {"a": {"type": "array", "items": "number"}}},
+     "tool add: parameters.properties.a.items must be a schema (a mapping), got str"),
+])
+def test_a_tool_declared_wrong_is_named(name, parameters, problem):
+    from conveyor.env.parsers import tool_problem
+    assert tool_problem(Tool(name, "d", parameters, lambda **kw: "")).startswith(problem)
+
+
+def test_the_builtin_tools_are_declared_right(tmp_path):
+    from conveyor.env.parsers import tool_problem
+    from conveyor.env.tools.calculator import calculator_tool
+    from conveyor.env.tools.search import search_tool
+    assert [tool_problem(t) for t in (*TOOLS, calculator_tool(), search_tool(tmp_path))] == [None] * (len(TOOLS) + 2)
