@@ -239,7 +239,7 @@ class RayLauncher:
                     from None
             self._record(f"trainer{r}", places[-1])
             self._watch(f"trainer{r}", lambda a=a: a)
-        return RayTrainerProxy(actors, places, la.timeout_s)
+        return RayTrainerProxy(actors, places, la.timeout_s, la.collective_timeout_s)
 
     def warm_start_trainer(self, cfg: RunConfig, path: str, tokenizer):
         return make_trainer(cfg, path, tokenizer)

@@ -51,7 +51,6 @@ import ray
 from conveyor.launch.roles import TrainerProxy
 from conveyor.runtime import watchdog
 from conveyor.runtime.procs import RoleError, stop_for
-from conveyor.runtime.watchdog import Deadlines
 from conveyor.transport.messages import Answer, Failed, Ready
 
 
@@ -311,17 +310,16 @@ class TrainerRankActor:
 class RayTrainerProxy(TrainerProxy):
     """``TrainerProxy``'s calls over trainer rank actors (see the module docstring)."""
 
-    def __init__(self, actors: list, places: list[Place], timeout: float):
-        super().__init__([], timeout)
+    def __init__(self, actors: list, places: list[Place], timeout: float, collective_s: float = 0.0):
+        super().__init__([], timeout, collective_s)
         self._actors, self._places = actors, places
-        self._deadlines = Deadlines(timeout)
 
     def _name(self, r: int) -> str:
         return "trainer" if len(self._actors) == 1 else f"trainer{r}"
 
     def _call(self, method: str, *args, **kwargs) -> list:
         t0 = time.monotonic()
-        timeout = self._deadlines.of(method)
+        timeout = self._deadline(method)
         # The arguments (a step's batch) go into the object store once, not once per rank.
         shared = ray.put((args, kwargs))
         refs = [a.call.remote(method, shared) for a in self._actors]

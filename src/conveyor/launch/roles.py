@@ -63,17 +63,27 @@ class TrainerProxy:
     """The ``TrainerHandle`` of trainer ranks in their own processes: every call goes to every
     rank (they run it together) and rank 0's answer is returned."""
 
-    def __init__(self, rpcs: list[RpcClient], timeout: float):
+    # Calls that publish weights: on a broadcast group a publish may first wait for a dead
+    # engine's replacement to join (up to launch.collective_timeout_s, then a named error) and
+    # send it the version again; the call's deadline covers both, so that error, not the call's
+    # own deadline, is what stops the run.
+    PUBLISHES = ("train_and_publish", "finish_and_publish", "publish")
+
+    def __init__(self, rpcs: list[RpcClient], timeout: float, collective_s: float = 0.0):
         self._rpcs = rpcs
         self._deadlines = Deadlines(timeout)  # a call's deadline grows with the longest call seen
+        self._collective_s = float(collective_s)
         self._failed: Callable[[], BaseException | None] = lambda: None
+
+    def _deadline(self, method: str) -> float:
+        return self._deadlines.of(method) + (2 * self._collective_s if method in self.PUBLISHES else 0.0)
 
     def stop_if(self, failed: Callable[[], BaseException | None]) -> None:
         self._failed = failed
 
     def _call(self, method: str, *args, **kwargs) -> list:
         t0 = time.monotonic()
-        answers = call_all(self._rpcs, method, args, kwargs, self._deadlines.of(method), self._failed)
+        answers = call_all(self._rpcs, method, args, kwargs, self._deadline(method), self._failed)
         self._deadlines.observe(method, time.monotonic() - t0)
         return answers
 
@@ -248,7 +258,7 @@ def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
         for rpc in rpcs:
             rpc.proc.stop(timeout=1)
         raise
-    return TrainerProxy(rpcs, cfg.launch.timeout_s)
+    return TrainerProxy(rpcs, cfg.launch.timeout_s, cfg.launch.collective_timeout_s)
 
 
 def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement,

@@ -57,3 +57,12 @@ def test_placements_that_do_not_fit_are_named(over, gpus, words):
 def test_colocated_ranks_and_engines_must_pair_up():
     with pytest.raises(ValueError, match="launch.engines .2. must equal launch.trainer_ranks .3."):
         _cfg("launch.trainer_ranks=3", "launch.engines=2")
+
+
+def test_a_publishing_trainer_call_waits_past_a_regroup_that_names_who_did_not_join():
+    # A publish may wait launch.collective_timeout_s for a replaced engine to join, then fail
+    # naming it: the call's own deadline must not run out first (it would name only the trainer).
+    from conveyor.launch.roles import TrainerProxy
+    proxy = TrainerProxy([], timeout=300.0, collective_s=120.0)
+    assert [proxy._deadline(m) for m in ("train_and_publish", "finish_and_publish", "publish")] == [540.0] * 3
+    assert proxy._deadline("logprobs") == proxy._deadline("accumulate") == 300.0
