@@ -83,7 +83,8 @@ def default_run_dir(cfg: RunConfig) -> Path:
     return Path("runs") / f"{cfg.name}-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-# What a resume cannot change: the weights come from the checkpoint, the warm start is done.
+# Sections ("x.") or single fields. What a resume cannot change: the weights come from the
+# checkpoint, the warm start is done.
 RESUME_FIXED = ("model.", "sft.")
 # What makes a resume another run (what it learns from, how it scores and updates): refused
 # unless allow_changes, and then recorded in run_dir/config_changes.jsonl.
@@ -110,7 +111,7 @@ def check_resume(cfg: RunConfig, run_dir: str | Path, allow_changes: bool = Fals
 
     def named(prefixes: tuple[str, ...]) -> list[str]:
         return [f"{k} ({old!r} -> {new!r})" for k, old, new in changes
-                if any(k == p or k.startswith(p) for p in prefixes)]
+                if any(k.startswith(p) if p.endswith(".") else k == p for p in prefixes)]
     fixed, guarded = named(RESUME_FIXED), named(RESUME_GUARDED)
     if fixed:
         raise ConfigError(f"--resume {run_dir}: {', '.join(fixed)} cannot change in a resumed run (its weights "
@@ -154,12 +155,12 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = Fals
         check_devices(cfg)
     quiet_libraries()
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
-    if not resume:
-        _refuse_a_used_dir(run_dir)
     if resume:
         changes = check_resume(cfg, run_dir, allow_changes)
         if changes:
             say(f"resume changes: {', '.join(f'{k}={new!r}' for k, _, new in changes)}")
+    else:
+        _refuse_a_used_dir(run_dir)
     if cfg.sft.steps == 0 and not resume:
         if cfg.model.path:
             say(f"warm-start: skipped (sft.steps is 0); RL starts from {cfg.model.path} as it is")
