@@ -464,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"conveyor: run stopped: {stop}", file=sys.stderr)
             return 1
         raise
-    except KeyboardInterrupt:
-        print("conveyor: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"conveyor: interrupted{f': {e}' if str(e) else ''}", file=sys.stderr)
         return 130
 
 

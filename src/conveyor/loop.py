@@ -34,7 +34,7 @@ from conveyor.controller.replay import ReplayStore
 from conveyor.controller.schedule import Ledger
 from conveyor.controller.step_batch import prepare, train_and_prepare_next
 from conveyor.controller.step_stats import engine_stats, rollout_stats, sync_stats
-from conveyor.runtime import watchdog
+from conveyor.runtime import interrupt, watchdog
 from conveyor.runtime.errors import RoleError
 from conveyor.runtime.watchdog import Deadlines
 from conveyor.trainer.api import TrainerHandle
@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from conveyor.transport.buffer import TrajectoryBuffer
 
 
+@interrupt.deferred  # Ctrl-C: the step in progress ends whole (and is checkpointed) before the run stops
 def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffer: TrajectoryBuffer,
             rewards: RewardHandle, logger: MetricsLogger, timer: PhaseTimer,
             evaluate: Callable[[int], dict], checkpoint: Callable[[int, dict, dict | None], object],
@@ -117,12 +118,16 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
         logger.log(step + 1, metrics)
         logger.trace(step + 1, sb.groups, sb.indices)  # what the model wrote (observe.traces_per_step of them)
         evaluation = None
-        if lc.eval_every and (step + 1) % lc.eval_every == 0 and step + 1 < lc.steps:
+        if lc.eval_every and (step + 1) % lc.eval_every == 0 and step + 1 < lc.steps and not interrupt.requested():
             with timer.outside():  # not a training step's time: samples/s and idle fractions stay true
                 evaluation = evaluate(step + 1)
             engine_stats(rollouts.snapshot().clocks, clocks)  # the engines' eval work is not the next step's
-        if lc.checkpoint_every and (step + 1) % lc.checkpoint_every == 0:
-            checkpoint(step + 1, counters, evaluation)
+        saved = None
+        if lc.checkpoint_every and ((step + 1) % lc.checkpoint_every == 0 or interrupt.requested()):
+            saved = checkpoint(step + 1, counters, evaluation)
+        if interrupt.requested():  # Ctrl-C during the step: it ended whole, and was saved above
+            raise interrupt.Interrupted(f"stopped after step {step + 1}" + (f", saved in {saved}" if saved else
+                                        " (no checkpoint: loop.checkpoint_every is 0)"))
     rollouts.stop_admitting()
     return metrics
 

@@ -232,3 +232,31 @@ def test_reward_workers_that_hang_or_die_are_counted_and_the_run_completes(tmp_p
     last = train_rows(run_dir)[-1]
     assert last["reward_timeouts"] >= 1 and last["reward_worker_deaths"] >= 1, last
     assert last["step"] == 3
+
+
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+def test_ctrl_c_ends_the_step_in_progress_saves_it_and_the_run_resumes(tmp_path, placement):
+    """Ctrl-C reaches the terminal's whole process group: the role processes ignore it, the step in
+    progress ends whole and is checkpointed (although no checkpoint was due), the run exits 130,
+    and --resume continues from that step as one run."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run_dir}", *TINY, "loop.steps=400",
+           "loop.checkpoint_every=1000", "loop.eval_every=0", f"launch.placement={placement}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+                            start_new_session=True)
+    wait_for_step(proc, run_dir, 2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    last = max(r["step"] for r in train_rows(run_dir))
+    assert f"conveyor: interrupted: stopped after step {last}, saved in " in err, err[-3000:]
+    assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == [f"step_{last:06d}"]
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err, err[-3000:]
+    if placement == "colocated":  # one process
+        return
+    for log in (run_dir / "logs").glob("*.log"):
+        assert "KeyboardInterrupt" not in log.read_text(), log
+    r = subprocess.run([sys.executable, "-m", "conveyor.cli", "train", "--resume", str(run_dir),
+                        f"loop.steps={last + 1}"], capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in train_rows(run_dir)] == list(range(1, last + 2))

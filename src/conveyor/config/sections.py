@@ -81,8 +81,10 @@ class RolloutConfig(_Section):
     stop: list[str] = Field(default_factory=list, description="stop strings (the EOS token always stops)")
     max_batch: int = Field(512, ge=1, description="sequences decoded together")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N (in-process engine)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
-        "engine weights; auto keeps the checkpoint's dtype (the trainer always keeps fp32 master weights)"))
+    dtype: Literal["auto", "native", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "engine weights; auto keeps the checkpoint's dtype; native: bfloat16 where the engine's device computes "
+        "it in hardware (a GPU, a CPU with AMX/AVX512-BF16 or Arm BF16), float32 elsewhere, printed at start "
+        "(the trainer always keeps fp32 master weights)"))
     eos_bias: float = Field(0.0, description="added to the EOS logit (benchmark length shaping)")
     runner: Literal["auto", "fast", "hf"] = Field("auto", description=(
         "native engine: fast = own forward, paged KV cache, CUDA graphs (Llama/Qwen2/Qwen3); hf = the "
@@ -170,11 +172,13 @@ class TrainerConfig(_Section):
         "experimental: torch.compile each decoder layer and the logprob head, fusing the small memory-bound "
         "ops of norms, rotary and activations; the first steps pay for compilation (minutes on a GPU)"))
     autocast_bf16: bool = Field(True, description="bf16 autocast on GPU (ignored on CPU)")
-    param_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
+    param_dtype: Literal["auto", "native", "float32", "bfloat16"] = Field("auto", description=(
         "dtype of the linear layers' weights that forward and backward run on (single-device trainer); "
         "the optimizer keeps float32 master weights either way. auto: bfloat16 on a GPU with autocast_bf16 "
         "(bf16 copies of the linear weights under autocast, gradients summed in float32; embeddings, norms "
-        "and biases stay float32: autocast's numbers without its per-op weight casts), float32 on CPU (exact)"))
+        "and biases stay float32: autocast's numbers without its per-op weight casts), float32 on CPU (exact); "
+        "native: as auto on a GPU, and bfloat16 on a CPU that computes it in hardware (AMX/AVX512-BF16, Arm "
+        "BF16), printed at start"))
     kernels: bool = Field(True, description=(
         "on a GPU with Triton, our fused kernels for the logprob head (one read of the logits per pass) "
         "and for RMSNorm, the SwiGLU product and the rotary embedding, with one GEMM for q/k/v and one for "

@@ -12,7 +12,9 @@ without generating again: the weights of a step do not change. The completions o
 the first ``observe.eval_samples`` tasks go to ``eval_samples.jsonl``. ``on(tasks,
 temperature, prefix)`` does one such pass over any tasks (the warm start's
 early-stop check). Requests go through the producer outside the training
-schedule, with a fixed seed, and wait with the launch deadline. It knows
+schedule, with a fixed seed, and wait with the launch deadline; before the
+first, PROBE of its generations are timed and a whole predicted to run past
+that deadline is said at once. It knows
 nothing of training or of how the engines run.
 """
 from __future__ import annotations
@@ -29,6 +31,8 @@ from conveyor.rollout.single_turn import prepare_prompts, to_groups
 from conveyor.runtime import watchdog
 from conveyor.types import Task
 
+PROBE = 8  # generations timed before the first evaluation, to predict its time
+
 
 class Evaluator:
     def __init__(self, cfg: RunConfig, tasks: list[Task], prompting: Prompting, rollouts: Producer, rewards,
@@ -38,6 +42,7 @@ class Evaluator:
         self.rollouts, self.rewards, self.logger = rollouts, rewards, logger
         self.length_notes: dict[str, int] = {}  # prompts skipped for length, as last reported
         self._last: tuple[int, dict[str, float]] | None = None  # (step, result) of the last evaluation
+        self._predicted = False  # the first evaluation's time has been predicted (_predict)
 
     def evaluate(self, step: int) -> dict[str, float]:
         if step > 0 and self._last is not None and self._last[0] == step:  # step 0 recurs after a warm-start
@@ -64,11 +69,32 @@ class Evaluator:
             return self._episodes(tasks, params, prefix, step)
         tasks, prompts = prepare_prompts(p.tokenizer, tasks, p.max_prompt_tokens, p.add_special_tokens)
         report_length_skips(self.logger, p.max_prompt_tokens, n - len(tasks), n, prefix, self.length_notes)
+        if not self._predicted:
+            self._predicted = True
+            self._predict(prompts, params)
         t0 = time.perf_counter()
         outs = watchdog.result(self.rollouts.request([list(x) for x in prompts], params), cfg.launch.timeout_s,
                                f"the evaluation's {len(prompts)} generations ({prefix.rstrip('_')})")
         groups = to_groups(p.tokenizer, tasks, prompts, outs, time.perf_counter() - t0)
         return self._means([t for g in groups for t in g.trajectories], prefix, step=step)
+
+    def _predict(self, prompts: list, params: SamplingParams) -> None:
+        """Before the first evaluation: time PROBE of its generations and say so when the whole is
+        predicted (linearly in the number of prompts: an upper bound where a batch is cheaper
+        than its rows) to run past the wait's deadline, ``launch.timeout_s``."""
+        n, timeout = len(prompts), self.cfg.launch.timeout_s
+        if n <= PROBE:
+            return
+        t0 = time.perf_counter()
+        watchdog.result(self.rollouts.request([list(x) for x in prompts[:PROBE]], params), timeout,
+                        f"the first {PROBE} of the evaluation's generations (its time probe)")
+        took = time.perf_counter() - t0
+        predicted = took * n / PROBE
+        if predicted > timeout:
+            self.logger.message(
+                f"the evaluation is predicted to take about {predicted:.0f}s ({PROBE} of its {n} generations took "
+                f"{took:.1f}s), past launch.timeout_s={timeout:g}: raise launch.timeout_s, or lower data.eval_size "
+                f"or rollout.max_new_tokens")
 
     def _episodes(self, tasks: list[Task], params: SamplingParams, prefix: str, step: int | None) -> dict[str, float]:
         """One episode per task; a failed episode scores the reward's fallback and is counted."""

@@ -130,6 +130,9 @@ def engine_dtype(cfg: RunConfig, path: str, device: str):
     """The dtype engines hold weights in, so staging and broadcast carry no wider type."""
     import torch
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if cfg.rollout.dtype == "native":
+        from conveyor.runtime.devices import native_dtype
+        return names[native_dtype(device)[0]]
     if cfg.rollout.dtype != "auto":
         return names[cfg.rollout.dtype]
     if not device.startswith("cuda"):

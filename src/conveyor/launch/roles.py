@@ -146,8 +146,10 @@ class ThreadWorker:
 
     restartable = False  # an engine in this process that fails has raised: it is not a death
 
-    def __init__(self, engine_id: int, inbox: queue.Queue, thread: threading.Thread):
+    def __init__(self, engine_id: int, inbox: queue.Queue, thread: threading.Thread,
+                 abort: Callable[[], None] | None = None):
         self.engine_id, self._inbox, self._thread = engine_id, inbox, thread
+        self._abort = abort  # ends the engine's call in progress (``RolloutEngine.abort``), if it has one
 
     def restart(self) -> None:
         raise RoleError(f"engine {self.engine_id} runs in the controller's process and cannot be restarted")
@@ -160,7 +162,13 @@ class ThreadWorker:
             raise RoleError(f"engine {self.engine_id} thread ended unexpectedly")
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout=timeout)
+        """Wait for the thread (after a ``Stop``), ending each generate call it is in at its next
+        decode step: a thread still inside torch when the interpreter exits aborts the process."""
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            if self._abort is not None:
+                self._abort()
+            self._thread.join(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 class ProcessWorker:
@@ -276,7 +284,7 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
                                                        cfg.launch.timeout_s),
                              name="engine0", daemon=True)
         t.start()
-        return [ThreadWorker(0, inbox, t)], outbox, engine.context_limit, engine.label
+        return [ThreadWorker(0, inbox, t, getattr(engine, "abort", None))], outbox, engine.context_limit, engine.label
     ctx = mp_context()
     outbox: queue.Queue = queue.Queue()
     workers = []

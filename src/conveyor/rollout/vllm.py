@@ -178,6 +178,10 @@ class VLLMEngine:
 
     @staticmethod
     def _engine_kwargs(dtype, seed, max_model_len, sleep_mode, extra: dict) -> dict:
+        if dtype == "native":  # vLLM's device: a GPU where there is one, else this CPU
+            import torch
+            from conveyor.runtime.devices import native_dtype
+            dtype = native_dtype("cuda" if torch.cuda.is_available() else "cpu")[0]
         kwargs: dict[str, Any] = dict(dtype=dtype, seed=seed, logprobs_mode="processed_logprobs")
         if max_model_len is not None:
             kwargs["max_model_len"] = int(max_model_len)

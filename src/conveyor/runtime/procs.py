@@ -36,6 +36,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -96,6 +97,7 @@ def _bootstrap(role: str, log_path: str, threads: int, target: Callable, args: t
     sys.stderr = os.fdopen(2, "w", buffering=1)
     from conveyor.runtime.watchdog import child_guard
     child_guard()  # stacks on SIGUSR1 into this log; gone with the controller
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the terminal's group: the parent decides
     import torch
     torch.set_num_threads(max(1, threads))
     print(f"[{role}] started pid={os.getpid()} threads={threads}", flush=True)

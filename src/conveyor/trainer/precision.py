@@ -18,11 +18,14 @@ import torch
 from torch import nn
 
 from conveyor.config import TrainerConfig
+from conveyor.runtime.devices import native_dtype
 
 
 def compute_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
-    if cfg.param_dtype == "auto":
+    if cfg.param_dtype == "auto" or (cfg.param_dtype == "native" and device.type == "cuda"):
         return torch.bfloat16 if device.type == "cuda" and cfg.autocast_bf16 else torch.float32
+    if cfg.param_dtype == "native":
+        return getattr(torch, native_dtype(device)[0])
     return getattr(torch, cfg.param_dtype)
 
 

@@ -70,10 +70,10 @@ class TrainerHost:
         t = self.trainer
         kind = getattr(t, "parallel", None)
         if kind is None:
-            return f"one rank on {t.device}"
+            return f"one rank on {t.device}{_native(t)}"
         how = {"replicate": "the whole model on every rank", "fsdp": "FSDP2, the model sharded over them"}[kind]
         auto = ", chosen by trainer.parallel=auto" if t.cfg.parallel == "auto" else ""
-        return f"{t.world} ranks on {t.device.type}, {how} ({kind}{auto})"
+        return f"{t.world} ranks on {t.device.type}, {how} ({kind}{auto}){_native(t)}"
 
     def finish_and_publish(self, version: int) -> Trained:
         """The optimizer step over the accumulated parts; its weights leave as ``version``."""
@@ -145,6 +145,16 @@ class TrainerHost:
         for w in self.writers:  # a broadcast whose transfer is still running ends first
             with contextlib.suppress(Exception):  # the engines are stopping too
                 w.close()
+
+
+def _native(trainer) -> str:
+    """What ``trainer.param_dtype=native`` chose, in words (nothing for another setting)."""
+    if trainer.cfg.param_dtype != "native":
+        return ""
+    from conveyor.runtime.devices import native_dtype
+    dtype, why = native_dtype(trainer.device)
+    dtype = "bfloat16" if trainer.device.type == "cuda" else dtype  # a GPU: auto's choice
+    return f"; trainer.param_dtype=native: {dtype} ({why})"
 
 
 def choose_parallel(cfg, path: str, device: str) -> str:

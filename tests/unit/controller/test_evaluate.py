@@ -52,3 +52,47 @@ def test_the_final_evaluation_of_an_evaluated_step_is_not_run_again(tmp_path):
         assert ev.evaluate(11)["eval_reward"] == 4.0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r.get("kind") == "eval"] == [0, 0, 10, 11]
+
+
+def test_a_first_evaluation_predicted_past_its_deadline_is_said_before_it_runs():
+    # 8 of 80 generations are timed first; their time x 10 past launch.timeout_s is said at once.
+    # The probe's time only grows on a busy machine, so the verdict does not depend on its speed.
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from conveyor.controller.evaluate import PROBE
+    from conveyor.rollout.api import SamplingParams
+
+    class Rollouts:
+        def __init__(self):
+            self.sizes = []
+
+        def request(self, prompts, params):
+            self.sizes.append(len(prompts))
+            fut = Future()
+            threading.Timer(0.05, fut.set_result, [[]]).start()
+            return fut
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def message(self, text):
+            self.lines.append(text)
+
+    for timeout, said in ((0.3, True), (1e6, False)):
+        cfg = RunConfig.model_validate({"launch": {"timeout_s": timeout}})
+        rollouts, log = Rollouts(), Log()
+        ev = Evaluator(cfg, [], prompting=None, rollouts=rollouts, rewards=None, logger=log)
+        ev._predict([[1, 2]] * 80, SamplingParams())
+        ev._predicted = True
+        assert rollouts.sizes == [PROBE]
+        assert bool(log.lines) is said
+        if said:
+            assert log.lines[0].startswith("the evaluation is predicted to take about ")
+            assert "past launch.timeout_s=0.3: raise launch.timeout_s, or lower data.eval_size" in log.lines[0]
+    rollouts = Rollouts()
+    Evaluator(RunConfig(), [], prompting=None, rollouts=rollouts, rewards=None, logger=Log())._predict(
+        [[1]] * PROBE, SamplingParams())
+    assert rollouts.sizes == []  # nothing to predict from a set no larger than the probe

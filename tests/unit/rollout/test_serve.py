@@ -406,3 +406,26 @@ def test_done_messages_carry_the_spans_of_the_work_they_report(model, tok, param
     assert last[0] == "wait for weights" and last[-1] == "generate"
     wait = done[-1].spans[0]
     assert wait.end - wait.start >= 0.15 and wait.args == {"version": 1}
+
+
+@pytest.mark.parametrize("runner", ["hf", "fast"])
+def test_stopping_an_engine_thread_ends_the_generate_call_it_is_in(model, tok, runner):
+    # Ctrl-C of an in-process run: the engine's thread must end before the interpreter does (one
+    # inside torch at exit aborts the process). A decode step here takes 0.1 s, so the call would
+    # run 25 s, past stop_engines' 10 s wait; stopping ends it at its next step.
+    from conveyor.launch import roles
+    eng = NativeEngine(copy.deepcopy(model), tok, device="cpu", dtype="float32", runner=runner, kv_blocks=64)
+    real, decoding = eng.runner.decode, threading.Event()
+
+    def slow(*args, **kwargs):
+        decoding.set()
+        time.sleep(0.1)
+        return real(*args, **kwargs)
+    eng.runner.decode = slow
+    inbox, outbox, t = serve(eng, StagedWeights(specs(model)), partial=False)
+    inbox.put(Generate(0, [tok.encode("a")], SamplingParams(temperature=0.0, max_new_tokens=250), 0))
+    assert decoding.wait(60)
+    roles.stop_engines([roles.ThreadWorker(0, inbox, t, eng.abort)])
+    assert not t.is_alive()
+    done = messages(outbox, Done, 1)[0]
+    assert done.completions[0][0].finish_reason == "abort"

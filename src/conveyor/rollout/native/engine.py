@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 
+from conveyor.runtime.devices import native_bf16, native_dtype
 from conveyor.rollout.api import Completion, SamplingParams, StreamChunk, capped_budgets
 from conveyor.rollout.native.adapter import AdapterMerge, is_adapter_tensor
 from conveyor.rollout.native.decoder import unsupported_reason
@@ -62,14 +63,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """None / "auto" keep the model's own dtype."""
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "auto") -> torch.dtype | None:
+    """None / "auto" keep the model's own dtype; "native" is bfloat16 where ``device`` computes it in
+    hardware, else float32 (``runtime.devices``)."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         return None
+    if dtype == "native":
+        return _DTYPES[native_dtype(resolve_device(device))[0]]
     if dtype not in _DTYPES:
-        raise ValueError(f"NativeEngine dtype {dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        raise ValueError(f"NativeEngine dtype {dtype!r} is not one of auto, native, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
 
 
@@ -108,7 +112,7 @@ class NativeEngine:
             raise ValueError(f"NativeEngine max_batch must be >= 1, got {max_batch}")
         if runner not in RUNNERS:
             raise ValueError(f"NativeEngine runner {runner!r} is not one of {', '.join(RUNNERS)}")
-        dev, dt = resolve_device(device), resolve_dtype(dtype)
+        dev, dt = resolve_device(device), resolve_dtype(dtype, device)
         runner = runner_for(quantization, runner, dev)
         if dev.type == "cuda":
             # Prefill shapes change with every call; cuDNN's attention would build a graph for
@@ -139,6 +143,8 @@ class NativeEngine:
         why = " (rollout.runner=auto uses it off the GPU, where it measured faster)" if runner == "auto" else ""
         self.label = (f"native engine, paged runner on {dev}" if self.paged
                       else f"native engine, Hugging Face runner on {dev}{why}")
+        if dtype == "native":
+            self.label += f", rollout.dtype=native: {str(dt).removeprefix('torch.')} ({native_bf16(dev)[1]})"
         if quantization != "none":
             self.label += f", {quantization} linear weights (per-output-channel scales)"
         self._version = int(version)
@@ -160,11 +166,11 @@ class NativeEngine:
         """Load model and tokenizer from an HF checkpoint directory (or hub id already cached)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        dt = resolve_dtype(dtype)
+        dt = resolve_dtype(dtype, device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dt if dt is not None else "auto",
                                                      attn_implementation="sdpa")
         tokenizer = kwargs.pop("tokenizer", None) or AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, device=device, dtype=dt, **kwargs)
+        return cls(model, tokenizer, device=device, dtype=dtype if dtype == "native" else dt, **kwargs)
 
     @classmethod
     def from_config(cls, cfg: "RolloutConfig", model, tokenizer=None, **kwargs) -> "NativeEngine":
