@@ -3,5 +3,7 @@
 ``errors.py`` (the errors that stop a run, under ``RunStop``, and ``SetupError``), ``procs.py``
 (child processes of roles and the RPC to them, ``bind_device``), ``watchdog.py`` (stack dumps when
 a wait runs out, children that end with their parent, deadlines that grow), ``handles.py`` (the
-protocols by which one role holds another's capability). It imports nothing above ``types.py``.
+protocols by which one role holds another's capability), ``devices.py`` (what a device computes
+natively: the ``native`` dtype), ``interrupt.py`` (Ctrl-C deferred to the end of the RL step in
+progress). It imports nothing above ``types.py``.
 """
