@@ -18,12 +18,15 @@ if not hasattr(G, "all_imports"):
 
 # The floors, bottom first. Each floor is a list of groups. An import may go to any lower floor, or
 # inside its own group (where the packages form a DAG); never up, and never across two groups of one
-# floor: the roles never import each other, and the launchers and the controller neither. Every
-# package and top-level module of src/conveyor is in exactly one group: a new one must be placed here.
+# floor: the roles never import each other, and the launchers and the controller neither. Episodes
+# sit above the roles (they drive engines and environments) and below the controller, which runs
+# them. Every package and top-level module of src/conveyor is in exactly one group: a new one must be
+# placed here.
 FLOORS: list[tuple[str, list[set[str]]]] = [
     ("base", [{"runtime", "types", "config", "staleness", "plugins", "net", "resilience"}]),
     ("shared", [{"data", "observe", "transport", "algo", "sandbox", "routing", "verifiers"}]),
     ("roles", [{"trainer"}, {"rollout"}, {"reward"}, {"env"}]),
+    ("episodes", [{"episodes"}]),
     ("control", [{"controller", "loop"}, {"launch"}]),
     ("top", [{"run", "api", "cli", "__init__"}]),
 ]

@@ -1,1 +1,1 @@
-"""controller: the pieces the loop and a run use besides the roles (admission, batches, step stats, objective, evaluation, warm start, episodes and the agents' endpoint); one run is ``run/session.py``."""
+"""controller: the pieces the loop and a run use besides the roles (admission, batches, step stats, objective, evaluation, warm start); episodes are ``episodes/``, one run is ``run/session.py``."""

@@ -122,7 +122,7 @@ class Session:
         prompting = Prompting(self.tokenizer, max(1, engines.context_limit - 1), self.add_special_tokens)
         runner = None
         if cfg.env.name:
-            from conveyor.controller.episodes import episode_runner
+            from conveyor.episodes.runner import episode_runner
             runner = episode_runner(cfg, engines.workers, self.tokenizer, engines.context_limit,
                                     lambda: self.rollouts.version(), self.add_special_tokens)
         self.rollouts = Producer(engines.workers, engines.outbox, loop=cfg.loop, timeout_s=cfg.launch.timeout_s,

@@ -1,7 +1,7 @@
 """Agent episodes: the user's agent plays a task through the OpenAI-compatible endpoint, its calls become a trajectory.
 
 Contract: ``AgentEpisodes(endpoint, timeout_s)`` is the episode runner's
-path for ``env.name: agent`` (``controller.episodes.EpisodeRunner``).
+path for ``env.name: agent`` (``episodes.runner.EpisodeRunner``).
 ``start(engine)`` serves the endpoint on the runner's event loop with the
 runner as the default engine (turns reach the engine workers exactly as
 ``run_episode``'s do). ``play(session, task, params, engine=None)`` opens
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import time
 
-from conveyor.controller.multi_turn import EpisodeLimits, TurnEngine
-from conveyor.controller.openai_server import Endpoint, EndpointSettings
+from conveyor.episodes.multi_turn import EpisodeLimits, TurnEngine
+from conveyor.episodes.openai_server import Endpoint, EndpointSettings
 from conveyor.env.agent import AgentEnv, agent_result
 from conveyor.env.pool import EnvFailure, EnvSession
 from conveyor.rollout.api import SamplingParams

@@ -2,7 +2,7 @@
 
 Contract: ``EpisodeRunner(workers, pool, fmt, limits, ...)`` runs an asyncio
 loop in a thread of its own. ``start_group(index, task, seed)`` runs the
-group's n episodes concurrently (``controller.multi_turn.run_episode``, each
+group's n episodes concurrently (``episodes.multi_turn.run_episode``, each
 in a session of the ``EnvPool``); each turn is a ``messages.Generate`` of
 one prompt sent to the engine worker with the fewest turns in flight,
 tagged with a turn id (>= 0, so a streaming engine merges concurrent
@@ -18,7 +18,7 @@ no engine answers within ``timeout_s`` fails its episode (``timeout``).
 ``run_tasks(tasks, params)`` runs one episode per task outside the
 schedule (evaluation) and returns the trajectories (None for failures);
 ``play_tasks`` returns each failure's ``EnvFailure`` instead (``conveyor generate``).
-With ``agents`` (``env.name: agent``, ``controller.agent_episodes``) an
+With ``agents`` (``env.name: agent``, ``episodes.agents``) an
 episode is the user's agent calling the OpenAI-compatible endpoint, served
 on this loop with this runner as its engine, instead of ``run_episode``.
 
@@ -37,7 +37,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from conveyor.controller.multi_turn import EpisodeLimits, TurnFormat, run_episode
+from conveyor.episodes.multi_turn import EpisodeLimits, TurnFormat, run_episode
 from conveyor.env.pool import EnvFailure, EnvPool, EnvUnusable
 from conveyor.rollout.api import Completion, EngineWorker, SamplingParams
 from conveyor.runtime import watchdog
@@ -45,7 +45,7 @@ from conveyor.transport.messages import Done, Generate
 from conveyor.types import Group, Task, Trajectory
 
 if TYPE_CHECKING:  # pragma: no cover
-    from conveyor.controller.agent_episodes import AgentEpisodes
+    from conveyor.episodes.agents import AgentEpisodes
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def episode_runner(cfg, workers: list[EngineWorker], tokenizer, context_limit: i
     limits = EpisodeLimits(e.max_turns, e.max_tokens or context_limit, e.max_observation_tokens, context_limit)
     agents = None
     if e.name == "agent":
-        from conveyor.controller.agent_episodes import agent_episodes
+        from conveyor.episodes.agents import agent_episodes
         agents = agent_episodes(cfg, tokenizer, limits, add_special_tokens, pool.count)
     return EpisodeRunner(workers, pool, fmt, limits, n=cfg.rollout.n, version=version,
                          sampling=lambda seed: SamplingParams.from_config(cfg.rollout, seed=seed, n=1),
