@@ -50,14 +50,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from conveyor.env.api import EnvFailure, Tool, ToolError
 from conveyor.episodes import openai_api as api
 from conveyor.episodes.multi_turn import EpisodeLimits, TurnEngine
 from conveyor.episodes.transcript import Transcript
-from conveyor.env.api import Tool, ToolError
-from conveyor.env.pool import EnvFailure
 from conveyor.net import listen
-from conveyor.rollout.api import Completion, SamplingParams
-from conveyor.types import Task
+from conveyor.types import Completion, SamplingParams, Task
 
 log = logging.getLogger(__name__)
 EPISODE_HEADER = "x-conveyor-episode"
