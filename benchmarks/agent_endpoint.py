@@ -35,14 +35,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` when run as a script
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit" / "controller"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit" / "episodes"))
 
 from benchmarks.harness import append_record  # noqa: E402
-from conveyor.controller.multi_turn import EpisodeLimits  # noqa: E402
-from conveyor.controller.openai_server import Endpoint, EndpointSettings  # noqa: E402
 from conveyor.data.tiny import build_model, build_tokenizer  # noqa: E402
 from conveyor.env.api import StepResult  # noqa: E402
 from conveyor.env.calculator_agent import client_for  # noqa: E402
+from conveyor.episodes.multi_turn import EpisodeLimits  # noqa: E402
+from conveyor.episodes.openai_server import Endpoint, EndpointSettings  # noqa: E402
 from conveyor.rollout.api import Completion, SamplingParams  # noqa: E402
 from conveyor.types import Task  # noqa: E402
 

@@ -22,11 +22,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks.*` when run as a script
 
 from benchmarks.harness import append_record  # noqa: E402
-from conveyor.controller.episodes import EpisodeRunner  # noqa: E402
-from conveyor.controller.multi_turn import EpisodeLimits, TurnFormat  # noqa: E402
 from conveyor.data.tiny import build_model, build_tokenizer  # noqa: E402
 from conveyor.env.api import StepResult  # noqa: E402
 from conveyor.env.pool import EnvPool, PoolLimits  # noqa: E402
+from conveyor.episodes.multi_turn import EpisodeLimits, TurnFormat  # noqa: E402
+from conveyor.episodes.runner import EpisodeRunner  # noqa: E402
 from conveyor.launch.roles import ThreadWorker  # noqa: E402
 from conveyor.rollout.api import SamplingParams  # noqa: E402
 from conveyor.rollout.native import NativeEngine  # noqa: E402

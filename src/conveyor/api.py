@@ -397,7 +397,7 @@ def _episodes(cfg: RunConfig, run_dir: str | Path, prompts: Sequence[str], param
     import itertools
     import tempfile
 
-    from conveyor.env.pool import EnvFailure
+    from conveyor.env.api import EnvFailure
     from conveyor.launch.local import LocalLauncher
     from conveyor.run.session import build
     from conveyor.types import Task

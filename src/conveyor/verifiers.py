@@ -2,7 +2,8 @@
 
 Contract
 - ``math_reward(traj)`` compares the completion ``traj.text`` with the gold
-  ``traj.task.answer`` using math-verify and returns
+  ``traj.task.answer`` using math-verify (``math_verdict(text, answer,
+  task_id)``: the same over a text and a gold, an environment's check) and returns
   ``{"reward": 1.0 | 0.0, "parsed": 1.0 | 0.0}`` ("parsed" says whether any
   answer could be extracted from the completion). The prediction is the
   content of ``\\boxed{...}`` when the completion has one, otherwise the last
@@ -73,23 +74,31 @@ def math_reward(traj: Trajectory, *, float_rounding: int = 6, numeric_precision:
     """1.0 if the completion's answer equals the gold mathematically (see the module docstring).
     A parse or comparison past ``verify_timeout_s`` (whole seconds; main thread only) counts as
     no answer / not equal, as math-verify decides."""
+    return math_verdict(traj.text, traj.task.answer, traj.task.id, float_rounding=float_rounding,
+                        numeric_precision=numeric_precision, strict=strict, verify_timeout_s=verify_timeout_s)
+
+
+def math_verdict(text: str, answer: str | None, task_id: str, *, float_rounding: int = 6,
+                 numeric_precision: int = 15, strict: bool = True, verify_timeout_s: int = 3) -> dict[str, float]:
+    """``math_reward`` of a completion ``text`` against the gold ``answer`` of task ``task_id``
+    (what an environment checks a final answer with, no trajectory needed)."""
     if not (isinstance(verify_timeout_s, int) and verify_timeout_s >= 1):  # signal.alarm takes whole seconds
         raise ValueError(f"math reward: verify_timeout_s={verify_timeout_s!r} must be a whole number of seconds >= 1")
     # signal.alarm exists only on a process's main thread: elsewhere math-verify must not set it.
     limit = verify_timeout_s if threading.current_thread() is threading.main_thread() else None
-    if traj.task.answer is None or not str(traj.task.answer).strip():
-        raise ValueError(f"math reward: task {traj.task.id!r} has no gold answer; "
+    if answer is None or not str(answer).strip():
+        raise ValueError(f"math reward: task {task_id!r} has no gold answer; "
                          "give the data an answer field or choose another reward")
-    gold_text = gold_answer(str(traj.task.answer))
+    gold_text = gold_answer(str(answer))
     # A bare gold like "\sqrt{2}" is not found by math-verify without a math
     # delimiter; boxing it makes every plain gold parse the same way.
     if "\\boxed" not in gold_text:
         gold_text = "\\boxed{" + gold_text + "}"
     gold = parse(gold_text, parsing_timeout=limit)
     if not gold:
-        raise ValueError(f"math reward: cannot parse the gold answer {traj.task.answer!r} "
-                         f"of task {traj.task.id!r}")
-    pred_text = extract_prediction(traj.text)
+        raise ValueError(f"math reward: cannot parse the gold answer {answer!r} "
+                         f"of task {task_id!r}")
+    pred_text = extract_prediction(text)
     pred = parse(pred_text, parsing_timeout=limit) if pred_text is not None else []
     if not pred:
         return {"reward": 0.0, "parsed": 0.0}

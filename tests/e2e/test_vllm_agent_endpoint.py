@@ -1,7 +1,7 @@
 """The OpenAI-compatible agent endpoint in front of vLLM: the official `openai` client drives a
 multi-turn, tool-calling episode, and the recorded trajectory is token-exact with what the API returned.
 
-The same rig as the native-engine tests (tests/unit/controller/agent_rig.py: the tiny model taught one
+The same rig as the native-engine tests (tests/unit/episodes/agent_rig.py: the tiny model taught one
 calculator episode, an engine served by engine_loop in a thread, the EpisodeRunner with its endpoint),
 with the engine a VLLMEngine on that model saved to disk. Runs in the vLLM venv only (docs/vllm.md);
 skipped elsewhere.
@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from conveyor.data.tiny import build_model  # noqa: E402
 from conveyor.rollout.vllm import VLLMEngine  # noqa: E402
 
-sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/tests/unit/controller")
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/tests/unit/episodes")
 import agent_rig as R  # noqa: E402
 
 pytestmark = pytest.mark.slow

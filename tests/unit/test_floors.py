@@ -18,17 +18,25 @@ if not hasattr(G, "all_imports"):
 
 # The floors, bottom first. Each floor is a list of groups. An import may go to any lower floor, or
 # inside its own group (where the packages form a DAG); never up, and never across two groups of one
-# floor: the roles never import each other, and the launchers and the controller neither. Every
-# package and top-level module of src/conveyor is in exactly one group: a new one must be placed here.
+# floor: the roles never import each other, and the launchers and the controller neither. Episodes
+# sit above the roles (they drive engines and environments) and below the controller, which runs
+# them. Every package and top-level module of src/conveyor is in exactly one group: a new one must be
+# placed here.
 FLOORS: list[tuple[str, list[set[str]]]] = [
     ("base", [{"runtime", "types", "config", "staleness", "plugins", "net", "resilience"}]),
     ("shared", [{"data", "observe", "transport", "algo", "sandbox", "routing", "verifiers"}]),
     ("roles", [{"trainer"}, {"rollout"}, {"reward"}, {"env"}]),
+    ("episodes", [{"episodes"}]),
     ("control", [{"controller", "loop"}, {"launch"}]),
     ("top", [{"run", "api", "cli", "__init__"}]),
 ]
 ROLES = "roles"
 TOP = "top"
+# What episodes/ may import of the roles: their api modules, and the environment pool with the
+# tool-call formats that it and the endpoint share; never a built-in environment, an engine's
+# implementation or a reward.
+EPISODES_USE = {"conveyor.rollout.api", "conveyor.env.api", "conveyor.env.pool", "conveyor.env.chat",
+                "conveyor.env.parsers"}
 
 # Known violations, each with its reason: (importing file relative to src/, imported module) -> why.
 # Empty: the graph has none. An entry that no longer matches an import fails the test too.
@@ -112,6 +120,14 @@ def test_roles_never_import_each_other():
     bad = [i for i in _unexcused(IMPORTS) if PLACE.get(i.src, (None,))[0] == roles
            and PLACE.get(i.dst, (None,))[0] == roles]
     _check("a role imports another role (take a protocol of the floors below instead)", bad)
+
+
+def test_episodes_import_only_the_roles_public_modules():
+    roles = FLOOR_OF[ROLES]
+    bad = [i for i in _unexcused(IMPORTS) if i.src == "episodes" and PLACE.get(i.dst, (None,))[0] == roles
+           and i.module not in EPISODES_USE]
+    _check("episodes/ imports a role's module outside EPISODES_USE (tests/unit/test_floors.py): take what it "
+           "needs through the role's api.py", bad)
 
 
 def test_launch_is_imported_only_from_the_top():

@@ -1,1 +1,1 @@
-"""controller: the pieces the loop and a run use besides the roles (admission, batches, step stats, objective, evaluation, warm start, episodes and the agents' endpoint); one run is ``run/session.py``."""
+"""controller: the step's parts the loop uses besides the roles (admission, batches, step stats, objective, replay, the schedule's ledger, time sharing); episodes are ``episodes/``, a run's phases ``run/``."""

@@ -112,7 +112,7 @@ class Producer:
         self.prompting, self.cursor, self.train_size = prompting, cursor, train_size
         self.rewards, self.buffer = rewards, buffer
         self.sampling = sampling  # seed -> SamplingParams of training rollouts
-        # Multi-turn episodes (controller.episodes.EpisodeRunner), or None for single-turn chunks.
+        # Multi-turn episodes (episodes.runner.EpisodeRunner), or None for single-turn chunks.
         self.episodes = episodes
         self.max_failed_groups = max_failed_groups
         # DAPO's shaping and dynamic sampling (controller.group_filter.GroupFilter), or None.

@@ -5,7 +5,7 @@ task source like ``data.synthetic``'s (disjoint seeded splits, the gold
 answer in ``Task.answer``) for an environment to play, plus ``teacher(task,
 transcript, rng)``: the next action of a scripted teacher given the
 episode's text so far (the prompt, every turn and observation), what the
-warm start imitates (``controller.sft``).
+warm start imitates (``run.sft``).
 
 Families
 - ``multiply`` (env ``tools`` with the calculator): ``"123*456="`` ->

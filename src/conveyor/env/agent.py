@@ -15,40 +15,35 @@ Contract
     deadline or cancellation its whole process group is killed.
 - ``entry`` is what the pool calls under the episode deadline
   (``EnvPool.call``): the function, or the program's runner (async).
-- ``agent_result(value, where)`` reads what the agent returned: a float
-  (the reward), a dict with ``"reward"`` (its other numbers are kept as
-  reward components), or None (the configured ``reward.fn`` scores the
-  transcript); anything else is an ``EnvFailure("bad_return")``.
+- It declares ``played_by = PlayedBy("agent", model_kwarg="model")``
+  (``env.api``): the episode runner serves the endpoint, passes its model
+  name as ``model`` and reads what ``entry`` returns with
+  ``env.api.agent_result``: a float (the reward), a dict with ``"reward"``
+  (its other numbers are kept as reward components), or None (the
+  configured ``reward.fn`` scores the transcript).
 
-It knows no tokens, engines or HTTP server: it starts agents and reads
-what they return.
+It knows no tokens, engines or HTTP server: it starts agents and hands
+back what they return.
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
 import json
-import math
 import os
 import signal
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from conveyor.env.pool import EnvFailure
+from conveyor.env.api import EnvFailure, PlayedBy
 from conveyor.plugins import resolve
 from conveyor.types import Task
 
 _OUTPUT_KEPT = 64 * 1024  # bytes of an agent program's stdout / stderr kept (its last ones)
 
 
-@dataclass(frozen=True)
-class AgentResult:
-    """What an agent returned: ``reward`` (None: the reward function decides) and other numbers."""
-    reward: float | None
-    info: Mapping[str, float]
-
-
 class AgentEnv:
+    played_by = PlayedBy("agent", model_kwarg="model")
+
     def __init__(self, agent: str | Callable | None = None, command: str | Sequence[str] | None = None,
                  env: Mapping[str, str] | None = None, cwd: str | None = None, model: str = "policy"):
         if (agent is None) == (command is None):
@@ -93,29 +88,6 @@ class AgentEnv:
 
     def close(self) -> None:
         """Nothing held between episodes: each one starts its agent afresh."""
-
-
-def agent_result(value: Any, where: str) -> AgentResult:
-    if value is None:
-        return AgentResult(None, {})
-    if isinstance(value, Mapping):
-        if "reward" not in value:
-            raise EnvFailure("bad_return", f"{where} returned a dict without 'reward' ({sorted(value)[:5]}); "
-                                           "return a float, {'reward': float, ...} or None")
-        info = {str(k): float(v) for k, v in value.items() if k != "reward" and _real(v)}
-        reward = value["reward"]
-    else:
-        info, reward = {}, value
-    if reward is None:
-        return AgentResult(None, info)
-    if not _real(reward) or not math.isfinite(float(reward)):
-        raise EnvFailure("bad_return", f"{where} returned reward {reward!r}; return a finite float, "
-                                       "{'reward': float, ...} or None (the reward function decides)")
-    return AgentResult(float(reward), info)
-
-
-def _real(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _check_signature(fn: Callable, spec: str) -> None:

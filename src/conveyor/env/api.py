@@ -22,21 +22,40 @@ Contract
 - ``load_env(spec)`` resolves an environment factory from a builtin name or
   a dotted path (``pkg.module:MyEnv``); the factory is called with the
   recipe's ``env.kwargs`` once per instance.
+- How an episode is played is the factory's declaration ``played_by``
+  (``PlayedBy``; ``played_by(factory, spec)`` reads it, ``TURNS`` when there
+  is none): ``"turns"``, the engine writes each turn and ``step`` answers it
+  (an ``Env``); ``"agent"``, one call of user code plays the whole episode
+  against the OpenAI-compatible endpoint the episode runner serves (an
+  ``AgentPlayed``: ``entry(base_url, api_key, task)``, whose return
+  ``agent_result`` reads).
+- ``EnvFailure(kind, message)``: an episode cannot go on (``kind`` one of
+  the failure classes).
 
 This module knows no engine, no tokenizer and no pool: only the shapes an
 environment and its tools speak.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 from conveyor.plugins import resolve
+from conveyor.runtime.errors import SetupError
 from conveyor.types import Task
 
 # Failure classes counted by the pool (``env/<class>`` metrics); one name per way things fail.
 FAILURE_CLASSES = ("timeout", "crash", "malformed_call", "unknown_tool", "bad_arguments",
                    "sandbox_violation", "truncated_observation", "bad_return", "quarantined")
+
+
+class EnvFailure(Exception):
+    """An episode cannot go on: ``kind`` is the failure class, the message names the call."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -120,6 +139,80 @@ def as_step_result(value: Any, where: str) -> StepResult:
             return StepResult(obs, float(reward), bool(done), dict(info))
     raise TypeError(f"{where} returned {type(value).__name__} {str(value)[:80]!r}; return a "
                     "conveyor.env.api.StepResult or a tuple (observation: str, reward: float, done: bool, info: dict)")
+
+
+PLAY_KINDS = ("turns", "agent")
+
+
+@dataclass(frozen=True)
+class PlayedBy:
+    """How an episode of an environment is played: what its factory declares as ``played_by``.
+
+    kind: ``"turns"`` (the engine writes each turn, ``step`` answers it) or ``"agent"`` (an
+    ``AgentPlayed``'s ``entry`` plays the whole episode through the OpenAI-compatible endpoint).
+    model_kwarg: the keyword argument its factory is given the endpoint's model name by (None: none)."""
+    kind: str = "turns"
+    model_kwarg: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in PLAY_KINDS:
+            raise ValueError(f"PlayedBy(kind={self.kind!r}): choose one of {PLAY_KINDS}")
+        if self.model_kwarg is not None and self.kind != "agent":
+            raise ValueError(f"PlayedBy(kind={self.kind!r}, model_kwarg=...): only an agent is told the model name")
+
+
+TURNS = PlayedBy("turns")
+
+
+def played_by(factory: Any, spec: str) -> PlayedBy:
+    """How the episodes of the environments ``factory`` builds are played (``spec``: its ``env.name``)."""
+    way = getattr(factory, "played_by", TURNS)  # optional, like ``tools``: an Env need not declare it
+    if not isinstance(way, PlayedBy):
+        raise SetupError(f"env.name={spec!r} declares played_by={way!r}; declare a conveyor.env.api.PlayedBy "
+                         "(or nothing: its turns are played token by token)")
+    return way
+
+
+@runtime_checkable
+class AgentPlayed(Protocol):
+    """An environment played by an external agent (``played_by.kind == "agent"``): ``name`` says
+    which, ``entry(base_url, api_key, task)`` (plain or async) runs the agent against the endpoint
+    at ``base_url`` with ``api_key`` and returns what ``agent_result`` reads."""
+    name: str
+    entry: Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """What an agent returned: ``reward`` (None: the reward function decides) and other numbers."""
+    reward: float | None
+    info: Mapping[str, float]
+
+
+def agent_result(value: Any, where: str) -> AgentResult:
+    """Read an agent's return: a float (the reward), a dict with ``"reward"`` (its other numbers
+    kept as reward components) or None (the configured ``reward.fn`` scores the transcript);
+    anything else is an ``EnvFailure("bad_return")`` naming ``where``."""
+    if value is None:
+        return AgentResult(None, {})
+    if isinstance(value, Mapping):
+        if "reward" not in value:
+            raise EnvFailure("bad_return", f"{where} returned a dict without 'reward' ({sorted(value)[:5]}); "
+                                           "return a float, {'reward': float, ...} or None")
+        info = {str(k): float(v) for k, v in value.items() if k != "reward" and _real(v)}
+        reward = value["reward"]
+    else:
+        info, reward = {}, value
+    if reward is None:
+        return AgentResult(None, info)
+    if not _real(reward) or not math.isfinite(float(reward)):
+        raise EnvFailure("bad_return", f"{where} returned reward {reward!r}; return a finite float, "
+                                       "{'reward': float, ...} or None (the reward function decides)")
+    return AgentResult(float(reward), info)
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # Builtin environments by name (module:attr); anything else is a dotted path.

@@ -56,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from conveyor.env.api import StepResult, Tool, ToolError, as_step_result, env_tools
+from conveyor.env.api import EnvFailure, StepResult, Tool, ToolError, as_step_result, env_tools
 from conveyor.observe import timeline
 from conveyor.resilience import Breaker
 from conveyor.runtime.errors import RunStop
@@ -80,14 +80,6 @@ class PoolLimits:
     @classmethod
     def from_config(cls, cfg: Any) -> "PoolLimits":
         return cls(**{f: getattr(cfg, f) for f in cls.__dataclass_fields__})
-
-
-class EnvFailure(Exception):
-    """An episode cannot go on: ``kind`` is the failure class, the message names the call."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 class EnvUnusable(RunStop):
@@ -216,13 +208,13 @@ class EnvPool:
         with self._lock:
             if instance in self._all:
                 self._all.remove(instance)
-        self._threads.submit(_close_quietly, instance)
+        self._threads.submit(close_quietly, instance)
 
     def close(self) -> None:
         with self._lock:
             instances, self._all, self._idle = self._all, [], []
         for inst in instances:
-            _close_quietly(inst)
+            close_quietly(inst)
         self._threads.shutdown(wait=False, cancel_futures=True)
 
 
@@ -294,7 +286,8 @@ class EnvSession:
         return out
 
 
-def _close_quietly(instance: Any) -> None:
+def close_quietly(instance: Any) -> None:
+    """``instance.close()`` if it has one; what it raises is logged, not raised (closing is best effort)."""
     close = getattr(instance, "close", None)  # close() is optional in the Env protocol
     if close is None:
         return

@@ -16,9 +16,8 @@ import functools
 import inspect
 from typing import TYPE_CHECKING
 
-from conveyor.env.api import StepResult, ToolError
+from conveyor.env.api import EnvFailure, StepResult, ToolError
 from conveyor.env.parsers import check_call, format_error, format_tool_result, parse_tool_calls
-from conveyor.env.pool import EnvFailure
 
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.env.pool import EnvSession

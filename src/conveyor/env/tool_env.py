@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from conveyor.env.api import StepResult, Tool
-from conveyor.types import Task, Trajectory
+from conveyor.types import Task
 
 TOOL_NAMES = ("calculator", "python", "search")
 
@@ -57,10 +57,8 @@ class ToolEnv:
     def step(self, action: str) -> StepResult:
         gold = (self.task.answer or "") if self.task else ""
         if self.answer == "math":
-            from conveyor.verifiers import math_reward
-            traj = Trajectory(task=self.task, prompt_ids=(), completion_ids=(), logprobs=(), versions=(),
-                              loss_mask=(), text=action)
-            ok = float(math_reward(traj)) >= 1.0
+            from conveyor.verifiers import math_verdict
+            ok = math_verdict(action, self.task.answer, self.task.id)["reward"] >= 1.0
         else:
             ok = action.strip() == gold.strip()
         return StepResult("", 1.0 if ok else 0.0, True, {"correct": ok})

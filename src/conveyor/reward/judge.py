@@ -36,7 +36,7 @@ Contract
   calls it. ``close()`` closes the engine.
 
 It knows nothing of threads that call it, deadlines of the service, or how its engine was built
-(``controller/judge_setup.py`` builds it from the config).
+(``run/judge_setup.py`` builds it from the config).
 """
 from __future__ import annotations
 

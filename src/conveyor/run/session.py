@@ -29,8 +29,6 @@ from typing import Any, Callable
 from conveyor import loop
 from conveyor.config import RunConfig, save_config
 from conveyor.config.overlap import time_share_on
-from conveyor.controller import checkpoints
-from conveyor.controller.evaluate import Evaluator
 from conveyor.controller.group_filter import GroupFilter
 from conveyor.controller.producer import Producer, Prompting
 from conveyor.controller.schedule import Ledger, ResumePoint
@@ -44,6 +42,8 @@ from conveyor.observe.progress import PhaseProgress
 from conveyor.observe.timers import PhaseTimer
 from conveyor.reward.api import RewardHandle
 from conveyor.rollout.api import SamplingParams
+from conveyor.run import checkpoints
+from conveyor.run.evaluate import Evaluator
 from conveyor.runtime.errors import SetupError
 from conveyor.trainer import sm_share
 from conveyor.trainer.api import TrainerHandle
@@ -122,7 +122,7 @@ class Session:
         prompting = Prompting(self.tokenizer, max(1, engines.context_limit - 1), self.add_special_tokens)
         runner = None
         if cfg.env.name:
-            from conveyor.controller.episodes import episode_runner
+            from conveyor.episodes.runner import episode_runner
             runner = episode_runner(cfg, engines.workers, self.tokenizer, engines.context_limit,
                                     lambda: self.rollouts.version(), self.add_special_tokens)
         self.rollouts = Producer(engines.workers, engines.outbox, loop=cfg.loop, timeout_s=cfg.launch.timeout_s,
@@ -291,7 +291,7 @@ def reward_model_spec(cfg: RunConfig):
 def judge(cfg: RunConfig, run_dir: Path):
     """``reward.fn: judge``: the generative judge's engine, loaded and checked before anything else
     starts; without ``reward.judge.model`` it is the policy's base checkpoint."""
-    from conveyor.controller.judge_setup import JudgeSetupError, build_judge
+    from conveyor.run.judge_setup import JudgeSetupError, build_judge
     try:
         return build_judge(cfg, resolve_model_path(cfg, run_dir))
     except JudgeSetupError as e:
@@ -463,7 +463,7 @@ def warm_start_phase(s: Session, base: str) -> str:
     and saved as ``warmstart/``, the RL trainer's starting point. Returns that path."""
     import random
 
-    from conveyor.controller.sft import warm_start
+    from conveyor.run.sft import warm_start
     cfg, sc = s.cfg, s.cfg.sft
     sft_cfg = cfg.trainer.model_copy(update={"lr": sc.lr, "reference": False, "critic": False,
                                              "warmup_steps": 0, "lr_schedule": "constant",
@@ -500,7 +500,7 @@ def warm_start_phase(s: Session, base: str) -> str:
 def _demonstrations(s: Session):
     """How the warm start builds a batch: the source's demonstrations, or (``env.name``)
     episodes its scripted teacher plays in the environment, loss on the teacher's turns."""
-    from conveyor.controller.sft import demonstration_batches
+    from conveyor.run.sft import demonstration_batches
     runner = s.rollouts.episodes
     if runner is None:
         return demonstration_batches(s.tokenizer, s.train_source, s.add_special_tokens)

@@ -1,4 +1,5 @@
-"""The builtin tools (calculator, search) and how tools reach the prompt (chat rendering)."""
+"""The builtin tools (calculator, search), how tools reach the prompt (chat rendering), and how the
+tool environment checks a final answer."""
 import json
 
 import pytest
@@ -7,8 +8,10 @@ from conveyor.data.tiny import build_tokenizer
 from conveyor.env.api import ToolCall, ToolError
 from conveyor.env.chat import render_prompt, tools_system_prompt
 from conveyor.env.parsers import check_call, parse_tool_calls
+from conveyor.env.tool_env import ToolEnv
 from conveyor.env.tools.calculator import calculator_tool
 from conveyor.env.tools.search import BM25, search_tool, tokenize
+from conveyor.types import Task
 
 # ---------------------------------------------------------------- calculator
 
@@ -181,3 +184,17 @@ def test_model_text_that_python_warns_about_stays_off_the_console():
     out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "calculator:" in out.stdout, out.stderr
     assert out.stderr == ""
+
+
+# ---------------------------------------------------------------- the tool environment's answer
+
+
+@pytest.mark.parametrize("answer,action,reward", [
+    ("exact", " 56088 ", 1.0), ("exact", "56,088", 0.0),
+    ("math", "The product is 56,088.", 1.0), ("math", "\\boxed{56088}", 1.0), ("math", "56087", 0.0),
+])
+def test_tool_env_checks_the_final_answer_over_its_text(answer, action, reward):
+    env = ToolEnv(tools=(), answer=answer)
+    env.reset(Task(id="t", prompt="123*456=", answer="56088"))
+    result = env.step(action)
+    assert (result.reward, result.done, result.info) == (reward, True, {"correct": reward == 1.0})

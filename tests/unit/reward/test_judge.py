@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from conveyor.config import ConfigError, JudgeConfig, load_config
-from conveyor.controller.judge_setup import JudgeSetupError, build_judge
 from conveyor.data.tiny import build_model, build_tokenizer
 from conveyor.reward.api import BatchReward
 from conveyor.reward.judge import JudgeReward
@@ -31,6 +30,7 @@ from conveyor.reward.judge_text import (
 )
 from conveyor.reward.service import RewardService
 from conveyor.rollout.native import NativeEngine
+from conveyor.run.judge_setup import JudgeSetupError, build_judge
 from conveyor.types import Task, Trajectory
 
 EOS = "</s>"

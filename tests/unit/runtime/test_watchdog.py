@@ -213,9 +213,9 @@ OWN_DEADLINES = {
     ("env/tools/mcp.py", "fut.result"): "an MCP server's start: a tool failure the pool counts",
     ("env/tools/mcp.py", "asyncio.run_coroutine_threadsafe(settle(), self._loop).result"): "closing a server",
     ("reward/calls.py", "fut.result"): "a reward call's deadline: the reward's fallback, counted",
-    ("controller/episodes.py", "asyncio.run_coroutine_threadsafe(self.agents.stop(), self._loop).result"):
+    ("episodes/runner.py", "asyncio.run_coroutine_threadsafe(self.agents.stop(), self._loop).result"):
         "closing the agents' endpoint",
-    ("controller/episodes.py", "asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result"):
+    ("episodes/runner.py", "asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result"):
         "closing the episodes' loop",
 }
 

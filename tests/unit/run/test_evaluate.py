@@ -1,7 +1,7 @@
 import math
 
 from conveyor.config import RunConfig
-from conveyor.controller.evaluate import Evaluator
+from conveyor.run.evaluate import Evaluator
 
 
 def test_no_held_out_set_reports_nan_without_generating():

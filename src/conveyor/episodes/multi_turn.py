@@ -23,7 +23,7 @@ episode and returns its ``Trajectory``:
   environment's time and failure class. ``Trajectory.text`` is the whole
   completion decoded (observations included), what a transcript reward
   reads.
-- Failures of the environment (``env.pool.EnvFailure``) propagate: the
+- Failures of the environment (``env.api.EnvFailure``) propagate: the
   caller's failure policy decides (retry or drop the group).
 
 ``TurnEngine`` is what an episode needs of generation (one continuation,
@@ -36,10 +36,9 @@ import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from conveyor.env.api import Tool
-from conveyor.env.pool import EnvFailure, EnvSession
-from conveyor.rollout.api import Completion, SamplingParams
-from conveyor.types import Task, Trajectory, TurnRecord
+from conveyor.env.api import EnvFailure, Tool
+from conveyor.env.pool import EnvSession
+from conveyor.types import Completion, SamplingParams, Task, Trajectory, TurnRecord
 
 CUT_MARKER = " ...[cut]"
 

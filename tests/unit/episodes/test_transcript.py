@@ -3,9 +3,9 @@ suffix is appended; a stop token the template does not write back, and a reply t
 differently, still match; a rewritten history starts a new segment and the episode is refused; budgets."""
 import pytest
 
-from conveyor.controller.multi_turn import EpisodeLimits
-from conveyor.controller.transcript import Span, Transcript, match_prefix
 from conveyor.env.pool import EnvFailure
+from conveyor.episodes.multi_turn import EpisodeLimits
+from conveyor.episodes.transcript import Span, Transcript, match_prefix
 from conveyor.rollout.api import Completion
 from conveyor.types import Task
 

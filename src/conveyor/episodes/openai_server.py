@@ -6,13 +6,13 @@ Contract
   streaming or not), ``/v1/completions`` and ``/v1/models`` (uvicorn +
   starlette) on ``settings.host:settings.port`` (port 0: a free one;
   ``base_url`` says which) on the CALLING event loop: the loop that routes
-  turns to the engine workers (``controller.episodes``), so a call is one
+  turns to the engine workers (``episodes.runner``), so a call is one
   ``engine.generate`` there, the same path as every other episode turn, for
   the native engine, vLLM and remote engines alike.
 - ``open(task, params, engine=None)`` returns an ``Episode`` whose ``key`` is
   the API key its client sends (``Authorization: Bearer <key>``, or the
   ``X-Conveyor-Episode`` header, which wins). Its calls are served one at a
-  time, in order, and recorded by a ``controller.transcript.Transcript``: each
+  time, in order, and recorded by a ``episodes.transcript.Transcript``: each
   request's messages are rendered by the chat template (the model's own
   replies rendered as the text it sampled, recognised by their content and
   tool calls), matched against the recorded tokens and only the new suffix is
@@ -50,14 +50,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from conveyor.controller import openai_api as api
-from conveyor.controller.multi_turn import EpisodeLimits, TurnEngine
-from conveyor.controller.transcript import Transcript
-from conveyor.env.api import Tool, ToolError
-from conveyor.env.pool import EnvFailure
+from conveyor.env.api import EnvFailure, Tool, ToolError
+from conveyor.episodes import openai_api as api
+from conveyor.episodes.multi_turn import EpisodeLimits, TurnEngine
+from conveyor.episodes.transcript import Transcript
 from conveyor.net import listen
-from conveyor.rollout.api import Completion, SamplingParams
-from conveyor.types import Task
+from conveyor.types import Completion, SamplingParams, Task
 
 log = logging.getLogger(__name__)
 EPISODE_HEADER = "x-conveyor-episode"

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from conveyor import algo
-from conveyor.controller.episodes import EpisodeRunner
-from conveyor.controller.multi_turn import CUT_MARKER, EpisodeLimits, TurnFormat
 from conveyor.data.tiny import build_model, build_tokenizer
 from conveyor.env.api import StepResult
 from conveyor.env.pool import EnvPool, PoolLimits
+from conveyor.episodes.multi_turn import CUT_MARKER, EpisodeLimits, TurnFormat
+from conveyor.episodes.runner import EpisodeRunner
 from conveyor.launch.roles import ThreadWorker
 from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.native import NativeEngine

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conveyor.controller import openai_api as api
+from conveyor.episodes import openai_api as api
 
 OK = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
 TOOL = {"type": "function", "function": {"name": "calc", "parameters": {

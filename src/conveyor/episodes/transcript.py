@@ -35,10 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from conveyor.controller.multi_turn import EpisodeLimits
-from conveyor.env.pool import EnvFailure
-from conveyor.rollout.api import Completion
-from conveyor.types import Task, Trajectory, TurnRecord
+from conveyor.env.api import EnvFailure
+from conveyor.episodes.multi_turn import EpisodeLimits
+from conveyor.types import Completion, Task, Trajectory, TurnRecord
 
 
 @dataclass(frozen=True)

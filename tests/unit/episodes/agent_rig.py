@@ -15,14 +15,14 @@ import time
 
 import torch
 
-from conveyor.controller.agent_episodes import AgentEpisodes
-from conveyor.controller.episodes import EpisodeRunner
-from conveyor.controller.multi_turn import EpisodeLimits, TurnFormat
-from conveyor.controller.openai_server import Endpoint, EndpointSettings
 from conveyor.data.tiny import build_model, build_tokenizer
 from conveyor.env.agent import AgentEnv
 from conveyor.env.chat import render_prompt
 from conveyor.env.pool import EnvPool, PoolLimits
+from conveyor.episodes.agents import AgentEpisodes
+from conveyor.episodes.multi_turn import EpisodeLimits, TurnFormat
+from conveyor.episodes.openai_server import Endpoint, EndpointSettings
+from conveyor.episodes.runner import EpisodeRunner
 from conveyor.launch.roles import ThreadWorker
 from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.native import NativeEngine

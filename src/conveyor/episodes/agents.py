@@ -1,11 +1,12 @@
 """Agent episodes: the user's agent plays a task through the OpenAI-compatible endpoint, its calls become a trajectory.
 
 Contract: ``AgentEpisodes(endpoint, timeout_s)`` is the episode runner's
-path for ``env.name: agent`` (``controller.episodes.EpisodeRunner``).
+(``episodes.runner.EpisodeRunner``) path for an environment that declares
+it is played by an agent (``env.api.PlayedBy("agent")``, as ``env.name: agent`` does).
 ``start(engine)`` serves the endpoint on the runner's event loop with the
 runner as the default engine (turns reach the engine workers exactly as
 ``run_episode``'s do). ``play(session, task, params, engine=None)`` opens
-an episode, runs the session's ``env.agent.AgentEnv`` with the endpoint's
+an episode, runs the session's ``env.api.AgentPlayed`` with the endpoint's
 ``base_url`` and the episode's key under the pool's deadline
 (``timeout_s``: ``env.endpoint.episode_timeout_s``; an agent that raises,
 hangs or never closes its episode is a counted failure of the session, see
@@ -25,12 +26,11 @@ from __future__ import annotations
 
 import time
 
-from conveyor.controller.multi_turn import EpisodeLimits, TurnEngine
-from conveyor.controller.openai_server import Endpoint, EndpointSettings
-from conveyor.env.agent import AgentEnv, agent_result
-from conveyor.env.pool import EnvFailure, EnvSession
-from conveyor.rollout.api import SamplingParams
-from conveyor.types import Task, Trajectory
+from conveyor.env.api import AgentPlayed, EnvFailure, agent_result
+from conveyor.env.pool import EnvSession
+from conveyor.episodes.multi_turn import EpisodeLimits, TurnEngine
+from conveyor.episodes.openai_server import Endpoint, EndpointSettings
+from conveyor.types import SamplingParams, Task, Trajectory
 
 
 class AgentEpisodes:
@@ -49,9 +49,7 @@ class AgentEpisodes:
 
     async def play(self, session: EnvSession, task: Task, params: SamplingParams,
                    engine: TurnEngine | None = None) -> Trajectory:
-        agent = session.env
-        if not isinstance(agent, AgentEnv):
-            raise TypeError(f"env.name=agent built a {type(agent).__name__}, not a conveyor.env.agent.AgentEnv")
+        agent = agent_of(session.env)
         pool, where = session.pool, f"agent {agent.name} on task {task.id!r}"
         t0 = time.perf_counter()
         ep = self.endpoint.open(task, params, engine)
@@ -73,15 +71,23 @@ class AgentEpisodes:
         return traj
 
 
+def agent_of(env: object) -> AgentPlayed:
+    """``env`` as the agent that plays its episodes; a ``TypeError`` saying what it lacks otherwise."""
+    if not isinstance(env, AgentPlayed):
+        raise TypeError(f"{type(env).__name__} is played by an agent (its played_by) but has no name or "
+                        "entry(base_url, api_key, task); give it both (conveyor.env.api.AgentPlayed)")
+    return env
+
+
 def agent_episodes(cfg, tokenizer, limits: EpisodeLimits, add_special_tokens: bool, count) -> AgentEpisodes:
-    """The endpoint and agent episodes a ``RunConfig`` with ``env.name: agent`` asks for."""
+    """The endpoint and agent episodes of a ``RunConfig`` whose environment an agent plays."""
     from conveyor.runtime.errors import SetupError
     for module in ("starlette", "uvicorn", "jsonschema"):
         try:
             __import__(module)
         except ImportError:
-            raise SetupError(f"env.name=agent serves an OpenAI-compatible endpoint, which needs {module}: "
-                             "pip install 'conveyor[agents]'") from None
+            raise SetupError(f"env.name={cfg.env.name} is played by an agent through an OpenAI-compatible "
+                             f"endpoint, which needs {module}: pip install 'conveyor[agents]'") from None
     ep = cfg.env.endpoint
     settings = EndpointSettings(host=ep.host, port=ep.port, model=ep.model, tools_in_prompt=ep.tools_in_prompt,
                                 tool_format=cfg.env.tool_format, add_special_tokens=add_special_tokens)

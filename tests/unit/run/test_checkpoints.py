@@ -2,8 +2,8 @@
 import json
 import time
 
-from conveyor.controller import checkpoints
-from conveyor.controller.checkpoints import Totals
+from conveyor.run import checkpoints
+from conveyor.run.checkpoints import Totals
 
 
 def _ckpt(run_dir, step, reward=None):

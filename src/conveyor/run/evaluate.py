@@ -38,7 +38,7 @@ class Evaluator:
     def __init__(self, cfg: RunConfig, tasks: list[Task], prompting: Prompting, rollouts: Producer, rewards,
                  logger, episodes=None):
         self.cfg, self.tasks, self.prompting = cfg, tasks, prompting
-        self.episodes = episodes  # multi-turn runs evaluate whole episodes (controller.episodes)
+        self.episodes = episodes  # multi-turn runs evaluate whole episodes (episodes.runner)
         self.rollouts, self.rewards, self.logger = rollouts, rewards, logger
         self.length_notes: dict[str, int] = {}  # prompts skipped for length, as last reported
         self._last: tuple[int, dict[str, float]] | None = None  # (step, result) of the last evaluation

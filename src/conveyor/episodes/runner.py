@@ -2,7 +2,7 @@
 
 Contract: ``EpisodeRunner(workers, pool, fmt, limits, ...)`` runs an asyncio
 loop in a thread of its own. ``start_group(index, task, seed)`` runs the
-group's n episodes concurrently (``controller.multi_turn.run_episode``, each
+group's n episodes concurrently (``episodes.multi_turn.run_episode``, each
 in a session of the ``EnvPool``); each turn is a ``messages.Generate`` of
 one prompt sent to the engine worker with the fewest turns in flight,
 tagged with a turn id (>= 0, so a streaming engine merges concurrent
@@ -18,9 +18,12 @@ no engine answers within ``timeout_s`` fails its episode (``timeout``).
 ``run_tasks(tasks, params)`` runs one episode per task outside the
 schedule (evaluation) and returns the trajectories (None for failures);
 ``play_tasks`` returns each failure's ``EnvFailure`` instead (``conveyor generate``).
-With ``agents`` (``env.name: agent``, ``controller.agent_episodes``) an
-episode is the user's agent calling the OpenAI-compatible endpoint, served
-on this loop with this runner as its engine, instead of ``run_episode``.
+With ``agents`` (``episodes.agents``) an episode is the user's agent
+calling the OpenAI-compatible endpoint, served on this loop with this
+runner as its engine, instead of ``run_episode``. ``episode_runner(cfg,
+...)`` builds the runner a config asks for; which of the two ways an
+episode is played is the environment's declaration (``env.api.played_by``),
+never its name.
 
 It knows nothing of rewards, admission or training.
 """
@@ -37,15 +40,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from conveyor.controller.multi_turn import EpisodeLimits, TurnFormat, run_episode
-from conveyor.env.pool import EnvFailure, EnvPool, EnvUnusable
-from conveyor.rollout.api import Completion, EngineWorker, SamplingParams
+from conveyor.env.api import EnvFailure, PlayedBy
+from conveyor.env.pool import EnvPool, EnvUnusable
+from conveyor.episodes.multi_turn import EpisodeLimits, TurnFormat, run_episode
+from conveyor.rollout.api import EngineWorker
 from conveyor.runtime import watchdog
 from conveyor.transport.messages import Done, Generate
-from conveyor.types import Group, Task, Trajectory
+from conveyor.types import Completion, Group, SamplingParams, Task, Trajectory
 
 if TYPE_CHECKING:  # pragma: no cover
-    from conveyor.controller.agent_episodes import AgentEpisodes
+    from conveyor.episodes.agents import AgentEpisodes
 
 log = logging.getLogger(__name__)
 
@@ -239,22 +243,24 @@ class EpisodeRunner:
 def episode_runner(cfg, workers: list[EngineWorker], tokenizer, context_limit: int, version: Callable[[], int],
                    add_special_tokens: bool) -> EpisodeRunner:
     """The runner a ``RunConfig`` with ``env.name`` asks for (``cfg.env``: the pool and the budgets)."""
-    from conveyor.env.api import load_env
+    from conveyor.env.api import load_env, played_by
     from conveyor.env.pool import PoolLimits
 
     e = cfg.env
     factory = load_env(e.name)
-    # An agent is told the model name the endpoint serves (a program gets it as OPENAI_MODEL).
-    kwargs = {**e.kwargs, "model": e.endpoint.model} if e.name == "agent" else dict(e.kwargs)
-    _check_builds(lambda: factory(**kwargs), e)
+    way = played_by(factory, e.name)
+    kwargs = dict(e.kwargs)
+    if way.model_kwarg is not None:  # an agent is told the model name the endpoint serves (a program: OPENAI_MODEL)
+        kwargs[way.model_kwarg] = e.endpoint.model
+    _check_builds(lambda: factory(**kwargs), e, way)
     pool = EnvPool(lambda: factory(**kwargs), PoolLimits.from_config(e), e.tool_format, name=e.name)
     fmt = TurnFormat(tokenizer, chat=cfg.data.chat_template, role=e.observation_role,
                      template=e.observation_template, system_prompt=cfg.data.system_prompt,
                      add_special_tokens=add_special_tokens)
     limits = EpisodeLimits(e.max_turns, e.max_tokens or context_limit, e.max_observation_tokens, context_limit)
     agents = None
-    if e.name == "agent":
-        from conveyor.controller.agent_episodes import agent_episodes
+    if way.kind == "agent":
+        from conveyor.episodes.agents import agent_episodes
         agents = agent_episodes(cfg, tokenizer, limits, add_special_tokens, pool.count)
     return EpisodeRunner(workers, pool, fmt, limits, n=cfg.rollout.n, version=version,
                          sampling=lambda seed: SamplingParams.from_config(cfg.rollout, seed=seed, n=1),
@@ -275,10 +281,10 @@ class _Teacher:
         return Completion(toks, [0.0] * len(toks), [0] * len(toks), "stop", action)
 
 
-def _check_builds(build: Callable, e) -> None:
-    """Build one instance before the run starts, so a bad ``env.kwargs`` is one line now rather
-    than a stream of failed episodes later."""
-    from conveyor.env.pool import _close_quietly
+def _check_builds(build: Callable, e, way: PlayedBy) -> None:
+    """Build one instance before the run starts, so a bad ``env.kwargs`` (or an agent-played
+    environment that cannot be played so) is one line now rather than a stream of failed episodes later."""
+    from conveyor.env.pool import close_quietly
     from conveyor.runtime.errors import SetupError
     try:
         instance = build()
@@ -289,8 +295,14 @@ def _check_builds(build: Callable, e) -> None:
     try:
         from conveyor.env.api import env_tools
         from conveyor.env.parsers import tool_problem
+        if way.kind == "agent":
+            from conveyor.episodes.agents import agent_of
+            try:
+                agent_of(instance)
+            except TypeError as err:
+                raise SetupError(f"env.name={e.name!r}: {err}") from None
         problems = [p for p in map(tool_problem, env_tools(instance)) if p]
         if problems:
             raise SetupError(f"env.name={e.name!r}: {problems[0]}; fix the tool's declaration")
     finally:
-        _close_quietly(instance)
+        close_quietly(instance)

@@ -1,5 +1,5 @@
 """Agents through the OpenAI-compatible endpoint, driven by the real clients: the `openai` package and the
-OpenAI Agents SDK, against a real NativeEngine (tests/unit/controller/agent_rig.py).
+OpenAI Agents SDK, against a real NativeEngine (tests/unit/episodes/agent_rig.py).
 
 Asserted: a multi-turn, tool-calling episode is one trajectory whose tokens are the chat template's
 rendering plus what the engine sampled, with the engine's logprobs (the model's own log-probabilities at
