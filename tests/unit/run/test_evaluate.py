@@ -61,7 +61,7 @@ def test_a_first_evaluation_predicted_past_its_deadline_is_said_before_it_runs()
     import time
     from concurrent.futures import Future
 
-    from conveyor.controller.evaluate import PROBE
+    from conveyor.run.evaluate import PROBE
     from conveyor.rollout.api import SamplingParams
 
     class Rollouts:
