@@ -9,7 +9,8 @@ Contract
 - ``make_batch(groups, cfg, extra)`` builds the Batch: ids = prompt +
   completion, loss mask over the policy's own tokens (0 on a sample cut at
   the token budget under ``algo.overlong_filter``), per-token fields
-  ``advantages``, ``behaviour_logprobs`` (engine), and where computed
+  ``advantages`` (the estimator's row of ``config.estimators.ESTIMATORS``),
+  ``behaviour_logprobs`` (engine), and where computed
   ``proximal_logprobs`` / ``ref_logprobs`` / ``returns``; ``routes`` are the engine's
   recorded experts when trajectories carry them (routing replay; a sample without
   any is routed by the trainer's own routers).
@@ -29,6 +30,7 @@ import torch
 
 from conveyor import algo
 from conveyor.config import AlgoConfig
+from conveyor.config.estimators import Estimator, estimator
 from conveyor.controller.group_filter import mask_overlong
 from conveyor.types import Batch, Group, Trajectory
 
@@ -44,7 +46,7 @@ def needs(cfg: AlgoConfig, one_update: bool = False) -> Needs:
     return Needs(
         proximal=uses_proximal(cfg) and not one_update,
         reference=cfg.kl_coef > 0,
-        values=cfg.advantage == "gae",
+        values=estimator(cfg.advantage).critic,
     )
 
 
@@ -101,25 +103,12 @@ def make_batch(groups: list[Group], cfg: AlgoConfig, extra: dict[str, list[torch
     if cfg.kl_in_reward and "ref_logprobs" in extra:
         own = _pad(extra.get("proximal_logprobs") or base.fields["behaviour_logprobs"])
         kl_tok = algo.kl_estimate(own, _pad(extra["ref_logprobs"]), cfg.kl_estimator, mask=mask)
+    est, returns = estimator(cfg.advantage), None
     if cfg.turn_credit == "discounted" and any(t.turn_records for t in trajs):
-        adv = _turn_credit(groups, cfg, mask)
-    elif cfg.advantage in ("grpo", "drgrpo", "rloo"):
-        sizes = {len(g.trajectories) for g in groups}
-        if len(sizes) != 1:
-            raise ValueError(f"group advantages need equal group sizes, got sizes {sorted(sizes)}")
-        r = rewards if kl_tok is None else rewards - cfg.kl_coef * kl_tok.sum(-1)
-        seq_adv = algo.compute_group_advantages(cfg.advantage, r.view(len(groups), -1)).reshape(-1)
-        adv = algo.expand_to_tokens(seq_adv, mask)
-    elif cfg.advantage == "reinforce++":
-        adv = algo.reinforce_pp_advantages(rewards, mask, kl=kl_tok, kl_coef=cfg.kl_coef if kl_tok is not None else 0.0,
-                                           gamma=cfg.gamma)
-    else:  # gae: sequence reward on the last policy token, KL penalty per token
-        token_r = torch.zeros_like(mask)
-        last = (mask * torch.arange(mask.shape[1])).argmax(-1)      # [B] index of last loss token
-        token_r[torch.arange(len(trajs)), last] = rewards
-        if kl_tok is not None:
-            token_r = token_r - cfg.kl_coef * kl_tok
-        adv, returns = algo.gae_advantages(token_r, _pad(extra["values"]), mask, cfg.gamma, cfg.lam)
+        adv = _turn_credit(groups, cfg, est, mask)
+    else:
+        adv, returns = est.function()(_advantage_inputs(groups, cfg, est, rewards, mask, kl_tok, extra))
+    if returns is not None:
         extra["returns"] = _unpad(returns, base.input_ids)
     fields = dict(base.fields, advantages=_unpad(adv * mask, base.input_ids))
     fields.update({("old_values" if k == "values" else k): v for k, v in extra.items()})
@@ -135,6 +124,17 @@ def make_batch(groups: list[Group], cfg: AlgoConfig, extra: dict[str, list[torch
     return Batch(base.input_ids, base.loss_mask, fields, base.routes), stats
 
 
+def _advantage_inputs(groups: list[Group], cfg: AlgoConfig, est: Estimator, rewards: torch.Tensor,
+                      mask: torch.Tensor, kl_tok: torch.Tensor | None,
+                      extra: dict[str, list[torch.Tensor]]) -> algo.AdvantageInputs:
+    """What the estimator's function gets of the batch (``algo.AdvantageInputs``)."""
+    sizes = tuple(len(g.trajectories) for g in groups)
+    if est.group and len(set(sizes)) > 1:
+        raise ValueError(f"group advantages need equal group sizes, got sizes {sorted(set(sizes))}")
+    return algo.AdvantageInputs(rewards, mask, sizes, kl=kl_tok, kl_coef=cfg.kl_coef,
+                                values=_pad(extra["values"]) if est.critic else None, gamma=cfg.gamma, lam=cfg.lam)
+
+
 def _token_moments(adv: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Mean and population std of the advantages over the loss tokens (REINFORCE++ whitens
     them to 0 and 1; group estimators centre each group's sequences, not its tokens)."""
@@ -145,11 +145,11 @@ def _token_moments(adv: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     return {"adv_mean": float(vals.mean()), "adv_std": float(vals.std(unbiased=False))}
 
 
-def _turn_credit(groups: list[Group], cfg: AlgoConfig, mask: torch.Tensor) -> torch.Tensor:
+def _turn_credit(groups: list[Group], cfg: AlgoConfig, est: Estimator, mask: torch.Tensor) -> torch.Tensor:
     """Per-token advantages from turn-level returns (``algo.turn_advantages``), group by group:
     a turn's policy tokens get its turn's advantage. What the reward service gave beyond the
     environment's turn rewards (its own verifier) counts on the episode's last turn."""
-    if cfg.advantage not in ("grpo", "drgrpo"):
+    if est.turn_credit is None:
         raise ValueError(f"algo.turn_credit=discounted works with advantage grpo or drgrpo, not {cfg.advantage!r}")
     adv = torch.zeros_like(mask)
     row = 0
@@ -164,7 +164,7 @@ def _turn_credit(groups: list[Group], cfg: AlgoConfig, mask: torch.Tensor) -> to
             last = max(len(turns), 1) - 1
             r[i, last] += t.reward - t.env_return
             on[i, last] = 1.0
-        a = algo.turn_advantages(r, on, cfg.turn_gamma, std_normalize=cfg.advantage == "grpo")
+        a = algo.turn_advantages(r, on, cfg.turn_gamma, std_normalize=est.turn_credit == "std")
         for i, t in enumerate(g.trajectories):
             head = len(t.prompt_ids)
             spans = [(rec.start, rec.end) for rec in t.turn_records] or [(0, len(t.completion_ids))]
