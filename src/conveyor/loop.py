@@ -110,7 +110,7 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
         if "proximal_logprobs" in sb.extra:
             metrics["logprob_diff_max"] = max(
                 float(((p - b).abs() * m).max()) for p, b, m in
-                zip(sb.extra["proximal_logprobs"], sb.batch.fields["behaviour_logprobs"], sb.batch.loss_mask))
+                zip(sb.extra["proximal_logprobs"], sb.batch.behaviour_logprobs, sb.batch.loss_mask))
         for phase in ("time/wait", "time/prepare"):  # absent when prepared during the last step
             metrics.setdefault(phase, 0.0)
         metrics["trainer_idle_frac"] = metrics["time/wait"] / max(metrics["time/step"], 1e-9)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from conveyor.config.base import ConfigError
+from conveyor.trainer.api import LossInputs
 
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import RunConfig
@@ -118,8 +119,7 @@ class MemoryProbe:
     ``model`` (a Hugging Face model: its config gives the vocabulary), ``optimizer`` (and
     ``critic_optimizer``, or None: their state still to come is held during the probe), ``critic``
     and ``_values_out(mb)`` (the value model, or None; the probe runs it as the step does), ``compute`` (the module
-    forward and backward run on), ``_policy_out(model, mb, with_entropy, layout=...)`` (a dict with
-    ``"logprobs"``), ``_layout(cpu_mb, loss_only)`` (the packed layout, or None: padded),
+    forward and backward run on), ``_policy_out(model, mb, with_entropy, layout=...)`` (a ``LossOutputs``), ``_layout(cpu_mb, loss_only)`` (the packed layout, or None: padded),
     ``_to_device(mb)`` and ``_zero_grad()``. The probe runs the path training runs, packed or padded."""
 
     def fits(self, tokens: int, length: int) -> bool:
@@ -154,12 +154,12 @@ class MemoryProbe:
         """One forward and backward of random ids, ``tokens`` in rows of ``length``; nothing kept."""
         rows, length = max(1, tokens // max(length, 1)), min(length, tokens)
         ids = torch.randint(0, self.model.config.get_text_config(decoder=True).vocab_size, (rows, length))
-        cpu_mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones(rows, length)}
+        cpu_mb = LossInputs(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones(rows, length))
         try:
             self.compute.train()
             layout = self._layout(cpu_mb, loss_only=True)
             mb = self._to_device(cpu_mb)
-            loss = self._policy_out(self.compute, mb, False, layout=layout)["logprobs"].sum()
+            loss = self._policy_out(self.compute, mb, False, layout=layout).logprobs.sum()
             if self.critic is not None:  # the step's loss holds both graphs until its backward
                 loss = loss + self._values_out(mb).sum()
             loss.backward()
