@@ -36,10 +36,12 @@ Contract
   declares that ``train`` takes ``publish`` / ``publish_dtype`` and runs its
   last optimizer step while the weights leave; ``step_ended`` is when the
   last ``train`` call's optimizer work was done (``time.time()``).
-- ``TrainerHandle`` is what the controller holds: exactly the calls the loop,
-  batch building and the launcher make. ``trainer.serve.TrainerHost`` (one
-  process) and ``launch.roles.TrainerProxy`` (trainer rank processes)
-  provide it; ``tests/unit/launch/test_handles_conform.py`` checks both.
+- ``TrainerHandle`` is the trainer role as a launcher provides it, in two surfaces:
+  ``TrainerSteps``, what the loop and a step's batch building call, and
+  ``TrainerLifecycle``, what only ``run/`` calls around the loop (start-up checks,
+  resume, checkpoints, export, close). ``trainer.serve.TrainerHost`` (one process),
+  ``launch.roles.TrainerProxy`` (trainer rank processes) and ``launch.ray_roles.RayTrainerProxy``
+  provide it; ``tests/unit/launch/test_handles_conform.py`` checks them against both.
 
 The trainer knows nothing about RL: advantages, clipping, KL and staleness
 live in the loss function and the loop. This module holds the protocols and the
@@ -298,8 +300,8 @@ class Trainer(Protocol):
 
 
 @runtime_checkable
-class TrainerHandle(Protocol):
-    """The trainer role as the controller calls it, wherever its ranks run."""
+class TrainerSteps(Protocol):
+    """The trainer as the loop holds it: a step's extra passes, its training and its publish."""
 
     def train_and_publish(self, batch: "Batch", loss_fn: LossFn, version: int) -> "Trained":
         """One ``train`` call whose new weights leave as ``version`` as its optimizer step ends."""
@@ -313,6 +315,22 @@ class TrainerHandle(Protocol):
         its kernels to that many SMs while engines decode on the same GPU (None: all)."""
         ...
 
+    def finish_and_publish(self, version: int) -> "Trained":
+        """The optimizer step over the parts accumulated since the last step, published as ``version``."""
+        ...
+
+    def logprobs(self, batch: "Batch") -> list["torch.Tensor"]: ...
+
+    def ref_logprobs(self, batch: "Batch") -> list["torch.Tensor"]: ...
+
+    def values(self, batch: "Batch") -> list["torch.Tensor"]: ...
+
+
+@runtime_checkable
+class TrainerLifecycle(Protocol):
+    """The trainer as only ``run/`` holds it, around the loop: start-up checks, resume,
+    checkpoints, the final export and the end."""
+
     def fits(self, tokens: int, length: int) -> bool:
         """Whether a micro-batch of ``tokens`` tokens in rows of ``length`` fits every rank's device
         memory now (one forward and backward, nothing kept; always true on CPU)."""
@@ -321,10 +339,6 @@ class TrainerHandle(Protocol):
     def set_micro_batch_tokens(self, tokens: int) -> None:
         """Every rank's ``trainer.micro_batch_tokens`` from now on (a default that did not fit,
         halved before the first step: ``trainer/fit.py``)."""
-        ...
-
-    def finish_and_publish(self, version: int) -> "Trained":
-        """The optimizer step over the parts accumulated since the last step, published as ``version``."""
         ...
 
     def describe(self) -> str:
@@ -341,12 +355,6 @@ class TrainerHandle(Protocol):
         """Publish the current weights as ``version`` (a resume, a warm start); returns host seconds."""
         ...
 
-    def logprobs(self, batch: "Batch") -> list["torch.Tensor"]: ...
-
-    def ref_logprobs(self, batch: "Batch") -> list["torch.Tensor"]: ...
-
-    def values(self, batch: "Batch") -> list["torch.Tensor"]: ...
-
     def step(self) -> int:
         """Completed ``train`` calls: the policy version the trainer holds."""
         ...
@@ -360,3 +368,8 @@ class TrainerHandle(Protocol):
     def close(self) -> None:
         """Stop the trainer's processes, if it has any."""
         ...
+
+
+@runtime_checkable
+class TrainerHandle(TrainerSteps, TrainerLifecycle, Protocol):
+    """The trainer role as a launcher provides it, wherever its ranks run: both surfaces."""

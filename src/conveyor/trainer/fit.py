@@ -35,7 +35,7 @@ from conveyor.trainer.api import LossInputs
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import RunConfig
     from conveyor.runtime.handles import EngineMemory
-    from conveyor.trainer.api import TrainerHandle
+    from conveyor.trainer.api import TrainerLifecycle
 
 
 # A trainer GPU of its own (W1, 0.5B, streaming beside one engine on 2x H200): 32768-token micro-batches
@@ -53,7 +53,7 @@ def own_gpu_default(cfg: RunConfig, alone: bool) -> int | None:
     return OWN_GPU_MICRO_BATCH_TOKENS
 
 
-def needs_time_share(trainer: TrainerHandle, cfg: RunConfig, length: int) -> bool:
+def needs_time_share(trainer: TrainerLifecycle, cfg: RunConfig, length: int) -> bool:
     """``launch.time_share=auto``: release the engines' KV pools only if ``trainer.micro_batch_tokens``
     does not fit beside them (one probe, the pools held). Each switch costs tens of milliseconds a
     step, which a model whose steps take a fraction of a second pays for nothing."""
@@ -71,7 +71,7 @@ def largest_fitting(budget: int, fits: Callable[[int], bool], floor: int = 256) 
     return None
 
 
-def check_micro_batches(trainer: TrainerHandle, cfg: RunConfig, length: int,
+def check_micro_batches(trainer: TrainerLifecycle, cfg: RunConfig, length: int,
                         memory: EngineMemory | None, default: int | None = None) -> list[str]:
     tc, notes = cfg.trainer, []
     if default is not None and "micro_batch_tokens" not in tc.model_fields_set:
