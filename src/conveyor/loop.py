@@ -4,7 +4,7 @@ Contract: ``rl_loop(cfg, trainer, rollouts, buffer, rewards, logger, timer,
 evaluate, checkpoint, start_step, ledger)`` runs training steps ``start_step ..
 loop.steps-1`` and returns the last step's metrics; ``ledger`` (``controller.schedule``)
 learns which places of the schedule each step trained, for the checkpoints. It holds named handles:
-the trainer (``trainer.api.TrainerHandle``), the producer that owns
+the trainer (its per-step surface, ``trainer.api.TrainerSteps``), the producer that owns
 admission and the published version (``controller.producer.Producer``), the
 buffer of scored groups, the reward service (for its counts), the metrics
 sinks, and two callbacks, ``evaluate(step)`` and ``checkpoint(step)``.
@@ -37,7 +37,7 @@ from conveyor.controller.step_stats import engine_stats, rollout_stats, sync_sta
 from conveyor.runtime import interrupt, watchdog
 from conveyor.runtime.errors import RoleError
 from conveyor.runtime.watchdog import Deadlines
-from conveyor.trainer.api import TrainerHandle
+from conveyor.trainer.api import TrainerSteps
 from conveyor.transport.buffer import BufferTimeout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 @interrupt.deferred  # Ctrl-C: the step in progress ends whole (and is checkpointed) before the run stops
-def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffer: TrajectoryBuffer,
+def rl_loop(cfg: RunConfig, *, trainer: TrainerSteps, rollouts: Producer, buffer: TrajectoryBuffer,
             rewards: RewardHandle, logger: MetricsLogger, timer: PhaseTimer,
             evaluate: Callable[[int], dict], checkpoint: Callable[[int, dict, dict | None], object],
             start_step: int, ledger: Ledger, counted_before: Callable[[dict], dict] = dict,
@@ -110,7 +110,7 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerHandle, rollouts: Producer, buffe
         if "proximal_logprobs" in sb.extra:
             metrics["logprob_diff_max"] = max(
                 float(((p - b).abs() * m).max()) for p, b, m in
-                zip(sb.extra["proximal_logprobs"], sb.batch.fields["behaviour_logprobs"], sb.batch.loss_mask))
+                zip(sb.extra["proximal_logprobs"], sb.batch.behaviour_logprobs, sb.batch.loss_mask))
         for phase in ("time/wait", "time/prepare"):  # absent when prepared during the last step
             metrics.setdefault(phase, 0.0)
         metrics["trainer_idle_frac"] = metrics["time/wait"] / max(metrics["time/step"], 1e-9)

@@ -22,10 +22,11 @@ Contract
   follows them (loss-masked) up to the next turn's ``start``. ``reward`` is
   the turn's reward from the environment (a process reward; 0 for none).
 - ``Group``: the n samples of one task, explicit (never a positional reshape).
-- ``Batch``: what the trainer consumes: token ids plus per-token float fields,
-  aligned with the ids (position t of a field belongs to token t; fields are
-  0 where ``loss_mask`` is 0, and position 0 is never a target), and for routing
-  replay the recorded experts per sample.
+- ``Batch``: what the trainer consumes: token ids plus per-token float fields, the
+  objective's by name (``BATCH_FIELDS``) and a custom loss's in ``custom``, aligned
+  with the ids (position t of a field belongs to token t; fields are 0 where
+  ``loss_mask`` is 0, and position 0 is never a target), and for routing replay the
+  recorded experts per sample.
 - ``SamplingParams``, ``Completion``, ``StreamChunk`` (``FinishReason``): what a
   generation call is asked and answers, for every engine and every consumer of
   generation (the controller, the workflows, a judge); the engine's contract over
@@ -42,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from collections.abc import Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -139,28 +141,66 @@ class Group:
         return [t.reward for t in self.trajectories]
 
 
-@dataclass(frozen=True)
+# The per-token fields the built-in objective puts in a Batch, each a named attribute (``None``
+# when a batch has none); a custom loss's own fields are ``Batch.custom`` entries.
+BATCH_FIELDS = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs", "old_values", "returns")
+COLLATED = ("input_ids", "attention_mask", "loss_mask", "routes")  # a micro-batch's own tensors: no field's name
+
+
+@dataclass(frozen=True, init=False)
 class Batch:
     """Sequences for the trainer.
 
     input_ids[i]: 1-D long tensor, prompt + completion of sample i.
     loss_mask[i]: 1-D float tensor, same length; 1 where token t is a target
                   the policy produced (0 for the prompt and environment tokens).
-    fields[name][i]: 1-D float tensor aligned with input_ids[i] (e.g. advantages,
-                  behaviour logprobs); the trainer passes them through to the loss.
-    num_tokens / num_seqs: totals over the WHOLE batch, so a loss can normalise
-                  identically however the batch is split into micro-batches.
     routes[i]:    None, or a long tensor [P_i, moe_layers, top_k] with P_i <= len(input_ids[i]):
                   the experts to use at position t (routing replay); a row with a negative
                   entry, and positions from P_i on, use the trainer's own router.
+    advantages, behaviour_logprobs (the engine's), proximal_logprobs, ref_logprobs,
+    old_values (the critic's before the update), returns: per-token fields, each a list of
+    1-D float tensors aligned with input_ids[i], or None when the batch has none.
+    custom[name][i]: a field of a custom loss, aligned the same way.
+    The trainer passes every field through to the loss (``trainer.api.LossInputs``).
+    ``fields`` is every field present, by name (a live view: ``fields[name] = rows`` adds a
+    custom one); ``Batch(ids, mask, {name: rows})`` places each name in its attribute or in custom.
+    num_tokens / num_seqs: totals over the WHOLE batch, so a loss can normalise
+                  identically however the batch is split into micro-batches.
     """
 
     input_ids: list["torch.Tensor"]
     loss_mask: list["torch.Tensor"]
-    fields: dict[str, list["torch.Tensor"]] = field(default_factory=dict)
     routes: list["torch.Tensor"] | None = None
+    advantages: list["torch.Tensor"] | None = None
+    behaviour_logprobs: list["torch.Tensor"] | None = None
+    proximal_logprobs: list["torch.Tensor"] | None = None
+    ref_logprobs: list["torch.Tensor"] | None = None
+    old_values: list["torch.Tensor"] | None = None
+    returns: list["torch.Tensor"] | None = None
+    custom: dict[str, list["torch.Tensor"]] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
+    def __init__(self, input_ids: list["torch.Tensor"], loss_mask: list["torch.Tensor"],
+                 fields: Mapping[str, list["torch.Tensor"]] | None = None, routes: list["torch.Tensor"] | None = None,
+                 *, custom: Mapping[str, list["torch.Tensor"]] | None = None,
+                 **named: list["torch.Tensor"] | None) -> None:
+        unknown = sorted(set(named) - set(BATCH_FIELDS))
+        if unknown:
+            raise TypeError(f"Batch() got an unexpected keyword argument {unknown[0]!r}; a custom field goes in "
+                            "fields= or custom=")
+        rest: dict[str, list["torch.Tensor"]] = {}
+        for name, rows in {**(fields or {}), **(custom or {})}.items():
+            if name not in BATCH_FIELDS:
+                rest[name] = rows
+            elif named.get(name) is not None:
+                raise ValueError(f"Batch field {name!r} is given twice: in fields and as {name}=")
+            else:
+                named[name] = rows
+        for key, value in (("input_ids", input_ids), ("loss_mask", loss_mask), ("routes", routes),
+                           *((name, named.get(name)) for name in BATCH_FIELDS), ("custom", rest)):
+            object.__setattr__(self, key, value)
+        self._check()
+
+    def _check(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):
             raise ValueError("Batch: input_ids and loss_mask must have one entry per sample")
         if self.routes is not None and len(self.routes) != len(self.input_ids):
@@ -168,6 +208,10 @@ class Batch:
         for name, vals in self.fields.items():
             if len(vals) != len(self.input_ids):
                 raise ValueError(f"Batch field {name!r} has {len(vals)} samples, expected {len(self.input_ids)}")
+
+    @property
+    def fields(self) -> "BatchFields":
+        return BatchFields(self)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -182,12 +226,49 @@ class Batch:
         return int(sum(float(m.sum()) for m in self.loss_mask))
 
     def select(self, idx: list[int]) -> "Batch":
-        return Batch(
-            [self.input_ids[i] for i in idx],
-            [self.loss_mask[i] for i in idx],
-            {k: [v[i] for i in idx] for k, v in self.fields.items()},
-            None if self.routes is None else [self.routes[i] for i in idx],
-        )
+        def rows(values: list) -> list:
+            return [values[i] for i in idx]
+        return Batch(rows(self.input_ids), rows(self.loss_mask),
+                     routes=None if self.routes is None else rows(self.routes),
+                     custom={k: rows(v) for k, v in self.custom.items()},
+                     **{name: rows(v) for name in BATCH_FIELDS if (v := getattr(self, name)) is not None})
+
+
+class BatchFields(MutableMapping):
+    """Every per-token field of a ``Batch`` by name: its named fields present, then its custom ones.
+    Setting a name adds a custom field; a named field is replaced by building a new Batch."""
+
+    def __init__(self, batch: Batch):
+        self._batch = batch
+
+    def __getitem__(self, name: str) -> list["torch.Tensor"]:
+        if name in BATCH_FIELDS:
+            rows = getattr(self._batch, name)
+            if rows is None:
+                raise KeyError(name)
+            return rows
+        return self._batch.custom[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (name for name in BATCH_FIELDS if getattr(self._batch, name) is not None)
+        yield from self._batch.custom
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __setitem__(self, name: str, rows: list["torch.Tensor"]) -> None:
+        if name in BATCH_FIELDS:
+            raise TypeError(f"Batch.fields[{name!r}] = ...: {name} is a named field of a frozen Batch; "
+                            f"build a new one with dataclasses.replace(batch, {name}=...)")
+        if len(rows) != len(self._batch):
+            raise ValueError(f"Batch field {name!r} has {len(rows)} samples, expected {len(self._batch)}")
+        self._batch.custom[name] = rows
+
+    def __delitem__(self, name: str) -> None:
+        if name in BATCH_FIELDS:
+            raise TypeError(f"del Batch.fields[{name!r}]: {name} is a named field of a frozen Batch; "
+                            f"build a new one with dataclasses.replace(batch, {name}=None)")
+        del self._batch.custom[name]
 
 
 FinishReason = Literal["stop", "length", "abort"]

@@ -9,6 +9,7 @@ it does not know about trajectories, models, trainers or configs. The
 caller maps config names to the functions below.
 """
 from conveyor.algo.advantages import (
+    AdvantageInputs,
     compute_group_advantages,
     expand_to_tokens,
     gae_advantages,
@@ -30,6 +31,7 @@ from conveyor.algo.losses import (
 )
 
 __all__ = [
+    "AdvantageInputs",
     "aggregate",
     "compute_group_advantages",
     "decoupled_ppo_loss",

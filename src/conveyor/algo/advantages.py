@@ -12,12 +12,17 @@ Contract
 - Everything here is a pure function of its tensors and runs under
   ``torch.no_grad`` semantics: advantages are targets, never differentiated,
   so every output is detached.
+- ``estimate_*`` are the estimators as ``conveyor.config.estimators.ESTIMATORS``
+  names them: one call shape, ``(AdvantageInputs) -> (advantages [B, T], returns
+  [B, T] or None)``, the advantages 0 off the mask, returns for a critic to regress on.
 
 What it deliberately does not know: where rewards came from, how groups were
 formed (callers build the [G, n] matrix from explicit groups), which loss
 consumes the result, or anything of the rest of conveyor.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -221,3 +226,61 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torc
     if whiten:
         adv = _whiten(adv, m, eps)
     return adv, returns
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator gets of a step's batch: B sequences, the n_g samples of group g in rows
+    ``sum(group_sizes[:g]) ..`` (consecutive), time T padded.
+
+    rewards [B] (each sequence's reward), mask [B, T] (1 on target tokens), kl [B, T] or None
+    (the per-token KL to the reference, ``algo.kl_in_reward``: a penalty of ``kl_coef`` per unit),
+    values [B, T] or None (the critic's, for an estimator that reads them), gamma and lam (the
+    discount and GAE's lambda).
+    """
+
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    group_sizes: tuple[int, ...]
+    kl: torch.Tensor | None = None
+    kl_coef: float = 0.0
+    values: torch.Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+
+
+def _per_group(x: AdvantageInputs, advantages) -> torch.Tensor:
+    """A group estimator ``advantages([G, n] rewards) -> [G, n]`` on equal groups, KL taken off the
+    reward, its sequence advantages given to every target token."""
+    r = x.rewards if x.kl is None else x.rewards - x.kl_coef * x.kl.sum(-1)
+    seq_adv = advantages(r.view(-1, x.group_sizes[0])).reshape(-1)
+    return expand_to_tokens(seq_adv, x.mask)
+
+
+def estimate_grpo(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    return _per_group(x, grpo_advantages), None
+
+
+def estimate_drgrpo(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    return _per_group(x, lambda r: grpo_advantages(r, std_normalize=False)), None
+
+
+def estimate_rloo(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    return _per_group(x, rloo_advantages), None
+
+
+def estimate_reinforce_pp(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+    kl_coef = x.kl_coef if x.kl is not None else 0.0
+    return reinforce_pp_advantages(x.rewards, x.mask, kl=x.kl, kl_coef=kl_coef, gamma=x.gamma), None
+
+
+def estimate_gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE with the sequence reward on its last target token and the KL penalty on every token."""
+    if x.values is None:
+        raise ValueError("GAE needs the critic's values (AdvantageInputs.values); set trainer.critic=true")
+    token_r = torch.zeros_like(x.mask)
+    last = (x.mask * torch.arange(x.mask.shape[1])).argmax(-1)      # [B] index of the last target token
+    token_r[torch.arange(x.mask.shape[0]), last] = x.rewards
+    if x.kl is not None:
+        token_r = token_r - x.kl_coef * x.kl
+    return gae_advantages(token_r, x.values, x.mask, x.gamma, x.lam)

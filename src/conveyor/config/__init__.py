@@ -5,8 +5,9 @@ nothing: the built-in default), applies dotted ``key=value`` overrides, and
 validates everything at load time. Unknown keys and wrong types raise
 ``ConfigError`` whose message names the dotted field and what was expected.
 The sections live in ``config/sections.py`` (the reward's in ``config/reward.py``, checked
-by the rules of ``config/reward_rules.py``), the recipe machinery in ``config/recipes.py``;
-this package re-exports them.
+by the rules of ``config/reward_rules.py``; the advantage estimators' table in
+``config/estimators.py``), the recipe machinery in ``config/recipes.py``; this package
+re-exports them.
 It imports no torch, so the CLI can validate a recipe instantly.
 It does not know how a field is used; each role reads its own section.
 """

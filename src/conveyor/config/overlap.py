@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from conveyor.config.estimators import estimator, group_estimators
+
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config.sections import RunConfig
 
-GROUP_ADVANTAGES = ("grpo", "drgrpo", "rloo")  # a group's advantages need only its own rewards
 
 
 def check(cfg: RunConfig) -> None:
@@ -36,9 +37,9 @@ def check(cfg: RunConfig) -> None:
     if cfg.trainer.ppo_epochs != 1 or cfg.trainer.mini_batches != 1:
         why = (f"trainer.ppo_epochs={cfg.trainer.ppo_epochs} and trainer.mini_batches={cfg.trainer.mini_batches} "
                "change the weights within a step; set both to 1")
-    elif cfg.algo.advantage not in GROUP_ADVANTAGES:
+    elif not estimator(cfg.algo.advantage).group:
         why = (f"algo.advantage={cfg.algo.advantage} needs the whole batch before any advantage is known; "
-               f"use one of {', '.join(GROUP_ADVANTAGES)}")
+               f"use one of {', '.join(group_estimators())}")
     elif cfg.algo.dynamic_sampling or lc.replay.enabled:
         why = "algo.dynamic_sampling and loop.replay decide a step's groups only once all are in; turn them off"
     elif la.trainer_ranks != 1:

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from conveyor import staleness
 from conveyor.config import overlap
 from conveyor.config.base import ConfigError, _Section, did_you_mean
+from conveyor.config.estimators import ESTIMATORS, estimator
 from conveyor.config.replay import ReplayConfig
 from conveyor.config.lora import LoraConfig
 from conveyor.config.reward import JudgeConfig, RewardComponentConfig, RewardConfig
@@ -221,8 +222,8 @@ class TrainerConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce++", "gae"] = Field("grpo",
-        description="advantage estimator")
+    advantage: str = Field("grpo", description=(
+        f"advantage estimator: {', '.join(ESTIMATORS)} (conveyor.config.estimators, one row each)"))
     loss: Literal["auto", "ppo", "gspo", "decoupled_ppo"] = Field("auto", description=(
         "auto: decoupled_ppo when loop.max_staleness > 0 or loop.replay is on (the ratio against the policy being trained, "
         "stale behaviour weights truncated at is_cap), else ppo"))
@@ -270,6 +271,12 @@ class AlgoConfig(_Section):
         "DAPO's soft overlong penalty: the last this many tokens before rollout.max_new_tokens cost reward "
         "linearly, up to overlong_penalty at the budget; 0 = off"))
     overlong_penalty: float = Field(1.0, ge=0, description="the soft overlong penalty's factor (its size at the budget)")
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_estimator(cls, v: str) -> str:
+        estimator(v)  # one line naming the choices
+        return v
 
     @model_validator(mode="after")
     def _clip_defaults(self) -> "AlgoConfig":
@@ -559,8 +566,8 @@ class RunConfig(_Section):
             self._check_routing_replay()
         if self.algo.kl_coef > 0 and not self.trainer.reference:
             raise ValueError("algo.kl_coef > 0 needs a reference model: set trainer.reference=true")
-        if self.algo.advantage == "gae" and not self.trainer.critic:
-            raise ValueError("algo.advantage=gae needs a value model: set trainer.critic=true")
+        if estimator(self.algo.advantage).critic and not self.trainer.critic:
+            raise ValueError(f"algo.advantage={self.algo.advantage} needs a value model: set trainer.critic=true")
         lo = self.trainer.lora
         if lo.enabled and lo.publish == "adapter" and self.rollout.engine != "native":
             raise ValueError(f"trainer.lora.publish=adapter needs rollout.engine=native ({self.rollout.engine} "

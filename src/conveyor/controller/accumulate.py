@@ -33,11 +33,11 @@ from conveyor.runtime.handles import EngineMemory
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import RunConfig
     from conveyor.observe.timers import PhaseTimer
-    from conveyor.trainer.api import LossFn, TrainerHandle
+    from conveyor.trainer.api import LossFn, TrainerSteps
     from conveyor.transport.buffer import TrajectoryBuffer
 
 
-def accumulated_step(trainer: TrainerHandle, buffer: TrajectoryBuffer, cfg: RunConfig, loss_fn: LossFn,
+def accumulated_step(trainer: TrainerSteps, buffer: TrajectoryBuffer, cfg: RunConfig, loss_fn: LossFn,
                      need: objective.Needs, version: int, timeout_s: float, timer: PhaseTimer,
                      memory: EngineMemory | None):
     """One step over ``loop.batch_size`` groups taken as they are scored; see the module docstring."""

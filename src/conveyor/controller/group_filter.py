@@ -32,7 +32,7 @@ nothing otherwise. It knows nothing of engines, the buffer or the trainer.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -71,7 +71,7 @@ def has_signal(group: Group, masked: bool) -> bool:
 def mask_overlong(batch: Batch, trajs: list[Trajectory]) -> Batch:
     """The batch with loss mask 0 on every sample that ran into the token budget."""
     masks = [torch.zeros_like(m) if t.finish_reason == "length" else m for m, t in zip(batch.loss_mask, trajs)]
-    return Batch(batch.input_ids, masks, batch.fields, batch.routes)
+    return replace(batch, loss_mask=masks)
 
 
 class GroupFilter:

@@ -8,14 +8,17 @@ Contract
   the loss takes its detached logprobs and nothing is recomputed.
 - ``make_batch(groups, cfg, extra)`` builds the Batch: ids = prompt +
   completion, loss mask over the policy's own tokens (0 on a sample cut at
-  the token budget under ``algo.overlong_filter``), per-token fields
-  ``advantages``, ``behaviour_logprobs`` (engine), and where computed
-  ``proximal_logprobs`` / ``ref_logprobs`` / ``returns``; ``routes`` are the engine's
+  the token budget under ``algo.overlong_filter``), the named per-token fields
+  ``advantages`` (the estimator's row of ``config.estimators.ESTIMATORS``),
+  ``behaviour_logprobs`` (engine), and where computed ``proximal_logprobs`` /
+  ``ref_logprobs`` / ``old_values`` / ``returns``; ``routes`` are the engine's
   recorded experts when trajectories carry them (routing replay; a sample without
   any is routed by the trainer's own routers).
-- ``make_loss(cfg)`` returns a LossFn for ``Trainer.train``: the policy loss
+- ``PolicyLoss(cfg)`` is the ``LossFn`` for ``Trainer.train``: the policy loss
   chosen in AlgoConfig, with optional importance-sampling correction, KL
-  term, entropy bonus and value loss, aggregated with global normalisers.
+  term, entropy bonus and value loss, aggregated with global normalisers; its
+  ``needs`` declare the batch fields and outputs it reads. ``sft_loss`` is the
+  warm start's.
 
 The formulas live in ``conveyor.algo``; this module only chooses and wires
 them. It knows nothing of engines, processes or the loop's schedule.
@@ -23,13 +26,15 @@ them. It knows nothing of engines, processes or the loop's schedule.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from conveyor import algo
 from conveyor.config import AlgoConfig
+from conveyor.config.estimators import Estimator, estimator
 from conveyor.controller.group_filter import mask_overlong
+from conveyor.trainer.api import LossInputs, LossNeeds, LossOutputs
 from conveyor.types import Batch, Group, Trajectory
 
 
@@ -44,7 +49,7 @@ def needs(cfg: AlgoConfig, one_update: bool = False) -> Needs:
     return Needs(
         proximal=uses_proximal(cfg) and not one_update,
         reference=cfg.kl_coef > 0,
-        values=cfg.advantage == "gae",
+        values=estimator(cfg.advantage).critic,
     )
 
 
@@ -73,7 +78,7 @@ def base_batch(trajs: list[Trajectory]) -> Batch:
         ids.append(_tensor("q", t.prompt_ids + t.completion_ids, torch.long))
         masks.append(torch.cat([head, _tensor("f", t.loss_mask, torch.float32)]))
         behaviour.append(torch.cat([head, _tensor("f", t.logprobs, torch.float32)]))
-    return Batch(ids, masks, {"behaviour_logprobs": behaviour}, _routes(trajs))
+    return Batch(ids, masks, routes=_routes(trajs), behaviour_logprobs=behaviour)
 
 
 def _routes(trajs: list[Trajectory]) -> list[torch.Tensor] | None:
@@ -94,35 +99,23 @@ def make_batch(groups: list[Group], cfg: AlgoConfig, extra: dict[str, list[torch
     base = base or base_batch(trajs)
     if cfg.overlong_filter:  # DAPO: samples cut at the token budget teach nothing
         base = mask_overlong(base, trajs)
-    extra = dict(extra or {})
+    extra = extra or {}
     mask = _pad(base.loss_mask)                                     # [B, T]
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)  # [B]
     kl_tok = None
     if cfg.kl_in_reward and "ref_logprobs" in extra:
-        own = _pad(extra.get("proximal_logprobs") or base.fields["behaviour_logprobs"])
+        own = _pad(extra.get("proximal_logprobs") or base.behaviour_logprobs)
         kl_tok = algo.kl_estimate(own, _pad(extra["ref_logprobs"]), cfg.kl_estimator, mask=mask)
+    est, returns = estimator(cfg.advantage), None
     if cfg.turn_credit == "discounted" and any(t.turn_records for t in trajs):
-        adv = _turn_credit(groups, cfg, mask)
-    elif cfg.advantage in ("grpo", "drgrpo", "rloo"):
-        sizes = {len(g.trajectories) for g in groups}
-        if len(sizes) != 1:
-            raise ValueError(f"group advantages need equal group sizes, got sizes {sorted(sizes)}")
-        r = rewards if kl_tok is None else rewards - cfg.kl_coef * kl_tok.sum(-1)
-        seq_adv = algo.compute_group_advantages(cfg.advantage, r.view(len(groups), -1)).reshape(-1)
-        adv = algo.expand_to_tokens(seq_adv, mask)
-    elif cfg.advantage == "reinforce++":
-        adv = algo.reinforce_pp_advantages(rewards, mask, kl=kl_tok, kl_coef=cfg.kl_coef if kl_tok is not None else 0.0,
-                                           gamma=cfg.gamma)
-    else:  # gae: sequence reward on the last policy token, KL penalty per token
-        token_r = torch.zeros_like(mask)
-        last = (mask * torch.arange(mask.shape[1])).argmax(-1)      # [B] index of last loss token
-        token_r[torch.arange(len(trajs)), last] = rewards
-        if kl_tok is not None:
-            token_r = token_r - cfg.kl_coef * kl_tok
-        adv, returns = algo.gae_advantages(token_r, _pad(extra["values"]), mask, cfg.gamma, cfg.lam)
-        extra["returns"] = _unpad(returns, base.input_ids)
-    fields = dict(base.fields, advantages=_unpad(adv * mask, base.input_ids))
-    fields.update({("old_values" if k == "values" else k): v for k, v in extra.items()})
+        adv = _turn_credit(groups, cfg, est, mask)
+    else:
+        adv, returns = est.function()(_advantage_inputs(groups, cfg, est, rewards, mask, kl_tok, extra))
+    passes = {"proximal_logprobs": extra.get("proximal_logprobs"), "ref_logprobs": extra.get("ref_logprobs"),
+              "old_values": extra.get("values"),
+              "returns": None if returns is None else _unpad(returns, base.input_ids)}
+    batch = replace(base, advantages=_unpad(adv * mask, base.input_ids),
+                    **{name: rows for name, rows in passes.items() if rows is not None})
     stats = {
         "reward": float(rewards.mean()),
         "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
@@ -132,7 +125,18 @@ def make_batch(groups: list[Group], cfg: AlgoConfig, extra: dict[str, list[torch
     }
     if kl_tok is not None:
         stats["kl_reward"] = float(kl_tok.sum() / mask.sum().clamp(min=1))
-    return Batch(base.input_ids, base.loss_mask, fields, base.routes), stats
+    return batch, stats
+
+
+def _advantage_inputs(groups: list[Group], cfg: AlgoConfig, est: Estimator, rewards: torch.Tensor,
+                      mask: torch.Tensor, kl_tok: torch.Tensor | None,
+                      extra: dict[str, list[torch.Tensor]]) -> algo.AdvantageInputs:
+    """What the estimator's function gets of the batch (``algo.AdvantageInputs``)."""
+    sizes = tuple(len(g.trajectories) for g in groups)
+    if est.group and len(set(sizes)) > 1:
+        raise ValueError(f"group advantages need equal group sizes, got sizes {sorted(set(sizes))}")
+    return algo.AdvantageInputs(rewards, mask, sizes, kl=kl_tok, kl_coef=cfg.kl_coef,
+                                values=_pad(extra["values"]) if est.critic else None, gamma=cfg.gamma, lam=cfg.lam)
 
 
 def _token_moments(adv: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -145,11 +149,11 @@ def _token_moments(adv: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     return {"adv_mean": float(vals.mean()), "adv_std": float(vals.std(unbiased=False))}
 
 
-def _turn_credit(groups: list[Group], cfg: AlgoConfig, mask: torch.Tensor) -> torch.Tensor:
+def _turn_credit(groups: list[Group], cfg: AlgoConfig, est: Estimator, mask: torch.Tensor) -> torch.Tensor:
     """Per-token advantages from turn-level returns (``algo.turn_advantages``), group by group:
     a turn's policy tokens get its turn's advantage. What the reward service gave beyond the
     environment's turn rewards (its own verifier) counts on the episode's last turn."""
-    if cfg.advantage not in ("grpo", "drgrpo"):
+    if est.turn_credit is None:
         raise ValueError(f"algo.turn_credit=discounted works with advantage grpo or drgrpo, not {cfg.advantage!r}")
     adv = torch.zeros_like(mask)
     row = 0
@@ -164,7 +168,7 @@ def _turn_credit(groups: list[Group], cfg: AlgoConfig, mask: torch.Tensor) -> to
             last = max(len(turns), 1) - 1
             r[i, last] += t.reward - t.env_return
             on[i, last] = 1.0
-        a = algo.turn_advantages(r, on, cfg.turn_gamma, std_normalize=cfg.advantage == "grpo")
+        a = algo.turn_advantages(r, on, cfg.turn_gamma, std_normalize=est.turn_credit == "std")
         for i, t in enumerate(g.trajectories):
             head = len(t.prompt_ids)
             spans = [(rec.start, rec.end) for rec in t.turn_records] or [(0, len(t.completion_ids))]
@@ -179,31 +183,43 @@ class PolicyLoss:
 
     def __init__(self, cfg: AlgoConfig, norm_len: int | None = None, one_update: bool = False):
         self.cfg = cfg
-        self.needs = needs(cfg, one_update)
+        self.passes = needs(cfg, one_update)
         # One optimizer step per batch: the weights of this forward are those before the
         # step, i.e. the proximal policy, whose logprobs a recompute would only repeat.
         self.proximal_from_forward = uses_proximal(cfg) and one_update
-        self.needs_entropy = cfg.entropy_coef != 0
         self.norm_len = norm_len
-        # Which batch total the loss divides by (a step accumulated part by part divides at the end).
-        self.normaliser = "tokens" if cfg.loss_agg == "token-mean" else "seqs"
+        self.kl_in_loss = cfg.kl_coef > 0 and not cfg.kl_in_reward
+        self.needs = LossNeeds(
+            entropy=cfg.entropy_coef != 0, values=self.passes.values,
+            fields=("advantages", "behaviour_logprobs") + ("proximal_logprobs",) * self.passes.proximal
+            + ("ref_logprobs",) * self.kl_in_loss + ("old_values", "returns") * self.passes.values,
+            # Which batch total the loss divides by (a step accumulated part by part divides at the end).
+            normaliser="tokens" if cfg.loss_agg == "token-mean" else "seqs")
 
-    def inert(self, batch) -> list[bool]:
+    @property
+    def needs_entropy(self) -> bool:
+        return self.needs.entropy
+
+    @property
+    def normaliser(self) -> str | None:
+        return self.needs.normaliser
+
+    def inert(self, batch: Batch) -> list[bool]:
         """Samples whose every loss term is zero whatever the policy (``LossFn.inert``): the policy
         terms scale with the advantage, so a sample with a zero advantage at every loss token (a
         GRPO group whose rewards are all equal) adds nothing, unless a term that does not scale
         with it is on (a KL loss, an entropy bonus, a value loss)."""
-        c = self.cfg
-        if self.needs_entropy or self.needs.values or (c.kl_coef > 0 and not c.kl_in_reward):
+        if self.needs.entropy or self.needs.values or self.kl_in_loss:
             return [False] * len(batch)
         return [not bool(torch.count_nonzero(adv[mask > 0]))
-                for adv, mask in zip(batch.fields["advantages"], batch.loss_mask)]
+                for adv, mask in zip(batch.advantages, batch.loss_mask)]
 
-    def __call__(self, out, mb, num_tokens, num_seqs):
+    def __call__(self, out: LossOutputs, mb: LossInputs, num_tokens: float, num_seqs: int):
+        out, mb = LossOutputs.of(out), LossInputs.of(mb)
         c = self.cfg
-        lp, mask, adv = out["logprobs"], mb["loss_mask"], mb["advantages"]
-        behaviour = mb["behaviour_logprobs"]
-        old = mb["proximal_logprobs"] if self.needs.proximal else behaviour
+        lp, mask, adv = out.logprobs, mb.loss_mask, mb.advantages
+        behaviour = mb.behaviour_logprobs
+        old = mb.proximal_logprobs if self.passes.proximal else behaviour
         if self.proximal_from_forward:
             old = lp.detach()
         if c.loss == "decoupled_ppo":
@@ -218,15 +234,15 @@ class PolicyLoss:
             w, wm = algo.importance_weights(old, behaviour, mask, c.importance_sampling, c.is_level, c.is_cap)
             tok = tok * w
             m.update(wm)
-        if c.kl_coef > 0 and not c.kl_in_reward:
-            kl = algo.kl_estimate(lp, mb["ref_logprobs"], c.kl_estimator, mask=mask)
+        if self.kl_in_loss:
+            kl = algo.kl_estimate(lp, mb.ref_logprobs, c.kl_estimator, mask=mask)
             tok = tok + c.kl_coef * kl
             m["kl"] = algo.masked_mean(kl.detach(), mask)  # a metric: no graph kept
-        if self.needs_entropy:
-            tok = tok - c.entropy_coef * out["entropy"]
-            m["entropy"] = algo.masked_mean(out["entropy"].detach(), mask)  # a metric: no graph kept
+        if self.needs.entropy:
+            tok = tok - c.entropy_coef * out.entropy
+            m["entropy"] = algo.masked_mean(out.entropy.detach(), mask)  # a metric: no graph kept
         if self.needs.values:
-            v_tok, vm = algo.value_loss(out["values"], mb["old_values"], mb["returns"], mask, c.value_clip)
+            v_tok, vm = algo.value_loss(out.values, mb.old_values, mb.returns, mask, c.value_clip)
             tok = tok + c.value_coef * v_tok
             m.update(vm)
         loss = algo.aggregate(tok, mask, c.loss_agg, num_tokens, num_seqs, norm_len=self.norm_len)
@@ -235,7 +251,18 @@ class PolicyLoss:
         return loss, {k: v.detach() if isinstance(v, torch.Tensor) else float(v) for k, v in m.items()}
 
 
-def sft_loss(out, mb, num_tokens, num_seqs):
+class SFTLoss:
     """Negative log-likelihood of the target tokens, token-mean over the whole batch."""
-    nll = -(out["logprobs"] * mb["loss_mask"]).sum() / max(num_tokens, 1)
-    return nll, {"nll": float(nll.detach()) * max(num_tokens, 1) / max(float(mb["loss_mask"].sum()), 1)}
+
+    needs = LossNeeds(normaliser="tokens")
+
+    def inert(self, batch: Batch) -> list[bool]:
+        return [False] * len(batch)
+
+    def __call__(self, out: LossOutputs, mb: LossInputs, num_tokens: float, num_seqs: int):
+        out, mb = LossOutputs.of(out), LossInputs.of(mb)
+        nll = -(out.logprobs * mb.loss_mask).sum() / max(num_tokens, 1)
+        return nll, {"nll": float(nll.detach()) * max(num_tokens, 1) / max(float(mb.loss_mask.sum()), 1)}
+
+
+sft_loss = SFTLoss()

@@ -29,7 +29,7 @@ from conveyor.controller import objective
 from conveyor.controller.replay import ReplayStore
 from conveyor.observe import timeline
 from conveyor.observe.timers import PhaseTimer
-from conveyor.trainer.api import LossFn, TrainerHandle
+from conveyor.trainer.api import LossFn, TrainerSteps
 from conveyor.transport.buffer import TrajectoryBuffer
 from conveyor.transport.messages import Scored, Trained
 from conveyor.types import Batch, Group
@@ -46,7 +46,7 @@ class StepBatch:
     extra: dict
 
 
-def prepare(trainer: TrainerHandle, algo: AlgoConfig, items: list[Scored], need: objective.Needs,
+def prepare(trainer: TrainerSteps, algo: AlgoConfig, items: list[Scored], need: objective.Needs,
             replay: ReplayStore | None = None, step: int = 0) -> StepBatch:
     """Scored groups -> the step's ``StepBatch`` (groups in admission order)."""
     items = sorted(items, key=lambda s: s.index)
@@ -73,7 +73,7 @@ class Prefetch:
     trainer trains costs the trainer nothing. The buffer is FIFO, so these are the groups the
     next step would take anyway: only timing changes."""
 
-    def __init__(self, trainer: TrainerHandle, buffer: TrajectoryBuffer, algo: AlgoConfig, batch_size: int,
+    def __init__(self, trainer: TrainerSteps, buffer: TrajectoryBuffer, algo: AlgoConfig, batch_size: int,
                  need: objective.Needs, timeout_s: float, replay: ReplayStore | None = None, step: int = 0):
         self._out = {}
         self._thread = threading.Thread(target=self._build, args=(trainer, buffer, algo, batch_size, need, timeout_s,
@@ -96,7 +96,7 @@ class Prefetch:
         return self._out["ahead"]
 
 
-def train_and_prepare_next(trainer: TrainerHandle, buffer: TrajectoryBuffer, loop: LoopConfig, algo: AlgoConfig,
+def train_and_prepare_next(trainer: TrainerSteps, buffer: TrajectoryBuffer, loop: LoopConfig, algo: AlgoConfig,
                            batch, loss_fn: LossFn, need: objective.Needs, version: int, timeout_s: float,
                            timer: PhaseTimer, last: bool = False, replay: ReplayStore | None = None,
                            memory=None) -> tuple[Trained, Prefetch | None]:

@@ -68,7 +68,7 @@ from conveyor.launch.ray_roles import (
     WarmWeights,
     get_unless_failed,
 )
-from conveyor.launch.roles import await_ready, make_trainer, stop_engines, trainer_kwargs
+from conveyor.launch.roles import await_ready, make_trainer, rank_spec, stop_engines
 from conveyor.runtime import watchdog
 from conveyor.runtime.errors import RoleError, SetupError
 from conveyor.trainer.api import TrainerHandle
@@ -215,14 +215,10 @@ class RayLauncher:
     def start_trainer(self, path: str, tokenizer, failed=lambda: None) -> TrainerHandle:
         cfg, la = self.cfg, self.cfg.launch
         device = "cuda:0" if self.gpu else "cpu"
-        tcfg = cfg.trainer.model_copy(update={"device": device}) if self.gpu else cfg.trainer
         bw = self.routes.writers[0][0]
         actors = []
         for r in range(la.trainer_ranks):
-            spec = {"path": path, "trainer": tcfg.model_dump(mode="json"), **trainer_kwargs(cfg, tokenizer),
-                    "rank": r, "world": la.trainer_ranks, "master": f"{self._master}:{self._master_port}",
-                    "device": device, "collective_timeout_s": la.collective_timeout_s,
-                    "publish_dtype": bw.dtype, "threads": la.trainer_threads}
+            spec = rank_spec(cfg, path, tokenizer, r, device, f"{self._master}:{self._master_port}", bw.dtype)
             actors.append(TrainerRankActor.options(num_cpus=la.trainer_threads, num_gpus=1 if self.gpu else 0,
                                                    scheduling_strategy=self._strategy(f"trainer{r}"))
                           .remote(spec, self.routes.writers.get(r, [])))

@@ -23,7 +23,7 @@ Contract
   broadcast through ``Fanin``) applies them at the engine's next poll.
 - ``TrainerRankActor(spec, writers)`` is one trainer rank: a ``LocalTrainer``
   or, with several ranks, an ``FSDPTrainer`` in a torch.distributed group
-  (gloo on CPU, NCCL on GPU) rendezvousing at ``spec["master"]``, served by
+  (gloo on CPU, NCCL on GPU) rendezvousing at ``spec.rendezvous`` (a ``trainer.serve.RankSpec``), served by
   a ``TrainerHost``. ``call(method, (args, kwargs))`` answers an ``Answer``
   (the traceback when the method raised).
 - ``RayTrainerProxy`` is ``launch.roles.TrainerProxy`` over those actors:
@@ -44,7 +44,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import ray
 
@@ -52,6 +52,9 @@ from conveyor.launch.roles import TrainerProxy
 from conveyor.runtime import watchdog
 from conveyor.runtime.procs import RoleError, stop_for
 from conveyor.transport.messages import Answer, Failed, Ready
+
+if TYPE_CHECKING:  # pragma: no cover
+    from conveyor.trainer.serve import RankSpec
 
 
 @dataclass(frozen=True)
@@ -280,13 +283,13 @@ class RayWorker:
 
 @ray.remote(max_concurrency=2)
 class TrainerRankActor:
-    def __init__(self, spec: dict, writers: list):
+    def __init__(self, spec: RankSpec, writers: list):
         import torch
 
         from conveyor.trainer.serve import TrainerHost, build_rank
-        torch.set_num_threads(max(1, spec["threads"]))
-        trainer = build_rank(spec, f"tcp://{spec['master']}")
-        self._host = TrainerHost(trainer, writers, spec["publish_dtype"], rank=spec["rank"])
+        torch.set_num_threads(max(1, spec.threads))
+        trainer = build_rank(spec)
+        self._host = TrainerHost(trainer, writers, spec.publish_dtype, rank=spec.rank)
 
     def where(self) -> Place:
         return where()

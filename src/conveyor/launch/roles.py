@@ -15,7 +15,9 @@ Contract
   (in-process) or a ``TrainerProxy`` that calls every trainer rank process
   (``launch.trainer_ranks``; more than one form a torch.distributed group and
   train with FSDP2) and returns rank 0's answer. A rank that raises or dies
-  stops the call at once with its name.
+  stops the call at once with its name. ``rank_spec(cfg, path, tokenizer, rank,
+  device, rendezvous, publish_dtype)`` is the ``trainer.serve.RankSpec`` a rank is
+  built from, here and under Ray (``launch/ray.py``).
 Every start waits for the children to report ready, with the launch
 deadline, and a child that dies while starting is reported with its log.
 
@@ -38,7 +40,7 @@ from conveyor.rollout.serve import engine_loop, engine_process
 from conveyor.runtime.procs import RoleError, RoleProcess, RpcClient, call_all, stop_for
 from conveyor.runtime.watchdog import Deadlines
 from conveyor.trainer.api import LossFn
-from conveyor.trainer.serve import TrainerHost, trainer_process
+from conveyor.trainer.serve import RankSpec, TrainerHost, trainer_process
 from conveyor.transport.messages import Failed, Ready, Stop, Trained
 
 
@@ -57,6 +59,17 @@ def trainer_kwargs(cfg: RunConfig, tokenizer) -> dict:
     return {"total_steps": cfg.trainer.total_steps or cfg.loop.steps,
             "temperature": cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
             "pad_token_id": tokenizer.pad_token_id or 0}
+
+
+def rank_spec(cfg: RunConfig, path: str, tokenizer, rank: int, device: str, rendezvous: str,
+              publish_dtype) -> RankSpec:
+    """Trainer rank ``rank``'s spec, for every launcher: the trainer section with ``device`` (a GPU's;
+    on CPU the section's own), the run's totals, and where the ranks meet (``rendezvous``, host:port)."""
+    tcfg = cfg.trainer.model_copy(update={"device": device}) if device != "cpu" else cfg.trainer
+    la = cfg.launch
+    return RankSpec(path=path, trainer=tcfg, **trainer_kwargs(cfg, tokenizer), rank=rank, world=la.trainer_ranks,
+                    device=device, rendezvous=rendezvous, collective_timeout_s=la.collective_timeout_s,
+                    publish_dtype=publish_dtype, threads=la.trainer_threads)
 
 
 class TrainerProxy:
@@ -250,11 +263,8 @@ def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
     try:
         for r in range(n):
             parent, child = ctx.Pipe()
-            dev = placement.trainer_devices[r]
-            tcfg = cfg.trainer.model_copy(update={"device": dev}) if dev != "cpu" else cfg.trainer
-            spec = {"path": path, "trainer": tcfg.model_dump(mode="json"), **trainer_kwargs(cfg, tokenizer),
-                    "rank": r, "world": n, "port": port, "device": dev,
-                    "collective_timeout_s": cfg.launch.collective_timeout_s, "publish_dtype": publish_dtype}
+            spec = rank_spec(cfg, path, tokenizer, r, placement.trainer_devices[r], f"127.0.0.1:{port}",
+                             publish_dtype)
             proc = RoleProcess("trainer" if n == 1 else f"trainer{r}", trainer_process,
                                (spec, child, routes.writers.get(r, [])), run_dir / "logs", ctx,
                                threads=cfg.launch.trainer_threads)

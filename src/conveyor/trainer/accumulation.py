@@ -8,12 +8,12 @@ Contract
   with both denominators at 1 (``num_tokens = num_seqs = 1``: sums), and
   ``Accumulation.normalise`` divides the summed gradients, and the summed
   loss, by the whole batch's total once it is known: loss tokens when the loss
-  function's ``normaliser`` is ``"tokens"`` (token-mean), sequences when it is
+  function's ``needs.normaliser`` is ``"tokens"`` (token-mean), sequences when it is
   ``"seqs"`` (the sequence means, Dr. GRPO's constant length). The result is
   the gradient of the loss over the whole batch, as ``train`` computes it, up
   to the rounding of a different summation order.
-- A loss function without a ``normaliser`` cannot be accumulated this way
-  (nothing says which total it divides by): ``begin`` refuses it by name.
+- A loss function that declares no ``normaliser`` (``LossNeeds``) cannot be accumulated
+  this way (nothing says which total it divides by): ``begin`` refuses it by name.
 - ``AccumulatingTrainer`` is the trainer side (``accumulate`` and
   ``train_accumulated``), a mixin of ``LocalTrainer``; its docstring lists
   what the host class provides. A failed part ends the accumulation and
@@ -31,14 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from conveyor.trainer.api import LossFn, loss_name
 from conveyor.trainer.sm_share import SMShare
 from conveyor.trainer.step_metrics import MetricMean
 
 if TYPE_CHECKING:  # pragma: no cover
-    from conveyor.trainer.api import LossFn
     from conveyor.types import Batch
-
-NORMALISERS = ("tokens", "seqs")
 
 
 @dataclass
@@ -56,11 +54,11 @@ class Accumulation:
 
     @classmethod
     def begin(cls, loss_fn: LossFn, lr: float) -> Accumulation:
-        normaliser = getattr(loss_fn, "normaliser", None)
-        if normaliser not in NORMALISERS:
-            raise ValueError(f"accumulate: the loss function {type(loss_fn).__name__} declares no normaliser "
-                             f"(got {normaliser!r}); give it normaliser='tokens' (it divides by num_tokens) or "
-                             "'seqs' (by num_seqs), or train the whole batch at once")
+        normaliser = loss_fn.needs.normaliser
+        if normaliser is None:
+            raise ValueError(f"accumulate: the loss function {loss_name(loss_fn)} declares no normaliser; give it "
+                             "needs=LossNeeds(normaliser='tokens') (it divides by num_tokens) or 'seqs' (by "
+                             "num_seqs), or train the whole batch at once")
         return cls(normaliser, lr, time.perf_counter())
 
     def add(self, part: Batch) -> None:
@@ -90,6 +88,7 @@ class AccumulatingTrainer:
     (master and compute modules), ``critic`` (or None), ``optimizer``, ``_acc`` (an
     ``Accumulation`` or None) and ``_sm_share`` (an ``SMShare`` or None), both None at
     construction, ``_publish`` (the publisher of the step being taken, or None),
+    ``_declared(loss_fn, batch)`` (the loss as a ``LossFn``, checked against what it needs),
     ``_zero_grad()``, ``_backward(batch, loss_fn, num_tokens, num_seqs, budget, means, totals,
     where)`` (gradients summed in place), ``_step_optimizers(totals, where)`` and ``_end_step(start,
     lr, means, totals, updates, num_tokens, num_seqs)`` (schedulers, step count, metrics)."""
@@ -99,6 +98,7 @@ class AccumulatingTrainer:
         """Forward and backward of one part of a step's batch; the gradients wait in place for
         ``train_accumulated``, which takes the step. ``sms``: run the part's kernels on that many
         of the GPU's SMs, leaving the rest to engines decoding beside it (``trainer/sm_share.py``)."""
+        loss_fn = self._declared(loss_fn, part)
         if sms and self._sm_share is None:
             self._sm_share = SMShare(self.device)
         if self._acc is None:
@@ -120,7 +120,7 @@ class AccumulatingTrainer:
 
     def train_accumulated(self, publish=None, publish_dtype=None) -> dict[str, float]:
         """The optimizer step over every part ``accumulate`` took since the last step: the summed
-        gradients divided by the batch's totals (the loss's ``normaliser``), then as ``train``."""
+        gradients divided by the batch's totals (the loss's ``needs.normaliser``), then as ``train``."""
         acc, self._acc = self._acc, None
         if acc is None or acc.parts == 0:
             raise ValueError("LocalTrainer.train_accumulated: no part was accumulated; call accumulate() first")

@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from conveyor.config.base import ConfigError
+from conveyor.trainer.api import LossInputs
 
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.config import RunConfig
     from conveyor.runtime.handles import EngineMemory
-    from conveyor.trainer.api import TrainerHandle
+    from conveyor.trainer.api import TrainerLifecycle
 
 
 # A trainer GPU of its own (W1, 0.5B, streaming beside one engine on 2x H200): 32768-token micro-batches
@@ -52,7 +53,7 @@ def own_gpu_default(cfg: RunConfig, alone: bool) -> int | None:
     return OWN_GPU_MICRO_BATCH_TOKENS
 
 
-def needs_time_share(trainer: TrainerHandle, cfg: RunConfig, length: int) -> bool:
+def needs_time_share(trainer: TrainerLifecycle, cfg: RunConfig, length: int) -> bool:
     """``launch.time_share=auto``: release the engines' KV pools only if ``trainer.micro_batch_tokens``
     does not fit beside them (one probe, the pools held). Each switch costs tens of milliseconds a
     step, which a model whose steps take a fraction of a second pays for nothing."""
@@ -70,7 +71,7 @@ def largest_fitting(budget: int, fits: Callable[[int], bool], floor: int = 256) 
     return None
 
 
-def check_micro_batches(trainer: TrainerHandle, cfg: RunConfig, length: int,
+def check_micro_batches(trainer: TrainerLifecycle, cfg: RunConfig, length: int,
                         memory: EngineMemory | None, default: int | None = None) -> list[str]:
     tc, notes = cfg.trainer, []
     if default is not None and "micro_batch_tokens" not in tc.model_fields_set:
@@ -118,8 +119,7 @@ class MemoryProbe:
     ``model`` (a Hugging Face model: its config gives the vocabulary), ``optimizer`` (and
     ``critic_optimizer``, or None: their state still to come is held during the probe), ``critic``
     and ``_values_out(mb)`` (the value model, or None; the probe runs it as the step does), ``compute`` (the module
-    forward and backward run on), ``_policy_out(model, mb, with_entropy, layout=...)`` (a dict with
-    ``"logprobs"``), ``_layout(cpu_mb, loss_only)`` (the packed layout, or None: padded),
+    forward and backward run on), ``_policy_out(model, mb, with_entropy, layout=...)`` (a ``LossOutputs``), ``_layout(cpu_mb, loss_only)`` (the packed layout, or None: padded),
     ``_to_device(mb)`` and ``_zero_grad()``. The probe runs the path training runs, packed or padded."""
 
     def fits(self, tokens: int, length: int) -> bool:
@@ -154,12 +154,12 @@ class MemoryProbe:
         """One forward and backward of random ids, ``tokens`` in rows of ``length``; nothing kept."""
         rows, length = max(1, tokens // max(length, 1)), min(length, tokens)
         ids = torch.randint(0, self.model.config.get_text_config(decoder=True).vocab_size, (rows, length))
-        cpu_mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones(rows, length)}
+        cpu_mb = LossInputs(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones(rows, length))
         try:
             self.compute.train()
             layout = self._layout(cpu_mb, loss_only=True)
             mb = self._to_device(cpu_mb)
-            loss = self._policy_out(self.compute, mb, False, layout=layout)["logprobs"].sum()
+            loss = self._policy_out(self.compute, mb, False, layout=layout).logprobs.sum()
             if self.critic is not None:  # the step's loss holds both graphs until its backward
                 loss = loss + self._values_out(mb).sum()
             loss.backward()

@@ -23,6 +23,7 @@ It does not start processes, pick ranks or set devices: the launcher does.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import shutil
@@ -36,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from conveyor.config import TrainerConfig
 from conveyor.trainer import checkpoint, lora, packing
-from conveyor.trainer.api import LossFn
+from conveyor.trainer.api import LossFn, LossInputs, LossOutputs
 from conveyor.trainer.microbatch import _check_aligned, balance, collate
 from conveyor.trainer.models import (ValueModel, compile_layers, decoder_layers, enable_checkpointing, fuse_layers,
                                      load_policy)
@@ -229,12 +230,12 @@ class FSDPTrainer(RankGroup, LocalTrainer):
                                                  [keys[i] for i in share] if keys else None)]
                 for share in balance(lengths, self.world, keys)]
 
-    def _dummy(self) -> dict[str, torch.Tensor]:
+    def _dummy(self) -> LossInputs:
         # A real 2-token forward (attention_mask 1: a fully masked row can give
         # NaN in attention, and NaN * 0 is still NaN).
         ids = torch.full((1, 2), self.pad_token_id, dtype=torch.long)
-        return self._to_device({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                "loss_mask": torch.zeros(1, 2)})
+        return self._to_device(LossInputs(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                          loss_mask=torch.zeros(1, 2)))
 
     # ----------------------------------------------------------------- forward
     @torch.no_grad()
@@ -258,8 +259,8 @@ class FSDPTrainer(RankGroup, LocalTrainer):
     def _trained(self) -> list[nn.Module]:
         return [self.model] + ([self.critic] if self.critic is not None else [])
 
-    def _pass(self, mb: dict[str, torch.Tensor], with_entropy: bool, start: int,
-              layout: packing.Layout | None = None) -> tuple[dict, torch.Tensor]:
+    def _pass(self, mb: LossInputs, with_entropy: bool, start: int,
+              layout: packing.Layout | None = None) -> tuple[LossOutputs, torch.Tensor]:
         """Forward both trained models; returns ``out`` and a zero-weighted anchor loss.
 
         The anchor puts every parameter of both models into every rank's graph
@@ -267,10 +268,10 @@ class FSDPTrainer(RankGroup, LocalTrainer):
         on every rank (a mismatch would hang or misalign the collective).
         """
         out = self._policy_out(self.model, mb, with_entropy, start, layout)
-        anchor = 0.0 * out["logprobs"].sum()
+        anchor = 0.0 * out.logprobs.sum()
         if self.critic is not None:
-            out["values"] = self._values_out(mb)
-            anchor = anchor + 0.0 * out["values"].sum()
+            out = dataclasses.replace(out, values=self._values_out(mb))
+            anchor = anchor + 0.0 * out.values.sum()
         return out, anchor
 
     def _drain(self) -> None:
@@ -297,7 +298,7 @@ class FSDPTrainer(RankGroup, LocalTrainer):
         """One optimizer step on one mini-batch, its micro-batches spread over the ranks."""
         self._zero_grad()
         num_tokens = max(float(mini.num_tokens), 1.0)
-        needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        needs_entropy = loss_fn.needs.entropy
         _check_aligned(mini, list(range(len(mini))))  # on every rank: collate would fail on one rank only
         plans = self._plans(mini)
         mine, passes = plans[self.rank], max(map(len, plans))
@@ -327,7 +328,7 @@ class FSDPTrainer(RankGroup, LocalTrainer):
             loss.backward()
             totals["loss"] += sum(v for v, _ in rows)
             if real:
-                local.add(metrics, float(mb["loss_mask"].sum()))
+                local.add(metrics, float(mb.loss_mask.sum()))
         totals["microbatches"] += sum(map(len, plans))
         self._release()
         self._merge_means(means, local)

@@ -16,13 +16,13 @@ Contract
 - ``split_even(n, parts)`` cuts a batch into ``parts`` mini-batches of nearly
   equal size (in order).
 - ``live_samples(batch, loss_fn)``: the indices of the samples to compute, all
-  but those the loss's optional ``inert(batch)`` marks (``LossFn`` in api.py).
+  but those the loss's ``inert(batch)`` marks (``LossFn`` in api.py).
 - ``collate(batch, idx, pad_id, multiple=1)`` right-pads the selected samples
-  into ``[b, L]`` tensors, L the longest rounded up to ``multiple`` (few
-  distinct shapes let per-shape work — attention plans, allocator blocks —
-  be reused from step to step): ``input_ids`` (pad ``pad_id``), ``attention_mask``
-  (1 on real tokens), ``loss_mask`` (float, 0 on padding) and every
-  ``Batch.fields`` entry under its own name (0 on padding, dtype kept), and with
+  into the ``[b, L]`` tensors of a ``LossInputs``, L the longest rounded up to
+  ``multiple`` (few distinct shapes let per-shape work — attention plans, allocator
+  blocks — be reused from step to step): ``input_ids`` (pad ``pad_id``), ``attention_mask``
+  (1 on real tokens), ``loss_mask`` (float, 0 on padding) and every field of the
+  batch under its own name, custom ones in ``custom`` (0 on padding, dtype kept), and with
   ``Batch.routes`` ``routes`` ``[b, L, layers, k]`` (-1, "the router's own choice",
   wherever a sample recorded none: padding, positions past its record).
 
@@ -34,6 +34,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from conveyor.trainer.api import LossFn, LossInputs
+from conveyor.types import BATCH_FIELDS, COLLATED
 
 if TYPE_CHECKING:  # pragma: no cover
     from conveyor.types import Batch
@@ -86,25 +89,26 @@ def _check_aligned(batch: "Batch", idx: list[int]) -> None:
                     "every field must be aligned with input_ids")
 
 
-def collate(batch: "Batch", idx: list[int], pad_id: int, multiple: int = 1) -> dict[str, torch.Tensor]:
+def collate(batch: "Batch", idx: list[int], pad_id: int, multiple: int = 1) -> LossInputs:
     """Right-pad samples ``idx`` of ``batch`` into ``[len(idx), max_len]`` tensors (on CPU)."""
     if not idx:
         raise ValueError("collate: idx is empty; a micro-batch needs at least one sample")
     _check_aligned(batch, idx)
     ids = [batch.input_ids[i].reshape(-1).long() for i in idx]
     length = padded(max(s.numel() for s in ids), multiple)
-    out = {
-        "input_ids": _pad(ids, length, pad_id),
-        "attention_mask": _pad([torch.ones_like(s) for s in ids], length, 0),
-        "loss_mask": _pad([batch.loss_mask[i].reshape(-1).float() for i in idx], length, 0.0),
-    }
-    for name, values in batch.fields.items():
-        if name in out:
+
+    def pad(rows: list[torch.Tensor]) -> torch.Tensor:
+        return _pad([rows[i].reshape(-1) for i in idx], length, 0)
+    for name in batch.custom:
+        if name in COLLATED:
             raise ValueError(f"Batch field {name!r} clashes with a collated tensor; rename the field")
-        out[name] = _pad([values[i].reshape(-1) for i in idx], length, 0)
-    if batch.routes is not None:
-        out["routes"] = _pad_routes([batch.routes[i] for i in idx], length)
-    return out
+    return LossInputs(
+        input_ids=_pad(ids, length, pad_id),
+        attention_mask=_pad([torch.ones_like(s) for s in ids], length, 0),
+        loss_mask=_pad([batch.loss_mask[i].reshape(-1).float() for i in idx], length, 0.0),
+        routes=None if batch.routes is None else _pad_routes([batch.routes[i] for i in idx], length),
+        custom={name: pad(rows) for name, rows in batch.custom.items()},
+        **{name: pad(rows) for name in BATCH_FIELDS if (rows := getattr(batch, name)) is not None})
 
 
 def _pad_routes(routes: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -142,11 +146,9 @@ def balance(lengths: list[int], world: int, keys: list[tuple[bytes, int]] | None
     return shares
 
 
-def live_samples(batch, loss_fn) -> list[int]:
+def live_samples(batch: "Batch", loss_fn: LossFn) -> list[int]:
     """Indices of ``batch``'s samples whose loss terms may be nonzero (see the module docstring)."""
-    inert = getattr(loss_fn, "inert", None)
-    dead = inert(batch) if inert is not None else [False] * len(batch)
-    return [i for i, d in enumerate(dead) if not d]
+    return [i for i, d in enumerate(loss_fn.inert(batch)) if not d]
 
 
 def split_even(n: int, parts: int) -> list[list[int]]:

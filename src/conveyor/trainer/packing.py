@@ -28,9 +28,9 @@ Contract
   token) share one copy of the prompt, each row's rest a branch attending to it (``Group``,
   a masked attention per group); ``plan_shared`` keeps a prompt's rows in one micro-batch.
 - ``logprobs(model, input_ids, layout, temperature, with_entropy, logprob)``:
-  the padded ``input_ids`` forwarded packed; returns ``[b, L]`` float32
-  logprobs (and entropy) where ``need`` was set and 0.0 elsewhere, in the
-  padded layout of ``trainer/api.py``.
+  the padded ``input_ids`` forwarded packed; returns the ``LossOutputs`` of ``trainer/api.py``:
+  ``[b, L]`` float32 logprobs (and entropy) where ``need`` was set and 0.0 elsewhere, in the
+  padded layout.
 - ``enable(cfg, device, models)`` and ``micro_batches(cfg, lengths, packed)``
   are what the trainers call: whether to pack (switching the models), and the
   micro-batch plan (packed here, padded ``microbatch.py`` otherwise).
@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from conveyor.trainer.api import LossOutputs
 from conveyor.trainer.microbatch import plan_microbatches
 
 NAME = "conveyor_varlen"
@@ -342,7 +343,7 @@ class Layout:
 
 
 def logprobs(model, input_ids: torch.Tensor, layout: Layout, temperature: float, with_entropy: bool,
-             logprob: Callable, keeps_logits: bool = True) -> dict[str, torch.Tensor]:
+             logprob: Callable, keeps_logits: bool = True) -> LossOutputs:
     """See the module docstring; ``logprob(logits [K, V], target [K], temperature)`` -> ``[K]``."""
     kwargs = {"cu_seq_lens_q": layout.cu, "cu_seq_lens_k": layout.cu, "max_length_q": layout.max_len,
               "max_length_k": layout.max_len}
@@ -356,11 +357,11 @@ def logprobs(model, input_ids: torch.Tensor, layout: Layout, temperature: float,
     if not keeps_logits:
         logits = logits[layout.keep]
     target = flat[layout.dest] if layout.scored else torch.full_like(layout.dest, -1)
-    out = {"logprobs": _scatter(logprob(logits, target, temperature), layout)}
+    out = LossOutputs(_scatter(logprob(logits, target, temperature), layout))
     if with_entropy:
         scores = logits.float() / temperature
         lse = torch.logsumexp(scores, dim=-1)
-        out["entropy"] = _scatter(lse - (torch.softmax(scores, dim=-1) * scores).sum(-1), layout)
+        out = replace(out, entropy=_scatter(lse - (torch.softmax(scores, dim=-1) * scores).sum(-1), layout))
     return out
 
 

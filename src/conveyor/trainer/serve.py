@@ -19,8 +19,11 @@ Contract
   ``spans`` are this rank's train and publish spans (wall time), after those
   of the forward-only calls (``logprobs``, ``ref_logprobs``, ``values``)
   since the previous train call, for the run's timeline.
-- ``trainer_process(spec, conn, writers)`` is the main of a trainer rank's
-  child process: bind the device, join the ranks' process group (world > 1,
+- ``RankSpec`` is what a trainer rank is built from, frozen: the model's path, its
+  ``TrainerConfig`` (device set), the run's totals, its place among the ranks and where
+  they meet; ``launch.roles.rank_spec`` makes it for every launcher. ``build_rank(spec)``
+  builds the rank's trainer; ``trainer_process(spec, conn, writers)`` is the main of a
+  trainer rank's child process: bind the device, join the ranks' process group (world > 1,
   FSDP2), build the trainer, serve until stopped, close its writers.
 
 It knows nothing of the loop's schedule, the admission rule or engines.
@@ -29,11 +32,35 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from conveyor.config import TrainerConfig
 from conveyor.trainer.api import LossFn, Trainer
 from conveyor.transport.api import WeightWriter
 from conveyor.transport.messages import Span, Trained
 from conveyor.transport.weights import publish_all
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One trainer rank, as its process (or Ray actor) builds it."""
+
+    path: str                       # the model's directory
+    trainer: TrainerConfig          # the trainer section, with this rank's device
+    total_steps: int                # train() calls the LR schedule spans
+    temperature: float              # the engine's sampling temperature: logprobs of that distribution
+    pad_token_id: int
+    rank: int
+    world: int                      # trainer ranks; more than one form a process group
+    device: str                     # "cpu" or "cuda:i", bound before anything is built
+    rendezvous: str                 # "host:port" where the ranks' process group meets (rank 0's)
+    collective_timeout_s: float
+    publish_dtype: "torch.dtype | None"  # the engines' dtype when all agree (None: float32)
+    threads: int                    # torch threads of the rank's process
 
 
 class TrainerHost:
@@ -183,42 +210,41 @@ def _agreed_parallel(mine: str, device: str) -> str:
     return "replicate" if int(flag.item()) else "fsdp"
 
 
-def build_rank(spec: dict, init_method: str):
+def build_rank(spec: RankSpec):
     """One trainer rank from its spec: bind the device; one rank is a ``LocalTrainer``, several join
-    a process group at ``init_method`` (nccl on GPUs, gloo on CPU) and are ``FSDPTrainer`` or
+    a process group at ``spec.rendezvous`` (nccl on GPUs, gloo on CPU) and are ``FSDPTrainer`` or
     ``ReplicatedTrainer`` ranks (``trainer.parallel``; auto chooses with ``choose_parallel``, the
     same on every rank)."""
     from datetime import timedelta
 
-    from conveyor.config import TrainerConfig
     from conveyor.runtime.procs import bind_device
-    bind_device(spec["device"])
-    cfg = TrainerConfig.model_validate(spec["trainer"])
-    kwargs = {k: spec[k] for k in ("total_steps", "temperature", "pad_token_id")}
-    if spec["world"] == 1:
+    bind_device(spec.device)
+    cfg = spec.trainer.model_copy(deep=True)  # this rank's own: set_micro_batch_tokens changes it
+    kwargs = {"total_steps": spec.total_steps, "temperature": spec.temperature, "pad_token_id": spec.pad_token_id}
+    if spec.world == 1:
         from conveyor.trainer.single import LocalTrainer
-        return LocalTrainer(spec["path"], cfg, **kwargs)
+        return LocalTrainer(spec.path, cfg, **kwargs)
     import torch.distributed as dist
 
-    backend = "nccl" if spec["device"].startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=spec["rank"], world_size=spec["world"],
-                            timeout=timedelta(seconds=spec["collective_timeout_s"]))
-    parallel = choose_parallel(cfg, spec["path"], spec["device"])
+    backend = "nccl" if spec.device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{spec.rendezvous}", rank=spec.rank, world_size=spec.world,
+                            timeout=timedelta(seconds=spec.collective_timeout_s))
+    parallel = choose_parallel(cfg, spec.path, spec.device)
     if cfg.parallel == "auto":
-        parallel = _agreed_parallel(parallel, spec["device"])
+        parallel = _agreed_parallel(parallel, spec.device)
     if parallel == "replicate":
         from conveyor.trainer.replicated import ReplicatedTrainer
-        return ReplicatedTrainer(spec["path"], cfg, **kwargs)
+        return ReplicatedTrainer(spec.path, cfg, **kwargs)
     from conveyor.trainer.fsdp import FSDPTrainer
-    return FSDPTrainer(spec["path"], cfg, **kwargs)
+    return FSDPTrainer(spec.path, cfg, **kwargs)
 
 
-def trainer_process(spec: dict, conn, writers: list[WeightWriter]) -> None:
+def trainer_process(spec: RankSpec, conn, writers: list[WeightWriter]) -> None:
     """Main of a trainer rank's process: bind the device, join the ranks, build, serve."""
     from conveyor.runtime.procs import serve_rpc
     from conveyor.transport.messages import Answer
-    trainer = build_rank(spec, f"tcp://127.0.0.1:{spec['port']}")
+    trainer = build_rank(spec)
     conn.send(Answer(True, "ready"))
-    host = TrainerHost(trainer, writers, spec["publish_dtype"], rank=spec.get("rank", 0))
+    host = TrainerHost(trainer, writers, spec.publish_dtype, rank=spec.rank)
     serve_rpc(host, conn)
     host.close()

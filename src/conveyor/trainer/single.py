@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import math
 import time
@@ -45,7 +46,7 @@ from conveyor.config import TrainerConfig
 from conveyor.runtime.errors import NonFiniteLossError
 from conveyor.trainer import checkpoint, lora, packing
 from conveyor.trainer.accumulation import AccumulatingTrainer, Accumulation
-from conveyor.trainer.api import LossFn
+from conveyor.trainer.api import LossFn, LossInputs, LossOutputs, as_loss_fn, loss_name
 from conveyor.trainer.fit import MemoryProbe
 from conveyor.trainer.logprobs import target_logprobs, token_logprobs
 from conveyor.trainer.microbatch import collate, live_samples, split_even
@@ -108,7 +109,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def model_inputs(mb: dict[str, torch.Tensor], with_mask: bool) -> dict[str, torch.Tensor | None]:
+def model_inputs(mb: LossInputs, with_mask: bool) -> dict[str, torch.Tensor | None]:
     """Keyword inputs of a forward over a right-padded micro-batch.
 
     Without the mask, real tokens see only earlier real tokens anyway (causal
@@ -117,7 +118,7 @@ def model_inputs(mb: dict[str, torch.Tensor], with_mask: bool) -> dict[str, torc
     arange on every row: positions that restart at 0 would read as packed
     sequences and bring a block mask back.
     """
-    ids, am = mb["input_ids"], mb["attention_mask"]
+    ids, am = mb.input_ids, mb.attention_mask
     if with_mask:
         return {"input_ids": ids, "attention_mask": am, "position_ids": position_ids(am)}
     pos = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
@@ -129,12 +130,12 @@ def shift_right(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     return F.pad(x[:, :-1], (1, 0)) * attention_mask.to(x.dtype)
 
 
-def head_start(mb: dict[str, torch.Tensor]) -> int:
+def head_start(mb: LossInputs) -> int:
     """The first position whose logits a loss can use. Position t is scored by the logits at
     t - 1, so positions before the micro-batch's first loss token minus one (the prompt part
     every row shares) need no vocabulary head: with 152k-word vocabularies that head is a
     large share of a small model's step. 0 when every token is masked."""
-    cols = mb["loss_mask"].any(0).nonzero()
+    cols = mb.loss_mask.any(0).nonzero()
     return max(0, int(cols[0]) - 1) if cols.numel() else 0
 
 
@@ -270,8 +271,8 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         """Copy the master weights into the compute copy (after a step or a load)."""
         copy_pairs(self._copies)
 
-    def _to_device(self, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in mb.items()}
+    def _to_device(self, mb: LossInputs) -> LossInputs:
+        return mb.to(self.device)
 
     @property
     def _shared(self) -> bool:
@@ -282,14 +283,14 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         """Whether ``batch`` trains packed: packing is on and it replays no MoE routes (padded)."""
         return self._packed and batch.routes is None
 
-    def _layout(self, cpu_mb: dict[str, torch.Tensor], loss_only: bool) -> packing.Layout | None:
+    def _layout(self, cpu_mb: LossInputs, loss_only: bool) -> packing.Layout | None:
         """The packed layout of a host micro-batch (its loss tokens, or every token), or None: padded."""
-        if not self._packed or "routes" in cpu_mb:
+        if not self._packed or cpu_mb.routes is not None:
             return None
-        am = cpu_mb["attention_mask"]
-        need = cpu_mb["loss_mask"] > 0 if loss_only else am.bool()
+        am = cpu_mb.attention_mask
+        need = cpu_mb.loss_mask > 0 if loss_only else am.bool()
         if self._shared:
-            return packing.Layout.shared_of(am, need, cpu_mb["input_ids"], cpu_mb["loss_mask"]).to(self.device)
+            return packing.Layout.shared_of(am, need, cpu_mb.input_ids, cpu_mb.loss_mask).to(self.device)
         return packing.Layout.of(am, need).to(self.device)
 
     def _prompt_keys(self, batch: Batch) -> list[tuple[bytes, int]] | None:
@@ -301,14 +302,14 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         lengths = [int(x.numel()) for x in batch.input_ids]
         return packing.micro_batches(self.cfg, lengths, self._packs(batch), budget, self._prompt_keys(batch))
 
-    def _policy_out(self, model: nn.Module, mb: dict[str, torch.Tensor],
+    def _policy_out(self, model: nn.Module, mb: LossInputs,
                     with_entropy: bool, start: int = 0,
-                    layout: packing.Layout | None = None) -> dict[str, torch.Tensor]:
+                    layout: packing.Layout | None = None) -> LossOutputs:
         """Logprobs (and entropy) of ``mb``; with ``start`` (``head_start``) the head runs only
         from that position on (Hugging Face's ``logits_to_keep``) and earlier positions hold 0.
         With a packed ``layout`` (``packing.py``) the head runs only at the tokens it marks;
         other positions hold 0."""
-        ids, am = mb["input_ids"], mb["attention_mask"]
+        ids, am = mb.input_ids, mb.attention_mask
         if layout is not None:
             chunk, kernel = self.cfg.logprob_chunk_rows, None if self.cfg.kernels else False
             with self._autocast():
@@ -318,19 +319,16 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         start = start if _keeps_logits(type(model)) else 0
         keep = {"logits_to_keep": ids.shape[1] - start} if start else {}
         # Routing replay: the engine's recorded experts, kept set for a checkpointed backward.
-        routing.set_replay(model, mb.get("routes"))
+        routing.set_replay(model, mb.routes)
         with self._autocast():
             logits = model(**model_inputs(mb, self.cfg.attention_mask), use_cache=False, **keep).logits
         lp, ent = self._token_logprobs(logits, ids[:, start:], am[:, start:], self.temperature, with_entropy)
-        out = {"logprobs": F.pad(lp, (start, 0))}
-        if ent is not None:
-            out["entropy"] = F.pad(ent, (start, 0))
-        return out
+        return LossOutputs(F.pad(lp, (start, 0)), None if ent is None else F.pad(ent, (start, 0)))
 
-    def _values_out(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _values_out(self, mb: LossInputs) -> torch.Tensor:
         with self._autocast():
             v = self.critic(**model_inputs(mb, self.cfg.attention_mask))
-        return shift_right(v, mb["attention_mask"])
+        return shift_right(v, mb.attention_mask)
 
     @torch.no_grad()
     def _per_sample(self, batch: Batch, fn) -> list[torch.Tensor]:
@@ -346,13 +344,13 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
     def logprobs(self, batch: Batch) -> list[torch.Tensor]:
         self.compute.eval()
         return self._per_sample(batch, lambda mb, layout: self._policy_out(self.compute, mb, False,
-                                                                           layout=layout)["logprobs"])
+                                                                           layout=layout).logprobs)
 
     def ref_logprobs(self, batch: Batch) -> list[torch.Tensor]:
         if self.reference is None:
             raise RuntimeError("ref_logprobs needs a frozen reference model; set trainer.reference=true")
         return self._per_sample(batch, lambda mb, layout: self._policy_out(self.reference, mb, False,
-                                                                           layout=layout)["logprobs"])
+                                                                           layout=layout).logprobs)
 
     def values(self, batch: Batch) -> list[torch.Tensor]:
         if self.critic is None:
@@ -367,6 +365,7 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         publish that raises still leaves a whole step, and its error is raised after it."""
         if len(batch) == 0:
             raise ValueError("LocalTrainer.train: the batch is empty; the loop must pass at least one sample")
+        loss_fn = self._declared(loss_fn, batch)
         start = time.perf_counter()
         chunks = split_even(len(batch), self.cfg.mini_batches)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -437,11 +436,21 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
         if self.critic_optimizer is not None:
             self.critic_optimizer.zero_grad(set_to_none=True)
 
+    def _declared(self, loss_fn, batch: Batch) -> LossFn:
+        """``loss_fn`` as a ``LossFn`` (``as_loss_fn``), refused by name when ``batch`` or this trainer
+        lacks what it declares it needs."""
+        loss_fn = as_loss_fn(loss_fn)
+        lacking = loss_fn.needs.missing(batch, self.critic is not None)
+        if lacking is not None:
+            raise ValueError(f"loss_fn {loss_name(loss_fn)} reads {lacking}")
+        return loss_fn
+
     def _update(self, mini: Batch, loss_fn: LossFn, means: MetricMean, totals: dict, where: str) -> None:
         """One optimizer step on one mini-batch: accumulate micro-batch gradients, clip, step. Samples
         the loss declares inert (``LossFn.inert``) are left out with the whole mini-batch's normalisers
         (the same gradient); with none left the step runs on zero gradients, as AdamW would have."""
         self._zero_grad()
+        loss_fn = as_loss_fn(loss_fn)
         live = live_samples(mini, loss_fn)
         totals["inert"] += len(mini) - len(live)
         self._backward(mini.select(live), loss_fn, max(float(mini.num_tokens), 1.0), len(mini),
@@ -454,22 +463,21 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
     def _backward(self, mini: Batch, loss_fn: LossFn, num_tokens: float, num_seqs: int, budget: int,
                   means: MetricMean, totals: dict, where: str) -> None:
         """Forward and backward of ``mini`` in micro-batches of ``budget`` tokens, gradients summed."""
-        needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
         pending = []  # per micro-batch: loss, metrics, loss tokens, still on the device
         plans = self._micro_batches(mini, budget)
         ahead = self._host_part(mini, plans[0]) if plans else None
         for j in range(len(plans)):
             cpu_mb, mb, layout = ahead
-            out = self._policy_out(self.compute, mb, needs_entropy, head_start(cpu_mb), layout)
+            out = self._policy_out(self.compute, mb, loss_fn.needs.entropy, head_start(cpu_mb), layout)
             # The next micro-batch's host work (collate, packed layout, copies) while the GPU runs
             # this forward: done after the backward, it left the GPU idle for its whole length.
             ahead = self._host_part(mini, plans[j + 1]) if j + 1 < len(plans) else None
             if self.critic is not None:
-                out["values"] = self._values_out(mb)
+                out = dataclasses.replace(out, values=self._values_out(mb))
             loss, metrics = loss_fn(out, mb, num_tokens, num_seqs)
             self._check_loss_type(loss, f"{where}, micro-batch {j}")
             loss.backward()
-            pending.append((loss.detach(), metrics, mb["loss_mask"].sum()))
+            pending.append((loss.detach(), metrics, mb.loss_mask.sum()))
         # Values reach the host once per mini-batch: a read per micro-batch would stall the
         # GPU queue each time (the CPU waits, then the GPU waits for the next launches).
         for j, (value, metrics, weight) in enumerate(to_host(pending, self.device)):
@@ -509,7 +517,7 @@ class LocalTrainer(AccumulatingTrainer, MemoryProbe):
             raise TypeError(f"loss_fn must return a scalar tensor as its loss ({where}); "
                             f"got {type(loss).__name__} {tuple(getattr(loss, 'shape', ()))}")
         if not loss.requires_grad:
-            raise TypeError(f"loss_fn returned a loss without gradient ({where}); build it from out['logprobs']")
+            raise TypeError(f"loss_fn returned a loss without gradient ({where}); build it from out.logprobs")
 
     def _check_finite(self, value: float, where: str) -> float:
         if not math.isfinite(value):

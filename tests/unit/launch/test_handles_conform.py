@@ -26,7 +26,7 @@ from conveyor.launch.api import Engines, Launcher
 from conveyor.launch.local import LocalLauncher
 from conveyor.rollout.api import EngineWorker, RolloutEngine, SamplingParams
 from conveyor.run.session import resolve_model_path
-from conveyor.trainer.api import Trainer, TrainerHandle
+from conveyor.trainer.api import Trainer, TrainerHandle, TrainerLifecycle, TrainerSteps
 from conveyor.transport.api import WeightReader, WeightWriter
 from conveyor.transport.messages import Done, Failed, Generate, Trained, WeightSwap
 from conveyor.types import Batch
@@ -102,6 +102,8 @@ def test_the_launcher_and_its_handles_meet_their_protocols(launched):
         conforms(w, EngineWorker)
         w.check()
     conforms(trainer, TrainerHandle)
+    for surface in (TrainerSteps, TrainerLifecycle):  # what the loop holds, and what only run/ holds
+        conforms(trainer, surface)
     for writers in launcher.routes.writers.values():
         for w in writers:
             conforms(w, WeightWriter)
@@ -135,6 +137,18 @@ def test_a_published_step_reaches_the_chunk_admitted_for_it(launched):
     assert samples[0].versions == [1] * len(samples[0].token_ids)
     with pytest.raises(queue.Empty):
         engines.outbox.get(timeout=0.05)
+
+
+def test_the_trainer_handle_is_the_loops_surface_and_runs():
+    steps, lifecycle = members(TrainerSteps), members(TrainerLifecycle)
+    assert not steps & lifecycle and steps | lifecycle == members(TrainerHandle)
+    assert {"train_and_publish", "accumulate", "finish_and_publish", "logprobs"} <= steps
+    assert {"save_checkpoint", "load_checkpoint", "export_hf", "close", "fits", "describe"} <= lifecycle
+    from conveyor.launch.roles import TrainerProxy
+    from conveyor.trainer.serve import TrainerHost
+    for cls in (TrainerHost, TrainerProxy):  # RayTrainerProxy is a TrainerProxy; its calls go through _call
+        conforms(cls, TrainerSteps)
+        conforms(cls, TrainerLifecycle)
 
 
 def test_every_engine_and_trainer_declares_its_contract():
