@@ -22,7 +22,7 @@ if not hasattr(G, "all_imports"):
 # package and top-level module of src/conveyor is in exactly one group: a new one must be placed here.
 FLOORS: list[tuple[str, list[set[str]]]] = [
     ("base", [{"runtime", "types", "config", "staleness", "plugins", "net", "resilience"}]),
-    ("shared", [{"data", "observe", "transport", "algo", "sandbox", "routing", "verifiers"}]),
+    ("shared", [{"data", "observe", "transport", "algo", "sandbox", "sandbox_limits", "routing", "verifiers"}]),
     ("roles", [{"trainer"}, {"rollout"}, {"reward"}, {"env"}]),
     ("control", [{"controller", "loop"}, {"launch"}]),
     ("top", [{"run", "api", "cli", "__init__"}]),
