@@ -24,7 +24,7 @@ if not hasattr(G, "all_imports"):
 # placed here.
 FLOORS: list[tuple[str, list[set[str]]]] = [
     ("base", [{"runtime", "types", "config", "staleness", "plugins", "net", "resilience", "algo"}]),
-    ("shared", [{"data", "observe", "transport", "sandbox", "routing", "verifiers"}]),
+    ("shared", [{"data", "observe", "transport", "sandbox", "sandbox_limits", "routing", "verifiers"}]),
     ("roles", [{"trainer"}, {"rollout"}, {"reward"}, {"env"}]),
     ("episodes", [{"episodes"}]),
     ("control", [{"controller", "loop"}, {"launch"}]),

@@ -16,9 +16,10 @@ Contract
   and gives the fallback).
 - ONE sandbox run per trajectory runs every test (``reward/code_harness.py``): each test in a
   forked child with the program's top level, at most ``test_timeout_s`` each; the whole run at
-  most ``wall_s`` (keep it below ``reward.timeout_s``), each process at most ``memory_mb`` of
-  address space. A program that loops or eats memory fails that test (``T`` / ``M``); tests
-  the sandbox's own deadline cut off get the letter of its violation.
+  most ``wall_s`` (keep it below ``reward.timeout_s``), all its processes together at most
+  ``memory_mb`` (and each at most ``memory_mb`` of address space). A program that loops or eats
+  memory fails that test (``T`` / ``M``); tests the sandbox cut off (its deadline, or its
+  whole-run memory / CPU limit) get the letter of its violation.
 - Returns ``{"reward", "tests_passed", "tests_total", "all_passed", "tests_timeout",
   "tests_memory", "syntax_error", "no_code"}`` (numbers; none is named like the reward
   service's own counters, which are logged beside them as ``reward_<name>``) and ``"results"``: one letter per test (``P`` pass,

@@ -12,6 +12,7 @@ import shutil
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,171 @@ def test_an_interpreter_under_the_hosts_tmp_is_bound_over_the_private_tmp(tmp_pa
     assert r.exit_code == 0 and r.stdout.strip() == f"{tmp_path / 'venv'} ok", r
     r = sb.run(f"open({str(tmp_path / 'venv' / 'pwned')!r}, 'w')")
     assert r.exit_code != 0 and "Error" in r.stderr and not (tmp_path / "venv" / "pwned").exists()
+
+
+# ---- limits of the sandbox as a whole (sandbox_limits.py): every backend this machine has, and "auto"
+
+LIMITS_BACKENDS = ("auto", "supervisor", "cgroup1", "cgroup2")
+
+
+def _sandbox_on(backend: str, unsafe: bool = False, once: bool = True, **limits) -> PythonSandbox:
+    """A sandbox whose whole-sandbox limits use ``backend``; a cgroup backend this machine lacks
+    skips, and with ``once`` so does the backend that ``auto`` picks here (its [auto] case runs it)."""
+    from conveyor.sandbox_limits import pick
+    if once and backend != "auto" and backend == pick("auto").name:
+        pytest.skip(f"{backend} is what auto picks here: the [auto] case runs it")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # unsafe=True warns: asked for here
+            return PythonSandbox(SandboxLimits(**limits), limits_backend=backend, unsafe=unsafe)
+    except SandboxUnavailable as e:
+        if backend in ("auto", "supervisor"):
+            raise
+        pytest.skip(f"no {backend} here: {e}")
+
+
+def _spread(children: int, mb: int, hold: bool) -> str:
+    """Forks ``children`` that each touch ``mb`` MB and keep it; ALL HELD once every one has; then
+    (``hold``) waits to be killed, or ends them and itself."""
+    return (f"import os, time\nkids = []\nfor i in range({children}):\n    r, w = os.pipe()\n"
+            f"    kids.append(os.fork())\n    if kids[-1] == 0:\n        b = bytearray({mb} << 20)\n"
+            "        os.write(w, b'x')\n        time.sleep(600)\n        os._exit(0)\n    os.read(r, 1)\n"
+            f"print('ALL HELD', flush=True)\ntime.sleep({600 if hold else 0})\nfor k in kids:\n    os.kill(k, 9)\n")
+
+
+@needs_bwrap
+@pytest.mark.parametrize("backend", LIMITS_BACKENDS)
+def test_memory_spread_over_children_is_limited_for_the_whole_sandbox(backend):
+    wall = _wall(30.0)
+    sb = _sandbox_on(backend, memory_mb=512, wall_s=wall)
+    assert sb.limits_backend in ("cgroup2", "cgroup1", "supervisor")
+    t0 = time.monotonic()
+    # 6 x 150 MB: each child is far below RLIMIT_AS, together they are not. The parent holds on
+    # until it is killed: only a limit on the whole sandbox stops this before the wall deadline.
+    over = sb.run(_spread(6, 150, hold=True))
+    assert over.violation == "memory" and not over.timed_out and over.exit_code is None, over
+    assert time.monotonic() - t0 < wall + SLACK_S
+    fits = sb.run(_spread(6, 50, hold=False))  # 300 MB together, and the interpreters: under 512 MB
+    assert fits.violation is None and fits.exit_code == 0 and fits.stdout == "ALL HELD\n", fits
+    with pytest.raises(ToolError) as e:
+        python_tool(sb).fn(code=_spread(6, 150, hold=True))
+    assert e.value.kind == "sandbox_violation" and "(memory)" in str(e.value)
+    loose = _sandbox_on(backend, unsafe=True, memory_mb=512, wall_s=wall)  # the same without bubblewrap
+    assert loose.run(_spread(6, 150, hold=True)).violation == "memory"
+    assert loose.run(_spread(6, 50, hold=False)).stdout == "ALL HELD\n"
+
+
+_CPU = ("import os, time\nkids = []\nfor i in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+        "        while time.process_time() < {each}:\n            pass\n        os._exit(0)\n    kids.append(pid)\n"
+        "for k in kids:\n    os.waitpid(k, 0)\nprint('DONE')\n")
+
+
+@needs_bwrap
+@pytest.mark.parametrize("backend", LIMITS_BACKENDS)
+def test_cpu_time_summed_over_children_is_limited(backend):
+    wall = _wall(120.0)  # CPU seconds, not wall seconds, decide this: the deadline only bounds a hang
+    sb = _sandbox_on(backend, cpu_s=1, wall_s=wall)
+    # four children of 0.8 CPU seconds each: every one below its own RLIMIT_CPU of 1 s, 3.2 s together
+    r = sb.run(_CPU.format(each=0.8))
+    assert r.violation == "cpu_time" and not r.timed_out and "DONE" not in r.stdout, r
+    ok = sb.run(_CPU.format(each=0.1))  # 0.4 s together
+    assert ok.violation is None and ok.stdout == "DONE\n", ok
+
+
+_FORKS = ("import os, time\nn, kids = 0, []\nfor i in range(40):\n    try:\n        pid = os.fork()\n"
+          "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(600)\n        os._exit(0)\n"
+          "    n += 1\n    kids.append(pid)\nprint(n, flush=True)\nif n == 40:\n    time.sleep(600)\n"
+          "for k in kids:\n    os.kill(k, 9)\n")
+
+
+def _none_running(tag: str) -> bool:
+    """No process named ``tag`` is left but zombies (unsafe mode: killed processes that the host's
+    init reaps when it gets to them), within a generous bound for the kernel to finish the kills."""
+    give_up = time.monotonic() + SLACK_S
+    while True:
+        running = []
+        for pid in _comm_alive(tag):
+            try:
+                running += [pid] if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z" else []
+            except OSError:
+                pass  # reaped meanwhile
+        if not running or time.monotonic() > give_up:
+            return not running
+        time.sleep(0.05)
+
+
+@needs_bwrap
+@pytest.mark.parametrize("backend", LIMITS_BACKENDS)
+def test_process_limit_stops_a_fork_bomb(backend):
+    wall = _wall(30.0)
+    tag = "forks" + secrets.token_hex(4)
+    code = f"open('/proc/self/comm', 'w').write({tag!r})\n" + _FORKS
+    r = _sandbox_on(backend, processes=16, wall_s=wall).run(code)
+    assert r.violation is None and 0 < int(r.stdout) < 16, r  # forks past the limit fail; the program goes on
+    # unsafe mode as root: RLIMIT_NPROC binds no root, so only the whole-sandbox limit counts:
+    # pids.max makes the forks fail, or the supervisor counts the tree and kills it
+    loose = _sandbox_on(backend, unsafe=True, processes=16, wall_s=wall)
+    unsafe = loose.run(code)
+    assert unsafe.violation == "processes" or (unsafe.violation is None and int(unsafe.stdout) < 16), unsafe
+    if os.geteuid() == 0 and unsafe.violation is None:
+        assert loose.limits_backend != "supervisor"  # as root only the kernel's pids.max makes forks fail
+    if os.geteuid() == 0 and loose.limits_backend == "supervisor":
+        assert unsafe.violation == "processes" and not unsafe.timed_out
+    assert _none_running(tag)
+
+
+@needs_bwrap
+@pytest.mark.parametrize("backend", ("cgroup1", "cgroup2"))
+def test_cgroups_are_removed_after_every_run(backend, monkeypatch):
+    sb = _sandbox_on(backend, once=False, memory_mb=256, wall_s=_wall(30.0))
+    b = sb._backend
+    parents = {p for p in (b.memory, b.pids, b.cpu) if p}
+
+    def ours() -> list[str]:
+        return [f"{p}/{n}" for p in parents for n in os.listdir(p) if n.startswith("conveyor-sandbox-")]
+
+    before = ours()  # other runs on this machine may have theirs
+    assert sb.run("print('ok')").stdout == "ok\n"
+    assert sb.run(_spread(4, 150, hold=True)).violation == "memory"
+    import conveyor.sandbox as sandbox_module
+
+    def broken(*a, **k):
+        raise RuntimeError("the output reader broke")
+    monkeypatch.setattr(sandbox_module, "_pump", broken)
+    tag = "cg" + secrets.token_hex(4)
+    with pytest.raises(RuntimeError, match="output reader broke"):
+        sb.run(f"import time\nopen('/proc/self/comm', 'w').write({tag!r})\ntime.sleep(600)")
+    assert set(ours()) <= set(before) and _comm_alive(tag) == []
+
+
+def test_limits_backend_is_named_and_checked():
+    from conveyor.sandbox_limits import BACKENDS, pick
+    with pytest.raises(ValueError, match="unknown sandbox limits backend 'cgroup3': use one of auto, cgroup2"):
+        pick("cgroup3")
+    assert pick("auto").name in BACKENDS and pick("supervisor").name == "supervisor"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        sb = PythonSandbox(SandboxLimits(wall_s=5), unsafe=True, bwrap="/nonexistent/bwrap")
+    assert sb.limits_backend == pick("auto").name
+
+
+def test_cgroup2_files_written_and_read(tmp_path, caplog):
+    """The cgroup v2 path against a stand-in folder (CI's cgroup2 has no controllers delegated):
+    the limits it writes, the events it reads, the command that joins it."""
+    from conveyor.sandbox_limits import Backend, RunLimits, Totals
+    run = RunLimits(Backend("cgroup2", memory=str(tmp_path), pids=str(tmp_path), cpu=str(tmp_path)),
+                    Totals(memory_bytes=512 << 20, tasks=32, cpu_s=5), launcher=2)
+    [folder] = run.folders.values()
+    read = {n: (Path(folder) / n).read_text() for n in ("memory.max", "memory.swap.max", "memory.oom.group", "pids.max")}
+    assert read == {"memory.max": str(512 << 20), "memory.swap.max": "0", "memory.oom.group": "1", "pids.max": "34"}
+    argv = run.argv(["bwrap", "x"])
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[-4:] == [f"{folder}/cgroup.procs", "--", "bwrap", "x"]
+    run.watch(os.getpid(), None)
+    assert run.exceeded() is None
+    (Path(folder) / "cpu.stat").write_text("usage_usec 5200000\nuser_usec 5000000\n")
+    assert run.exceeded() == "cpu_time"
+    (Path(folder) / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert run.exceeded() == "memory" and run.oom_killed()
+    with caplog.at_level(logging.WARNING, logger="conveyor.sandbox_limits"):
+        run.close()  # a real cgroup folder is removed with its files in it; this stand-in is not
+    assert "could not remove the cgroup" in caplog.text and run.folders == {}

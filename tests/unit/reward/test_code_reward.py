@@ -88,6 +88,20 @@ def test_memory_hog_fails_with_memory(reward):
     assert out["results"] == "MM" and out["tests_memory"] == 2.0 and out["reward"] == 0.0
 
 
+def test_memory_spread_over_forked_children_stops_the_whole_run():
+    # each grandchild is well below the run's 256 MB (RLIMIT_AS of each process), the four together
+    # are not: the sandbox's limit on all its processes together stops the run (test_timeout_s is
+    # generous, so only a memory limit ends this test before the wall deadline)
+    generous = CodeReward(test_timeout_s=60.0, wall_s=60.0, memory_mb=256)
+    spread = ("import os, time\ndef add(a, b):\n    for _ in range(4):\n        r, w = os.pipe()\n"
+              "        if os.fork() == 0:\n            x = bytearray(100 << 20)\n            os.write(w, b'x')\n"
+              "            time.sleep(600)\n        os.read(r, 1)\n    time.sleep(600)\n")
+    out = generous(traj(spread, ADD_TESTS[:2]))
+    assert out["stopped"] == "memory" and out["results"] == "MM" and out["tests_memory"] == 2.0, out
+    small = spread.replace("100 << 20", "20 << 20").removesuffix("    time.sleep(600)\n") + "    return a + b\n"
+    assert generous(traj(small, ADD_TESTS[:2]))["results"] == "PP"  # 80 MB together fits
+
+
 def test_syntax_error_and_no_code(reward):
     out = reward(traj("def add(a, b) return a + b"))
     assert out["results"] == "SSSS" and out["syntax_error"] == 1.0 and out["reward"] == 0.0
