@@ -47,7 +47,8 @@ class LocalLauncher:
         return roles.start_trainer(self.cfg, path, tokenizer, self.routes, self.placement, self.run_dir, failed)
 
     def warm_start_trainer(self, cfg: RunConfig, path: str, tokenizer):
-        return roles.make_trainer(cfg, path, tokenizer)
+        beside = self.placement is not None and self.placement.sync != "inprocess" and not self.placement.gpu
+        return roles.make_warm_trainer(cfg, path, tokenizer, beside_engines=beside)
 
     def stop_engines(self, workers) -> None:
         roles.stop_engines(workers)

@@ -69,7 +69,7 @@ from conveyor.launch.ray_roles import (
     WarmWeights,
     get_unless_failed,
 )
-from conveyor.launch.roles import await_ready, make_trainer, stop_engines, trainer_kwargs
+from conveyor.launch.roles import await_ready, make_warm_trainer, stop_engines, trainer_kwargs
 from conveyor.rollout.restarts import EngineRestarts
 from conveyor.runtime import watchdog
 from conveyor.runtime.errors import RoleError, SetupError
@@ -257,7 +257,8 @@ class RayLauncher:
         return RayTrainerProxy(actors, places, la.timeout_s, la.collective_timeout_s)
 
     def warm_start_trainer(self, cfg: RunConfig, path: str, tokenizer):
-        return make_trainer(cfg, path, tokenizer)
+        # On CPU the engine actors may share this machine's cores (a local Ray instance).
+        return make_warm_trainer(cfg, path, tokenizer, beside_engines=not self.gpu)
 
     def stop_engines(self, workers) -> None:
         stop_engines(workers)

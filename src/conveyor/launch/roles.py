@@ -32,6 +32,7 @@ It knows nothing of the loop's schedule or of the formulas.
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import sys
 import threading
@@ -59,6 +60,25 @@ def mp_context():
 def make_trainer(cfg: RunConfig, path: str, tokenizer):
     from conveyor.trainer.single import LocalTrainer
     return LocalTrainer(path, cfg.trainer, **trainer_kwargs(cfg, tokenizer))
+
+
+def make_warm_trainer(cfg: RunConfig, path: str, tokenizer, beside_engines: bool):
+    """The supervised warm start's trainer in this process. ``beside_engines`` (CPU engines in
+    processes of their own): this process's torch takes the cores they leave (``warm_start_threads``)."""
+    if beside_engines:
+        import torch
+        torch.set_num_threads(warm_start_threads(cfg))
+    return make_trainer(cfg, path, tokenizer)
+
+
+def warm_start_threads(cfg: RunConfig) -> int:
+    """The cores ``launch.engines`` x ``launch.engine_threads`` leave (at least 1, at most torch's
+    default). With as many OpenMP threads as cores, every parallel op waited at its barrier for
+    a thread that another process (an engine's weight watcher, anything else on the machine)
+    had taken the core from: on 2 loaded cores the warm start ran at 0.7-1.8 steps/s."""
+    import torch
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch.get_num_threads(), cores - cfg.launch.engines * cfg.launch.engine_threads))
 
 
 def trainer_kwargs(cfg: RunConfig, tokenizer) -> dict:
