@@ -89,6 +89,32 @@ def test_killed_engine_is_restarted_and_the_run_completes(tmp_path, engine, extr
     assert summary["steps"] == 40
 
 
+def test_engine_killed_while_starting_is_restarted_from_the_same_budget(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "loop.steps=20", "loop.max_staleness=1")
+    deadline = time.monotonic() + 240
+    while not (run_dir / "logs" / "engine0.log").exists() or not role_pids(run_dir, "engine0"):
+        assert time.monotonic() < deadline and proc.poll() is None, "engine0 never started"
+        time.sleep(0.01)
+    # Killed as soon as its process runs: building the engine (transformers' imports, the
+    # model) takes the next second or more, so it has not reported ready.
+    os.kill(role_pids(run_dir, "engine0")[0], signal.SIGKILL)
+    wait_for_step(proc, run_dir, 2)
+    os.kill(role_pids(run_dir, "engine0")[-1], signal.SIGKILL)  # mid-run: its standby takes over
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarting it (1 of launch.max_restarts=3) while the engines start" in err, err[-3000:]
+    assert "restarting it (2 of launch.max_restarts=3) and sending it its work in flight" in err, err[-3000:]
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert rows[0]["engine_restarts"] >= 1 and rows[-1]["engine_restarts"] == 2  # one count for both
+    assert len(role_pids(run_dir, "engine0")) == 3
+    log = (run_dir / "logs" / "engine0.log").read_text()
+    assert log.count("taking over from its standby process") == 1, log[-3000:]
+    events = [e for e in read_timeline(run_dir) if e.get("name") == "engine 0 restarted"]
+    assert len(events) == 2
+
+
 def test_engine_deaths_past_the_budget_stop_the_run(tmp_path):
     run_dir = tmp_path / "run"
     proc = start(run_dir, "loop.steps=100000", "loop.max_staleness=1", "launch.max_restarts=1")

@@ -173,6 +173,31 @@ def test_killed_engine_actor_is_replaced_and_the_run_completes(cluster, tmp_path
     assert_spread(run)
 
 
+def test_engine_actor_killed_while_starting_is_replaced_and_the_run_completes(cluster, tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run}", *TINY,
+                             "loop.steps=6", "sft.steps=0", *on_ray(cluster)],
+                            env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        # Killed as soon as it says where it runs: its engine is still being built (imports, model).
+        while not ((run / "ray_placement.json").exists() and "engine0" in (run / "ray_placement.json").read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, "engine0 never placed"
+            time.sleep(0.01)
+        first = placed(run)["engine0"]
+        os.kill(first["pid"], signal.SIGKILL)
+        _, err = proc.communicate(timeout=900)  # no-hang bound
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "restarting it (1 of launch.max_restarts=3) while the engines start" in err, err[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("kind") == "train"]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert rows[-1]["engine_restarts"] == 1
+    assert placed(run)["engine0"]["pid"] != first["pid"]
+
+
 def test_killed_engine_actor_past_the_budget_stops_the_run_with_its_name(cluster, tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "train", f"--output-dir={run}", *TINY,

@@ -21,9 +21,10 @@ run's timeline (``observe.timeline``).
 
 An engine process that dies, or whose weight transport failed (``Failed``
 with ``weights``: a receive that broke, a version that did not arrive), is
-restarted (``restart()`` of its worker, at most ``max_restarts`` times in the
-run) and what it had in flight (chunks, evaluation requests, episode turns)
-is sent to its replacement; prompts answered before the death are not taken
+restarted (``restart()`` of its worker) within ``restarts``, the run's
+budget (``rollout.restarts.EngineRestarts``, shared with the launcher, which
+spends it on engines that die while starting), and what it had in flight
+(chunks, evaluation requests, episode turns) is sent to its replacement; prompts answered before the death are not taken
 twice. Other failures stop the run:
 an engine that reports another error, a death past the budget, a buffer that stays
 full or a reward that never returns closes the buffer with a ``RoleError``
@@ -33,7 +34,6 @@ It knows nothing of training, advantages or how engines are launched.
 """
 from __future__ import annotations
 
-import logging
 import math
 import queue
 import threading
@@ -47,12 +47,14 @@ from conveyor.controller.schedule import ResumePoint
 from conveyor.controller.time_share import TimeShare
 from conveyor.observe import timeline
 from conveyor.rollout.api import EngineWorker, SamplingParams
+from conveyor.rollout.restarts import EngineRestarts
 from conveyor.rollout.single_turn import prepare_prompts, to_groups
 from conveyor.runtime.errors import RoleError
 from conveyor.transport.messages import Done, EngineClock, Failed, Generate, MemoryDone, Ready, Scored, WeightSwap
 from conveyor.types import Group, Task
 
-logger = logging.getLogger(__name__)
+
+_RESENDS = " and sending it its work in flight"  # what the restart log line says comes next
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ class Producer:
     def __init__(self, workers: list[EngineWorker], outbox, *, loop: LoopConfig, timeout_s: float,
                  prompting: Prompting, cursor, train_size: int, rewards, buffer, start: ResumePoint | None = None,
                  version: int = 0, sampling=None, episodes=None, max_failed_groups: int = 64,
-                 max_restarts: int = 0, start_timeout_s: float | None = None, group_filter=None):
+                 restarts: EngineRestarts | None = None, start_timeout_s: float | None = None,
+                 group_filter=None):
         self.workers, self.outbox = tuple(workers), outbox
         self.prompting, self.cursor, self.train_size = prompting, cursor, train_size
         self.rewards, self.buffer = rewards, buffer
@@ -124,7 +127,7 @@ class Producer:
         self.concurrency = loop.concurrency or staleness.capacity(loop.batch_size, loop.max_staleness)
         self.per_engine = max(1, math.ceil(loop.batch_size / len(workers)))
         self.timeout = timeout_s
-        self.max_restarts, self.restarts = max_restarts, 0
+        self._restarts = restarts if restarts is not None else EngineRestarts(0)  # None: no restarts
         self.start_timeout = start_timeout_s or timeout_s
         self._starting: dict[int, float] = {}  # restarted engine -> deadline of its Ready
         start = start or ResumePoint(0, loop.batch_size)
@@ -179,6 +182,11 @@ class Producer:
             clocks, skipped = dict(self._shared.clocks), dict(self._shared.skipped)
         env = self.episodes.pool.counts() if self.episodes is not None else {}
         return RolloutSnapshot(clocks, skipped, env, self.restarts)
+
+    @property
+    def restarts(self) -> int:
+        """Engine restarts in the run so far (those while the engines started included)."""
+        return self._restarts.used
 
     def take_swaps(self) -> list[WeightSwap]:
         """The engines' weight swaps reported since the last call."""
@@ -296,9 +304,11 @@ class Producer:
             if msg.weights and msg.engine_id in self._starting:
                 return  # the replaced engine's other thread reporting the same failure
             worker = self.workers[msg.engine_id]
-            if msg.weights and worker.restartable and self.restarts < self.max_restarts:
+            if msg.weights and self._restarts.can_restart(worker):
                 last = msg.traceback.strip().splitlines()[-1][:300]
-                self._restart(worker, f"engine {msg.engine_id}: its weights stopped arriving ({last})")
+                self._restarts.restart(worker, f"engine {msg.engine_id}: its weights stopped arriving ({last})",
+                                       _RESENDS)
+                self._resend(worker)
                 return
             raise RoleError(f"engine {msg.engine_id} failed:\n{msg.traceback}")
         if isinstance(msg, Ready):  # a restarted engine is serving
@@ -351,23 +361,16 @@ class Producer:
             try:
                 w.check()
             except RoleError as dead:
-                if not w.restartable or self.restarts >= self.max_restarts:
-                    used = f" (engine restarts used: {self.restarts} of launch.max_restarts={self.max_restarts})"
-                    raise RoleError(f"{dead}{used if w.restartable else ''}") from None
-                self._restart(w, str(dead).splitlines()[0])
+                self._restarts.replace(w, dead, _RESENDS)
+                self._resend(w)
         now = time.monotonic()
         for engine_id, deadline in list(self._starting.items()):
             if now > deadline:
                 raise RoleError(f"engine {engine_id} was restarted but did not start within "
                                 f"{self.start_timeout:g}s (launch.timeout_s); see logs/engine{engine_id}.log")
 
-    def _restart(self, worker, why: str) -> None:
-        self.restarts += 1
-        logger.warning("%s; restarting it (%d of launch.max_restarts=%d) and sending it its work in flight",
-                       why, self.restarts, self.max_restarts)
-        now = time.time()
-        timeline.record("controller", "restarts", f"engine {worker.engine_id} restarted", now, now, {"why": why})
-        worker.restart()
+    def _resend(self, worker) -> None:
+        """``worker`` was just restarted: it gets what the dead one had in flight."""
         self._starting[worker.engine_id] = time.monotonic() + self.start_timeout
         for chunk in self._chunks.values():
             if chunk.engine_id == worker.engine_id:

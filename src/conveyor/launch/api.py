@@ -4,9 +4,12 @@ Contract: a ``Launcher`` is built for one run (``cfg``, ``run_dir``).
 ``start_engines(path, tokenizer)`` starts the engine workers on the weights
 at ``path`` and returns ``Engines``: the ``EngineWorker`` handles
 (``rollout/api.py``), the outbox their answers arrive on
-(``transport.messages``), the context limit every prompt must fit, and
+(``transport.messages``), the context limit every prompt must fit,
 ``warm``: where the controller publishes warm-start weights (every engine
-reads it; None when nothing can be published from the controller).
+reads it; None when nothing can be published from the controller), and
+``restarts``: the run's engine restart budget (``launch.max_restarts``,
+``rollout.restarts.EngineRestarts``), of which the start spent what engines
+that died while starting took; the producer spends the rest.
 ``start_trainer(path, tokenizer, failed)`` starts the trainer ranks and returns a
 ``TrainerHandle`` (``trainer/api.py``); while it waits for them it asks
 ``failed()`` for another role's error (an engine that died meanwhile) and
@@ -23,10 +26,11 @@ This module holds only the protocol: it starts nothing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from conveyor.rollout.api import EngineWorker
+from conveyor.rollout.restarts import EngineRestarts
 from conveyor.trainer.api import Trainer, TrainerHandle
 
 
@@ -37,6 +41,7 @@ class Engines:
     context_limit: int
     label: str  # what generates (the first engine's description), logged when the run starts
     warm: Any  # has publish(named_tensors, version); None without a warm-start route
+    restarts: EngineRestarts = field(default_factory=lambda: EngineRestarts(0))
 
 
 @runtime_checkable

@@ -16,6 +16,7 @@ from pathlib import Path
 from conveyor.config import RunConfig
 from conveyor.launch import placement, roles
 from conveyor.launch.api import Engines
+from conveyor.rollout.restarts import EngineRestarts
 from conveyor.runtime.errors import SetupError
 from conveyor.trainer.api import TrainerHandle
 
@@ -34,9 +35,10 @@ class LocalLauncher:
         except placement.PlacementError as e:
             raise SetupError(str(e)) from None
         self.routes = placement.make_routes(self.cfg, self.placement, path, roles.mp_context())
+        restarts = EngineRestarts(self.cfg.launch.max_restarts)
         workers, outbox, context_limit, label = roles.start_engines(self.cfg, path, tokenizer, self.routes,
-                                                             self.placement, self.run_dir)
-        return Engines(workers, outbox, context_limit, label, self.routes.controller)
+                                                                    self.placement, self.run_dir, restarts)
+        return Engines(workers, outbox, context_limit, label, self.routes.controller, restarts)
 
     def trainer_gpus_alone(self) -> bool:
         return self.placement is not None and self.placement.trainer_alone
@@ -45,7 +47,8 @@ class LocalLauncher:
         return roles.start_trainer(self.cfg, path, tokenizer, self.routes, self.placement, self.run_dir, failed)
 
     def warm_start_trainer(self, cfg: RunConfig, path: str, tokenizer):
-        return roles.make_trainer(cfg, path, tokenizer)
+        beside = self.placement is not None and self.placement.sync != "inprocess" and not self.placement.gpu
+        return roles.make_warm_trainer(cfg, path, tokenizer, beside_engines=beside)
 
     def stop_engines(self, workers) -> None:
         roles.stop_engines(workers)

@@ -19,8 +19,9 @@ groups removed) and disconnects. ``RayLauncher`` provides the
   node and its counters in a TCPStore served by the driver
   (``transport.store_state``). The same deadline/version transaction as in
   the local launch.
-- engines: ``ray_roles.EngineActor`` / ``RayWorker``; a dead one is
-  replaced by a new actor in its bundle (``launch.max_restarts``) and the
+- engines: ``ray_roles.EngineActor`` / ``RayWorker``; a dead one (while
+  the engines start too) is replaced by a new actor in its bundle
+  (``launch.max_restarts``; no standby actors) and the
   weight broadcast group re-forms with it (``BroadcastWeights.regroup``);
   trainer: ``ray_roles.TrainerRankActor`` / ``RayTrainerProxy`` (several
   ranks train with FSDP2 over gloo or NCCL across actors).
@@ -68,7 +69,8 @@ from conveyor.launch.ray_roles import (
     WarmWeights,
     get_unless_failed,
 )
-from conveyor.launch.roles import await_ready, make_trainer, rank_spec, stop_engines
+from conveyor.launch.roles import await_ready, make_warm_trainer, rank_spec, stop_engines
+from conveyor.rollout.restarts import EngineRestarts
 from conveyor.runtime import watchdog
 from conveyor.runtime.errors import RoleError, SetupError
 from conveyor.trainer.api import TrainerHandle
@@ -201,16 +203,29 @@ class RayLauncher:
                 self._record(f"engine{i}", place)
             workers.append(RayWorker(i, make, outbox, self.routes.group.regroup, placed, la.timeout_s))
             self._watch(f"engine{i}", lambda w=workers[-1]: w.actor)
+        restarts = EngineRestarts(la.max_restarts)
         try:
             for w in workers:
-                self._record(f"engine{w.engine_id}", w.locate(la.timeout_s))
-            context_limit, label = await_ready(workers, outbox, la.timeout_s)
+                self._locate(w, restarts)
+            context_limit, label = await_ready(workers, outbox, la.timeout_s, restarts)
         except BaseException:
             stop_engines(workers)
             raise
-        warm = WarmWeights([w.actor for w in workers], self.routes.writers[0][0].names, la.timeout_s)
+        warm = WarmWeights(lambda: [w.actor for w in workers], self.routes.writers[0][0].names, la.timeout_s)
         return Engines(workers, outbox, context_limit, f"{label} x {len(workers)}" if len(workers) > 1 else label,
-                       warm)
+                       warm, restarts)
+
+    def _locate(self, worker: RayWorker, restarts: EngineRestarts) -> None:
+        """Where a new engine actor runs; one that died before it could say is restarted (the
+        replacement records its own place) within the run's budget."""
+        try:
+            place = worker.locate(self.cfg.launch.timeout_s)
+        except ray.exceptions.RayActorError as e:
+            dead = RoleError(f"engine {worker.engine_id} (Ray actor) died while starting: {type(e).__name__}: "
+                             f"{str(e).strip()[:2000]}")
+            restarts.replace(worker, dead, " while the engines start")
+            return
+        self._record(f"engine{worker.engine_id}", place)
 
     def start_trainer(self, path: str, tokenizer, failed=lambda: None) -> TrainerHandle:
         cfg, la = self.cfg, self.cfg.launch
@@ -238,7 +253,8 @@ class RayLauncher:
         return RayTrainerProxy(actors, places, la.timeout_s, la.collective_timeout_s)
 
     def warm_start_trainer(self, cfg: RunConfig, path: str, tokenizer):
-        return make_trainer(cfg, path, tokenizer)
+        # On CPU the engine actors may share this machine's cores (a local Ray instance).
+        return make_warm_trainer(cfg, path, tokenizer, beside_engines=not self.gpu)
 
     def stop_engines(self, workers) -> None:
         stop_engines(workers)

@@ -185,8 +185,8 @@ class ActorWarmReader:
 class WarmWeights:
     """The controller's warm-start publish to every engine actor (see the module docstring)."""
 
-    def __init__(self, actors: list, names: list[str], timeout_s: float):
-        self._actors, self._names, self._timeout = actors, set(names), timeout_s
+    def __init__(self, actors: Callable[[], list], names: list[str], timeout_s: float):
+        self._actors, self._names, self._timeout = actors, set(names), timeout_s  # actors(): the live ones
 
     def publish(self, named_tensors, version: int) -> None:
         named = {n: t.detach().to("cpu", copy=True) for n, t in named_tensors if n in self._names}
@@ -194,7 +194,7 @@ class WarmWeights:
         if missing:
             raise KeyError(f"warm-start publish of version {version}: missing tensors {sorted(missing)[:3]}")
         ref = ray.put(named)
-        ray.get([a.warm.remote(ref, version) for a in self._actors], timeout=self._timeout)
+        ray.get([a.warm.remote(ref, version) for a in self._actors()], timeout=self._timeout)
 
 
 class RayWorker:
@@ -258,7 +258,8 @@ class RayWorker:
         """A new actor for a dead one, placed like it; the weight broadcast group re-forms with it
         (``regroup`` first, so it joins the new generation). Returns once its channel is open."""
         self._stop.set()
-        self._channel.close()
+        if self._channel is not None:  # None: it died before its channel opened
+            self._channel.close()
         with contextlib.suppress(Exception):  # dead already: what is left of it goes
             ray.kill(self.actor)
         self.restarts += 1

@@ -8,8 +8,14 @@ Contract
   child processes (``ProcessWorker``), engine i on
   ``placement.engine_devices[i]`` with ``launch.engine_threads`` CPU threads,
   reading ``routes.readers[i]``. Both run ``rollout.serve.engine_loop``.
-  A child that dies is restarted by the producer (``ProcessWorker.restart``);
-  on a weight broadcast group (``routes.group``) the group re-forms with it.
+  A child that dies is restarted (``ProcessWorker.restart``) within the run's
+  budget ``restarts`` (``rollout.restarts.EngineRestarts``): by
+  ``await_ready`` while the engines start, by the producer afterwards; on a
+  weight broadcast group (``routes.group``) the group re-forms with it. With
+  ``launch.standby_engines`` each worker keeps a standby process, started
+  once the engines are ready, with the engine's imports done
+  (``rollout.serve.engine_standby``): a restart hands over to it instead of
+  spawning a process that imports torch and transformers first.
 - ``start_trainer(cfg, path, tokenizer, routes, placement, run_dir)`` returns
   a ``TrainerHandle`` (``trainer/api.py``): the ``TrainerHost`` itself
   (in-process) or a ``TrainerProxy`` that calls every trainer rank process
@@ -19,13 +25,16 @@ Contract
   device, rendezvous, publish_dtype)`` is the ``trainer.serve.RankSpec`` a rank is
   built from, here and under Ray (``launch/ray.py``).
 Every start waits for the children to report ready, with the launch
-deadline, and a child that dies while starting is reported with its log.
+deadline; an engine that dies while starting is restarted like one that dies
+mid-run (past the budget the death stops the run with its log), a trainer
+rank that dies while starting is reported with its log.
 
 It knows nothing of the loop's schedule or of the formulas.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import sys
 import threading
@@ -36,7 +45,8 @@ from typing import Callable
 from conveyor.config import RunConfig
 from conveyor.launch.placement import Placement, free_port
 from conveyor.rollout.api import EngineWorker
-from conveyor.rollout.serve import engine_loop, engine_process
+from conveyor.rollout.restarts import EngineRestarts
+from conveyor.rollout.serve import engine_loop, engine_process, engine_standby
 from conveyor.runtime.procs import RoleError, RoleProcess, RpcClient, call_all, stop_for
 from conveyor.runtime.watchdog import Deadlines
 from conveyor.trainer.api import LossFn
@@ -52,6 +62,25 @@ def mp_context():
 def make_trainer(cfg: RunConfig, path: str, tokenizer):
     from conveyor.trainer.single import LocalTrainer
     return LocalTrainer(path, cfg.trainer, **trainer_kwargs(cfg, tokenizer))
+
+
+def make_warm_trainer(cfg: RunConfig, path: str, tokenizer, beside_engines: bool):
+    """The supervised warm start's trainer in this process. ``beside_engines`` (CPU engines in
+    processes of their own): this process's torch takes the cores they leave (``warm_start_threads``)."""
+    if beside_engines:
+        import torch
+        torch.set_num_threads(warm_start_threads(cfg))
+    return make_trainer(cfg, path, tokenizer)
+
+
+def warm_start_threads(cfg: RunConfig) -> int:
+    """The cores ``launch.engines`` x ``launch.engine_threads`` leave (at least 1, at most torch's
+    default). With as many OpenMP threads as cores, every parallel op waited at its barrier for
+    a thread that another process (an engine's weight watcher, anything else on the machine)
+    had taken the core from: on 2 loaded cores the warm start ran at 0.7-1.8 steps/s."""
+    import torch
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch.get_num_threads(), cores - cfg.launch.engines * cfg.launch.engine_threads))
 
 
 def trainer_kwargs(cfg: RunConfig, tokenizer) -> dict:
@@ -184,6 +213,14 @@ class ThreadWorker:
             self._thread.join(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
 
 
+class _Child:
+    """An engine child process and its two queues (requests in, answers out)."""
+
+    def __init__(self, start: Callable[[object, object, bool], RoleProcess], ctx, standby: bool):
+        self.inbox, self.own = ctx.Queue(), ctx.Queue()
+        self.process = start(self.inbox, self.own, standby)
+
+
 class ProcessWorker:
     """An ``EngineWorker``: ``engine_process`` in a child process, answering on a queue of its
     own that a relay thread moves into the shared ``outbox`` (a child killed while writing can
@@ -192,23 +229,32 @@ class ProcessWorker:
     it builds the engine again and takes the newest published weights when the first request
     asks for them; the caller requeues what the dead one had in flight. On a weight broadcast
     group ``regroup`` (``BroadcastWeights.regroup``) is called first: the group re-forms with
-    the new child and the writer sends it the current version."""
+    the new child and the writer sends it the current version. After ``keep_standby()`` a
+    standby child waits, its imports done, and a restart hands over to it (then starts the
+    next standby); a standby that died meanwhile is replaced by a fresh start."""
 
     restartable = True
 
-    def __init__(self, engine_id: int, start: Callable[[object, object], RoleProcess], ctx, outbox: queue.Queue,
-                 regroup: Callable[[], int] | None = None):
+    def __init__(self, engine_id: int, start: Callable[[object, object, bool], RoleProcess], ctx,
+                 outbox: queue.Queue, regroup: Callable[[], int] | None = None):
         self.engine_id, self._start, self._ctx, self._outbox = engine_id, start, ctx, outbox
         self._regroup = regroup
         self.restarts = 0
-        self._launch()
+        self._standby: _Child | None = None
+        self._keeps_standby = False
+        self._launch(_Child(start, ctx, standby=False))
 
-    def _launch(self) -> None:
-        self._inbox, own = self._ctx.Queue(), self._ctx.Queue()
-        self._process = self._start(self._inbox, own)
+    def keep_standby(self) -> None:
+        """From now on a standby child waits to replace this worker's child."""
+        self._keeps_standby = True
+        if self._standby is None:
+            self._standby = _Child(self._start, self._ctx, standby=True)
+
+    def _launch(self, child: _Child) -> None:
+        self._inbox, self._process = child.inbox, child.process
         stop = threading.Event()
         self._relay_stop = stop
-        threading.Thread(target=_relay, args=(own, self._outbox, stop), name=f"engine{self.engine_id}-relay",
+        threading.Thread(target=_relay, args=(child.own, self._outbox, stop), name=f"engine{self.engine_id}-relay",
                          daemon=True).start()
 
     def send(self, message) -> None:
@@ -226,11 +272,23 @@ class ProcessWorker:
         self.restarts += 1
         if self._regroup is not None:
             self._regroup()  # before the new child joins: it joins the next generation
-        self._launch()
+        child, self._standby = self._standby, None
+        if child is not None and child.process.proc.is_alive():
+            self._launch(child)
+            child.process.take_over()
+        else:
+            if child is not None:
+                child.process.stop(timeout=0)
+            self._launch(_Child(self._start, self._ctx, standby=False))
+        if self._keeps_standby:
+            self.keep_standby()  # the next death's replacement
 
     def join(self, timeout: float) -> None:
         self._process.stop(timeout=timeout)
         self._relay_stop.set()
+        if self._standby is not None:
+            self._standby.process.stop(timeout=0)
+            self._standby = None
 
 
 def _relay(source, outbox: queue.Queue, stop: threading.Event) -> None:
@@ -279,8 +337,8 @@ def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
     return TrainerProxy(rpcs, cfg.launch.timeout_s, cfg.launch.collective_timeout_s)
 
 
-def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement,
-                  run_dir: Path) -> tuple[list[EngineWorker], object, int, str]:
+def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement, run_dir: Path,
+                  restarts: EngineRestarts) -> tuple[list[EngineWorker], object, int, str]:
     partial = cfg.loop.partial_rollouts
     if placement.sync == "inprocess":
         from conveyor.rollout.factory import make_engine
@@ -303,32 +361,55 @@ def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
         spec = {"path": path, "rollout": rollout.model_dump(mode="json"), "device": device,
                 "timeout_s": cfg.launch.timeout_s}
 
-        def start(inbox, own, i=i, spec=spec) -> RoleProcess:
+        def start(inbox, own, standby: bool, i=i, spec=spec) -> RoleProcess:
             return RoleProcess(f"engine{i}", engine_process, (spec, inbox, own, routes.readers[i], i, partial),
-                               run_dir / "logs", ctx, threads=cfg.launch.engine_threads)
+                               run_dir / "logs", ctx, threads=cfg.launch.engine_threads,
+                               prepare=engine_standby if standby else None)
         regroup = routes.group.regroup if routes.group is not None else None
         workers.append(ProcessWorker(i, start, ctx, outbox, regroup))
-    context_limit, label = await_ready(workers, outbox, cfg.launch.timeout_s)
+    try:
+        context_limit, label = await_ready(workers, outbox, cfg.launch.timeout_s, restarts)
+    except BaseException:
+        stop_engines(workers, timeout=0)
+        raise
+    if cfg.launch.standby_engines and cfg.launch.max_restarts > 0:
+        for w in workers:  # now, not beside the engines' own start: it would slow theirs
+            w.keep_standby()
     return workers, outbox, context_limit, f"{label} x {len(workers)}" if len(workers) > 1 else label
 
 
-def await_ready(workers: list[EngineWorker], outbox: queue.Queue, timeout_s: float) -> tuple[int, str]:
-    """Wait for every engine's ``Ready`` on ``outbox`` (a worker that dies or fails while starting
-    is named); returns the engines' context limit and label."""
+def await_ready(workers: list[EngineWorker], outbox: queue.Queue, timeout_s: float,
+                restarts: EngineRestarts) -> tuple[int, str]:
+    """Wait for every engine's ``Ready`` on ``outbox``; returns the engines' context limit and
+    label. An engine that dies (or whose weights fail) while starting is restarted within
+    ``restarts``, with ``timeout_s`` from its restart; past the budget its death stops the
+    start, and so does any other ``Failed`` (an engine that cannot be built), naming it."""
     context_limit, label, ready = 0, "", set()
-    deadline = time.monotonic() + timeout_s
+    due = {w.engine_id: time.monotonic() + timeout_s for w in workers}
+    by_id = {w.engine_id: w for w in workers}
     while len(ready) < len(workers):
         for w in workers:
-            w.check()
+            try:
+                w.check()
+            except RoleError as dead:
+                restarts.replace(w, dead, " while the engines start")
+                ready.discard(w.engine_id)
+                due[w.engine_id] = time.monotonic() + timeout_s
         try:
-            msg = outbox.get(timeout=0.2)
+            msg = outbox.get(timeout=0.05)
         except queue.Empty:
-            if time.monotonic() > deadline:
-                raise RoleError(f"engines did not start within {timeout_s:g}s ({len(ready)}/{len(workers)} "
-                                "ready)") from None
+            late = [i for i, t in due.items() if i not in ready and time.monotonic() > t]
+            if late:
+                raise RoleError(f"engine {late[0]} did not start within {timeout_s:g}s (launch.timeout_s; "
+                                f"{len(ready)}/{len(workers)} ready); see logs/engine{late[0]}.log") from None
             continue
         if isinstance(msg, Failed):
-            raise RoleError(f"engine {msg.engine_id} failed while starting:\n{msg.traceback}")
+            worker = by_id[msg.engine_id]
+            if not (msg.weights and restarts.can_restart(worker)):
+                raise RoleError(f"engine {msg.engine_id} failed while starting:\n{msg.traceback}")
+            last = msg.traceback.strip().splitlines()[-1][:300]
+            restarts.restart(worker, f"engine {msg.engine_id}: its weights failed while starting ({last})")
+            due[msg.engine_id] = time.monotonic() + timeout_s
         if isinstance(msg, Ready):
             ready.add(msg.engine_id)
             context_limit, label = msg.context_limit, msg.label
@@ -347,11 +428,11 @@ def _await(ready, proc: RoleProcess, timeout: float, what: str, peers=(), failed
                             f"{proc.last_lines()}")
 
 
-def stop_engines(workers: list[EngineWorker]) -> None:
+def stop_engines(workers: list[EngineWorker], timeout: float = 10) -> None:
     for w in workers:
         try:
             w.send(Stop())
         except (OSError, ValueError):
             pass
     for w in workers:
-        w.join(timeout=10)
+        w.join(timeout=timeout)

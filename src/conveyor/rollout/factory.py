@@ -10,6 +10,10 @@ Contract: ``make_engine(cfg_rollout, model_path, tokenizer)`` returns
 The optional config fields are read with ``getattr`` so this module works with a
 ``RolloutConfig`` that does not define them yet (they then take their defaults).
 An unknown engine name raises ``ValueError`` naming the choices.
+``prepare_engine(cfg_rollout, model_path)`` imports what ``make_engine`` will
+(the engine's module; for the native engine the model's classes, resolved by
+an empty model on the ``meta`` device, and its tokenizer) and builds nothing
+on a device: what a standby engine process does ahead of need.
 
 It does not know how engines generate or load weights, and imports each engine
 (and vLLM) only when that engine is chosen.
@@ -45,3 +49,23 @@ def make_engine(cfg_rollout: "RolloutConfig", model_path: str, tokenizer: Any = 
         from conveyor.rollout.remote import RemoteEngine
         return RemoteEngine.from_config(cfg_rollout, model_path, tokenizer)
     raise ValueError(f"rollout.engine {name!r} is not one of {', '.join(ENGINES)}")
+
+
+def prepare_engine(cfg_rollout: "RolloutConfig", model_path: str) -> None:
+    """Import what ``make_engine(cfg_rollout, model_path)`` needs, allocating nothing on a device."""
+    name = cfg_rollout.engine
+    if name == "native":
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        import conveyor.rollout.native.engine  # noqa: F401 - imported for the build to come
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):  # the model's modules are imported; no weights are made
+            AutoModelForCausalLM.from_config(config)
+        AutoTokenizer.from_pretrained(model_path)
+    elif name == "vllm":
+        import conveyor.rollout.vllm  # noqa: F401
+    elif name == "remote":
+        import conveyor.rollout.remote  # noqa: F401
+    else:
+        raise ValueError(f"rollout.engine {name!r} is not one of {', '.join(ENGINES)}")

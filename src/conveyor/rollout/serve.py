@@ -15,7 +15,8 @@ its samples end, weights swapped between steps; waves (otherwise): one
 ``generate`` per group of waiting chunks with equal sampling settings.
 ``Memory`` (``launch.time_share``, sent only between a step's generation
 and the next) releases or takes back the engine's KV pool and is answered
-by ``MemoryDone``. ``engine_process`` is the same loop as a child process's main. Each ``Done``
+by ``MemoryDone``. ``engine_process`` is the same loop as a child process's main;
+``engine_standby`` is what a standby process for it does before it is needed. Each ``Done``
 carries the ``Span``s of what the worker did since its previous one (generate
 calls, or a streaming call's stretch up to this report; waits for weights)
 for the run's timeline. A ``Failed`` whose error is the weight transport's
@@ -396,15 +397,30 @@ def _joins(msg: Generate, first_id: int, params) -> bool:
 
 
 def engine_process(spec: dict, inbox, outbox, weights: WeightReader, engine_id: int, partial: bool) -> None:
-    """Main of an engine child process: build the engine, then serve."""
+    """Main of an engine child process: build the engine, then serve. An engine that cannot be
+    built reports ``Failed`` (an error, which a restart would repeat); a death is the launcher's."""
     from conveyor.config import RolloutConfig
     from conveyor.rollout.factory import make_engine
     from conveyor.runtime.procs import bind_device
-    bind_device(spec["device"])
-    # The weight receiver and watcher threads must get the GIL from the decode loop within
-    # a fraction of a millisecond, not the default 5 ms: that wait is weight-sync latency.
-    sys.setswitchinterval(0.0005)
-    engine = make_engine(RolloutConfig.model_validate(spec["rollout"]), spec["path"])
-    weights.poll(engine, engine_id)
+    try:
+        bind_device(spec["device"])
+        # The weight receiver and watcher threads must get the GIL from the decode loop within
+        # a fraction of a millisecond, not the default 5 ms: that wait is weight-sync latency.
+        sys.setswitchinterval(0.0005)
+        engine = make_engine(RolloutConfig.model_validate(spec["rollout"]), spec["path"])
+        weights.poll(engine, engine_id)
+    except Exception:  # noqa: BLE001 - reported to the controller, which stops the run
+        outbox.put(failure(engine_id))
+        return
     outbox.put(Ready(engine_id, engine.context_limit, engine.label))
     engine_loop(engine, inbox, outbox, weights, engine_id, partial, spec.get("timeout_s", 600.0))
+
+
+def engine_standby(spec: dict, *_) -> None:
+    """What a standby engine process does before it is needed (``runtime.procs.RoleProcess``'s
+    ``prepare``, with ``engine_process``'s arguments): the imports of building the engine, so a
+    replacement for a dead engine starts in a fraction of the time. It touches neither the device
+    nor the weight route: those are the live engine's until it dies."""
+    from conveyor.config import RolloutConfig
+    from conveyor.rollout.factory import prepare_engine
+    prepare_engine(RolloutConfig.model_validate(spec["rollout"]), spec["path"])

@@ -131,7 +131,7 @@ class Session:
                                  start=start, version=step,
                                  sampling=lambda seed: SamplingParams.from_config(cfg.rollout, seed=seed),
                                  episodes=runner, max_failed_groups=cfg.env.max_failed_groups,
-                                 max_restarts=cfg.launch.max_restarts, group_filter=GroupFilter.from_config(cfg))
+                                 restarts=engines.restarts, group_filter=GroupFilter.from_config(cfg))
         self.rollouts.start()
         if time_share_on(cfg, "cuda" if cfg.launch.backend == "local" and plan(cfg).gpu else "cpu"):
             self.memory = self.rollouts.time_share  # with auto, kept only if the trainer needs it (_run)

@@ -4,7 +4,12 @@ Contract
 - ``RoleProcess(role, target, args, log_dir, ctx, threads)`` starts
   ``target(*args)`` in a spawned process named after the role, with its
   stdout/stderr going to ``log_dir/<role>.log`` and torch limited to
-  ``threads`` threads.
+  ``threads`` threads. With ``prepare`` it is a standby: the child runs
+  ``prepare(*args)`` (imports, nothing that holds a device or a shared
+  resource), logging to ``log_dir/<role>.standby.log``, then waits until
+  ``take_over()``; from then on it logs to ``<role>.log`` like any other
+  start (its ``started pid=`` line) and runs ``target(*args)``. A standby
+  never needed is ended by ``stop()``.
 - ``check()`` raises ``RoleError`` if the process has died, naming the role,
   its exit code and the last lines of its log; the controller calls it
   whenever it waits, so a dead child is noticed within a poll interval.
@@ -89,19 +94,44 @@ def loads(data: bytes) -> Any:
     return pickle.loads(data)
 
 
-def _bootstrap(role: str, log_path: str, threads: int, target: Callable, args: tuple) -> None:
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+def _log_to(path: str, first: bool = True) -> None:
+    """This process's stdout and stderr (the file descriptors too) append to ``path``; ``first``:
+    the streams are made line-buffered over them (later calls only move the descriptors)."""
+    if not first:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    sys.stdout = os.fdopen(1, "w", buffering=1)
-    sys.stderr = os.fdopen(2, "w", buffering=1)
+    os.close(fd)
+    if first:
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+
+
+def _standby_log(log_path: str) -> str:
+    return log_path[:-len(".log")] + ".standby.log"
+
+
+def _bootstrap(role: str, log_path: str, threads: int, target: Callable, args: tuple,
+               prepare: Callable | None = None, go=None) -> None:
+    _log_to(log_path if go is None else _standby_log(log_path))
     from conveyor.runtime.watchdog import child_guard
     child_guard()  # stacks on SIGUSR1 into this log; gone with the controller
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the terminal's group: the parent decides
     import torch
     torch.set_num_threads(max(1, threads))
-    print(f"[{role}] started pid={os.getpid()} threads={threads}", flush=True)
     try:
+        if go is not None:
+            print(f"[{role}] standby pid={os.getpid()}: preparing to replace {role} if it dies", flush=True)
+            prepare(*args)
+            print(f"[{role}] standby ready", flush=True)
+            # Until its owner needs it or stops it (child_guard ends it with the controller). A
+            # semaphore, not an Event: a standby killed while waiting leaves no lock held.
+            go.acquire()
+            _log_to(log_path, first=False)
+            print(f"[{role}] taking over from its standby process", flush=True)
+        print(f"[{role}] started pid={os.getpid()} threads={threads}", flush=True)
         target(*args)
     except BaseException:  # noqa: BLE001 - the log is the only place a child can report to
         traceback.print_exc()
@@ -111,14 +141,24 @@ def _bootstrap(role: str, log_path: str, threads: int, target: Callable, args: t
 
 
 class RoleProcess:
-    def __init__(self, role: str, target: Callable, args: tuple, log_dir: Path, ctx, threads: int = 1):
+    def __init__(self, role: str, target: Callable, args: tuple, log_dir: Path, ctx, threads: int = 1,
+                 prepare: Callable | None = None):
         self.role = role
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"{role}.log"
+        log = log_dir / f"{role}.log"
+        self._go = ctx.Semaphore(0) if prepare is not None else None
+        self._log = log  # where it logs once it runs ``target``
+        self.log_path = log if prepare is None else Path(_standby_log(str(log)))
         self.proc = ctx.Process(target=_bootstrap, name=role, daemon=True,
-                                args=(role, str(self.log_path), threads, target, args))
+                                args=(role, str(log), threads, target, args, prepare, self._go))
         self.proc.start()
         watchdog.register(self)
+
+    def take_over(self) -> None:
+        """A standby starts ``target`` (see the module docstring); nothing for a process that runs it."""
+        if self._go is not None:
+            self._go.release()
+            self._go, self.log_path = None, self._log
 
     def last_lines(self, n: int = 15) -> str:
         try:

@@ -20,6 +20,7 @@ from conveyor.data.tiny import build_model, build_tokenizer
 from conveyor.reward.service import RewardService
 from conveyor.rollout.api import SamplingParams
 from conveyor.rollout.native import NativeEngine
+from conveyor.rollout.restarts import EngineRestarts
 from conveyor.rollout.serve import engine_loop
 from conveyor.runtime.errors import RoleError
 from conveyor.transport.buffer import TrajectoryBuffer
@@ -88,7 +89,7 @@ def _producer(tok, worker, outbox, max_restarts):
     buffer, rewards = TrajectoryBuffer(32), RewardService(_task_length, workers=2)
     producer = Producer([worker], outbox, loop=cfg.loop, timeout_s=60.0, prompting=Prompting(tok, 200, False),
                         cursor=TaskCursor(source, 4, seed=0), train_size=len(source), rewards=rewards,
-                        buffer=buffer, version=2, max_restarts=max_restarts,
+                        buffer=buffer, version=2, restarts=EngineRestarts(max_restarts),
                         sampling=lambda seed: SamplingParams(temperature=1.0, max_new_tokens=4, n=2, seed=seed))
     return producer, buffer, rewards
 

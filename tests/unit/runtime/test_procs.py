@@ -59,3 +59,55 @@ def test_across_a_process_pipe(monkeypatch):
     assert torch.equal(loads(a.recv_bytes())["t"], t)
     p.join(30)
     assert p.exitcode == 0
+
+
+def _mark(path: str, what: str) -> None:
+    Path(path).with_suffix("." + what).write_text(what)
+
+
+def _serve_marker(path: str) -> None:
+    _mark(path, "served")
+
+
+def _prepare_marker(path: str) -> None:
+    _mark(path, "prepared")
+
+
+def _wait_for(cond, what: str, timeout: float = 120.0) -> None:
+    import time
+    deadline = time.monotonic() + timeout  # a "no hang" bound: a spawn takes seconds
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_standby_prepares_then_waits_and_runs_only_once_it_takes_over(tmp_path, monkeypatch):
+    from conveyor.runtime.procs import RoleProcess
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
+    ctx = mp.get_context("spawn")
+    marker = str(tmp_path / "marker")
+    proc = RoleProcess("engine7", _serve_marker, (marker,), tmp_path / "logs", ctx, prepare=_prepare_marker)
+    standby_log = tmp_path / "logs" / "engine7.standby.log"
+    assert proc.log_path == standby_log
+    _wait_for(lambda: standby_log.exists() and "standby ready" in standby_log.read_text(), "the standby prepared")
+    assert Path(marker + ".prepared").exists() and not Path(marker + ".served").exists()  # it waits
+    role_log = tmp_path / "logs" / "engine7.log"
+    assert not role_log.exists()  # its log says nothing until it is the role
+    proc.take_over()
+    _wait_for(lambda: Path(marker + ".served").exists(), "the standby ran its target after take_over")
+    proc.proc.join(60)
+    assert proc.proc.exitcode == 0 and proc.log_path == role_log
+    text = role_log.read_text()
+    assert "[engine7] taking over from its standby process" in text and "[engine7] started pid=" in text
+    assert "started pid=" not in standby_log.read_text()
+
+
+def test_a_standby_never_needed_is_stopped_without_running(tmp_path, monkeypatch):
+    from conveyor.runtime.procs import RoleProcess
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3]))
+    marker = str(tmp_path / "marker")
+    proc = RoleProcess("engine0", _serve_marker, (marker,), tmp_path / "logs", mp.get_context("spawn"),
+                       prepare=_prepare_marker)
+    _wait_for(lambda: Path(marker + ".prepared").exists(), "the standby prepared")
+    proc.stop(timeout=0)
+    assert not proc.proc.is_alive() and not Path(marker + ".served").exists()
