@@ -10,7 +10,8 @@ it and complete; the time is from the kill to the first trained step).
 
     python benchmarks/engine_restart.py --trials 3 [--override launch.weight_sync=broadcast ...]
 
-Prints one JSON line per trial and the medians. CPU only; the numbers depend on the machine's load.
+Prints one JSON line per trial and the medians, and appends the medians to
+benchmarks/results/engine_restart_cpu.jsonl. CPU only; the numbers depend on the machine's load.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import append_record  # noqa: E402
 RUN = ["sft.steps=0", "data.eval_size=8", "observe.tensorboard=false", "observe.progress=false",
        "launch.placement=disaggregated", "launch.timeout_s=120", "loop.max_staleness=1", "loop.eval_every=0"]
 # The smallest model and steps (tests/e2e/test_faults.py's); --recipe-model keeps the default recipe's.
@@ -117,8 +120,13 @@ def main() -> None:
         print(json.dumps(r), flush=True)
         results.append(r)
     key = "first_step_after_kill_s" if a.while_starting else "resume_s"
-    print(json.dumps({"median_" + key: statistics.median(r[key] for r in results),
-                      "median_stall_s": statistics.median(r["stall_s"] for r in results)}))
+    summary = {"median_" + key: statistics.median(r[key] for r in results),
+               "median_stall_s": statistics.median(r["stall_s"] for r in results), "trials": len(results),
+               "load_1min": round(os.getloadavg()[0], 2)}
+    print(json.dumps(summary))
+    append_record("engine_restart", summary, gpu=False,
+                  config={"while_starting": a.while_starting, "recipe_model": a.recipe_model, "steps": a.steps,
+                          "kill_at": a.kill_at, "overrides": a.override})
 
 
 if __name__ == "__main__":
