@@ -162,7 +162,13 @@ def _read_parquet(path: str) -> Iterator[Row]:
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError("data.source parquet needs pyarrow: pip install 'conveyor[data]'") from None
-    yield from enumerate(pq.read_table(path).to_pylist(), start=1)
+    import pyarrow as pa
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as e:  # truncated, or not Parquet at all
+        raise DataError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e}); "
+                        "write it again, or point data.path at the right file") from None
+    yield from enumerate(table.to_pylist(), start=1)
 
 
 def _read_hf(path: str, split: str, hf_config: str | None) -> Iterator[Row]:

@@ -46,6 +46,19 @@ def test_parquet(tmp_path):
     assert [(t.prompt, t.answer) for t in src] == [("2*3=", "6"), ("7-2=", "5")]
 
 
+def test_a_truncated_or_foreign_parquet_file_is_an_error_naming_it(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist([{"q": "2*3=", "a": 6}] * 50), path)
+    whole = path.read_bytes()
+    for data in (whole[: len(whole) // 2], b"not parquet at all\n"):
+        path.write_bytes(data)
+        with pytest.raises(DataError, match=f"{path} is not a readable Parquet file .*point data.path"):
+            list(load_file_source(cfg(source="parquet", path=str(path), prompt_field="q", answer_field="a")))
+
+
 def test_hf_save_to_disk_dataset_dict_and_dataset(tmp_path):
     import datasets
 
