@@ -12,7 +12,7 @@ per step, overlapped with the next step up to the trainer's step time), the
 batch sent to every trainer rank from the controller, and the controller's
 messages (a Generate and a Done per chunk, at the driver CPU per message
 measured by ``benchmarks/ray_channels.py``). Calibrated on the two-GPU
-streaming row of docs/benchmarks.md (H100, 0.5B shape, s=2: 246 samples/s,
+streaming row of benchmarks/w1.md (H100, 0.5B shape, s=2: 246 samples/s,
 engine and trainer both busy), checked against the other measured rows
 (1, 2 and 4 GPUs; printed with the error), then projected to 8-1024 GPUs
 for 0.5B, 7B and 70B models with the hardware constants below (each named;
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# ---- measured (docs/benchmarks.md, NVIDIA H100 80GB HBM3, 0.5B shape, W1 batch) -------------
+# ---- measured (benchmarks/w1.md, NVIDIA H100 80GB HBM3, 0.5B shape, W1 batch) -------------
 SAMPLES_PER_STEP = 256
 TOKENS_PER_SAMPLE = 102_000 / 256          # prompt 128 + completion, the trainer's tokens
 COMPLETION_TOKENS = 63_552 / 246           # rollout tok/s / samples/s in the 2-GPU s=2 row
@@ -111,7 +111,7 @@ def streaming(trainers: int, engines: int, m: Model = Model("0.5B", 0.494), batc
 
 
 def check() -> None:
-    print("check against docs/benchmarks.md (H100, 0.5B shape; samples/s, model vs measured):")
+    print("check against benchmarks/w1.md (H100, 0.5B shape; samples/s, model vs measured):")
     rows = [("2 GPUs, 1 trainer + 1 engine, s=2", streaming(1, 1), 246.0),
             ("4 GPUs, 3 trainer + 1 engine, s=2", streaming(3, 1), 245.0),
             ("4 GPUs, 2 trainer + 2 engines, s=2", streaming(2, 2), 226.0),

@@ -14,7 +14,7 @@ divided by the number of steps, conveyor counts it exactly). Anything
 without a TRL equivalent raises ``ValueError`` naming the field, and the
 row reports it.
 
-Known differences, kept on purpose and reported in docs/benchmarks.md
+Known differences, kept on purpose and reported in benchmarks/README.md
 (also: with several optimizer steps per batch TRL recomputes the old
 log-probabilities in an extra forward where conveyor uses the engine's,
 and TRL shuffles samples across mini-batches where conveyor keeps
