@@ -122,14 +122,19 @@ def rl_loop(cfg: RunConfig, *, trainer: TrainerSteps, rollouts: Producer, buffer
             with timer.outside():  # not a training step's time: samples/s and idle fractions stay true
                 evaluation = evaluate(step + 1)
             engine_stats(rollouts.snapshot().clocks, clocks)  # the engines' eval work is not the next step's
-        saved = None
-        if lc.checkpoint_every and ((step + 1) % lc.checkpoint_every == 0 or interrupt.requested()):
-            saved = checkpoint(step + 1, counters, evaluation)
-        if interrupt.requested():  # Ctrl-C during the step: it ended whole, and was saved above
-            raise interrupt.Interrupted(f"stopped after step {step + 1}" + (f", saved in {saved}" if saved else
-                                        " (no checkpoint: loop.checkpoint_every is 0)"))
+        end_step(lc.checkpoint_every, step + 1, lambda: checkpoint(step + 1, counters, evaluation))
     rollouts.stop_admitting()
     return metrics
+
+
+def end_step(every: int, step: int, save: Callable[[], object]) -> None:
+    """``save()`` the step ended when a checkpoint is due (every ``every`` steps, 0: never) or
+    Ctrl-C asked the run to stop (``interrupt.deferred``); then stop it, naming what was saved."""
+    if every and (step % every == 0 or interrupt.requested()):
+        saved = save()
+    if interrupt.requested():  # Ctrl-C during the step: it ended whole
+        raise interrupt.Interrupted(f"stopped after step {step}" + (f", saved in {saved}" if every else
+                                    " (no checkpoint: loop.checkpoint_every is 0)"))
 
 
 def running_counts(rewards, now) -> dict[str, float]:
