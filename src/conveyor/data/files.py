@@ -9,8 +9,7 @@ chat template applied. Invalid rows raise ``DataError`` naming file, 1-based
 row and field, or with ``cfg.skip_invalid`` are skipped and counted. The eval
 split is ``cfg.eval_path`` / ``cfg.eval_split`` when set, else a
 deterministic holdout of ``cfg.eval_size`` rows removed from train. Every
-source's default reward is ``"math"``. Details: docs/modules.md
-("data/files.py").
+source's default reward is ``"math"``; set ``reward.fn`` for another.
 
 It does not know about batching or shuffling (``api.TaskCursor``), synthetic
 tasks, or what any reward computes.
@@ -42,6 +41,28 @@ class _RowError(Exception):
 
 
 def load_file_source(cfg: DataConfig, tokenizer: Any = None, split: str = "train") -> ListSource:
+    """The ``split`` ("train" or "eval") of ``cfg.source`` as a ``ListSource``.
+
+    - ``jsonl``: one JSON object per line (blank lines ignored; row numbers are line numbers).
+      ``parquet``: needs pyarrow (the ``conveyor[data]`` extra). ``hf``: a ``save_to_disk``
+      directory, a local .jsonl/.json/.parquet/.csv file (its only split is "train"), a local
+      dataset directory, or a hub name loaded with ``datasets.load_dataset(path,
+      options["hf_config"], split=...)``. ``gsm8k``: ``{"question", "answer": "...#### 42"}`` rows
+      from a jsonl or parquet file or a dataset (default ``openai/gsm8k``, config ``main``); the
+      gold answer is the text after the last ``####`` without thousands separators, the full
+      solution kept in ``info["solution"]``.
+    - A row's prompt is ``cfg.prompt_template.format(prompt=row[prompt_field], **row)``, then with
+      ``cfg.chat_template`` the tokenizer's chat template (optional system message, generation
+      prompt). ``info`` holds the row's other fields, ``row`` (1-based) and ``raw_prompt``;
+      ``answer_field=""`` means rows carry no gold answer (e.g. for a reward model).
+    - Invalid rows (missing field, empty or non-string prompt, malformed JSON) raise
+      ``DataError`` naming file, row and field, or with ``cfg.skip_invalid`` are counted in
+      ``stats["skipped"]`` and reported in one warning. No valid row at all is always an error.
+    - Eval: ``cfg.eval_path`` and/or ``cfg.eval_split`` (default "test" when only eval_path is
+      given), else a deterministic holdout of ``cfg.eval_size`` rows drawn with ``cfg.seed`` and
+      REMOVED from train: "train" and "eval" loaded separately are complementary.
+      ``eval_size=0`` without an eval path gives an empty eval source.
+    """
     if split not in ("train", "eval"):
         raise DataError(f"load_file_source split={split!r} must be 'train' or 'eval'")
     if cfg.source not in FILE_SOURCES:

@@ -1,27 +1,20 @@
 """Metrics fan-out: one ``log`` call reaches every sink (JSONL, TensorBoard, console, trackers).
 
-Contract
-- ``MetricsLogger(run_dir, ...)``: ``log(step, metrics, kind)`` validates the
-  metrics once and hands the same dict to every sink in order; a sink is
-  anything with ``log(step, metrics, kind)`` and ``close()``. Built in:
-  ``JsonlSink`` (``metrics.jsonl``, the source of truth, flushed per line),
-  ``TensorBoardSink``, ``ProgressSink`` (the console, stderr), ``WandbSink``,
-  ``MlflowSink``. ``sinks`` also takes the names of ``observe.sinks``
-  (``tensorboard``, ``wandb``, ``mlflow``): the trackers named get the run's
-  ``config`` at start and ``summary(...)`` at the end. A tracker whose
-  package is missing is a ``MissingPackage`` naming the extra, raised before
-  any file is opened; one that cannot start (no login, no tracking server)
-  a ``SinkError`` saying what to set; both are one line.
-- ``timeline=True``: the run's role timeline (``observe.timeline``) is
-  recorded to ``timeline.json`` while the logger is open.
-- Where stores are shared across kinds a metric is named ``<kind>/<key>``
-  (``train/reward``, ``eval/reward``); the JSONL keeps keys as logged.
-- ``log_every`` thins only the console. A failing sink raises; ``close()``
-  closes every sink, then re-raises. Details: docs/modules.md
-  ("observe/metrics.py").
+Contract: ``MetricsLogger(run_dir, ...).log(step, metrics, kind)`` validates
+the metrics once and hands the same dict to every sink in order (``Sink``:
+``log(step, metrics, kind)`` and ``close()``). Built in: ``JsonlSink``
+(``metrics.jsonl``, the source of truth, flushed per line), ``TensorBoardSink``,
+``ProgressSink`` (the console, stderr), ``WandbSink``, ``MlflowSink``; the names
+of ``observe.sinks`` build the trackers, which get the run's ``config`` and
+``summary(...)``. A tracker whose package is missing is a one-line
+``MissingPackage`` naming the extra, raised before any file opens; one that
+cannot start a one-line ``SinkError`` saying what to set. Shared stores name a
+metric ``<kind>/<key>`` (``qualified``). ``timeline=True`` records
+``timeline.json`` while open. ``log_every`` thins only the console. A failing
+sink raises; ``close()`` closes every sink, then re-raises.
 
-It deliberately does not know which metrics a run produces, how steps are
-numbered, or what a run directory holds beyond its own files.
+It does not know which metrics a run produces, how steps are numbered, or what
+a run directory holds beyond its own files.
 """
 from __future__ import annotations
 
@@ -224,6 +217,11 @@ def _isatty(stream: Any) -> bool:
 class ProgressSink:
     """The console: a tqdm bar on a terminal, plain summary lines elsewhere.
 
+    Every human-readable line (bar, plain lines, ``message``) goes to one stream, stderr by
+    default, so stdout stays free for a command's machine-readable result and ``2>file`` holds
+    the whole story. Off a terminal (CI, redirected logs) one plain line is printed per
+    ``log_every`` train steps and for every non-train log. The bar shows the largest train step
+    seen.
     ``keys`` picks what the bar's postfix and the plain train lines show: a
     bare key names a train metric, ``<kind>/<key>`` one of another kind (the
     latest value is kept, so ``eval/reward`` stays visible between evals).
@@ -473,7 +471,9 @@ class MetricsLogger:
     ``MetricsLogger(run_dir, **cfg.observe.model_dump(), total_steps=cfg.loop.steps)``
     wires it from a run config. ``sinks`` holds sink objects and names of
     ``observe.sinks``; ``config`` is what the named trackers record as the run's
-    parameters (the resolved config).
+    parameters (the resolved config). ``log`` unwraps numpy / torch scalars, refuses other
+    values and non-string keys, and hands one dict to every sink in order; the JSONL line keeps
+    the keys exactly as logged, beside its ``kind``.
     """
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, progress: bool = True,

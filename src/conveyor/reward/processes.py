@@ -1,50 +1,15 @@
 """Score trajectories in worker processes; a call past its deadline is killed with its process.
 
-Contract
-- ``ProcessRewardService(spec, timeout_s, fallback, workers, max_restarts, batch_wait_s)``
-  is an ``api.RewardHandle`` like ``service.RewardService``: ``submit(traj)``
-  returns at once a Future that always resolves (a trajectory, or the error
-  that stopped the service, below); ``score(trajs)`` is the blocking form in
-  order; ``stats()``; ``close()``; a context manager. Results, failure kinds,
-  ``reward_error`` values, counters, log-once lines and timeline spans (one
-  row per worker) are those of the thread service (``calls.py`` is shared).
-- Each of ``workers`` processes (multiprocessing "spawn": nothing inherited
-  from a parent that runs torch and threads) loads the reward itself from
-  ``spec`` (``factory.RewardSpec``: only its strings and numbers cross) and
-  calls it on its MAIN thread, so a verifier's own ``signal.alarm`` timeouts
-  (math-verify's) work there. Trajectories wait in this process and go to a
-  worker when it is free, one at a time, so several score in parallel while
-  the caller goes on. The constructor returns once every worker has loaded
-  the reward, or raises ``PluginError`` with a worker's one-line reason.
-- A reward the workers load as an ``api.BatchReward`` (a reward model, each
-  worker with its own copy on its device) scores batches: trajectories are
-  gathered here exactly as the thread service gathers them (``batching.py``,
-  ``process_jobs.py``: up to its ``max_batch``, or fewer once the oldest has
-  waited ``batch_wait_s``) and a batch goes to a free worker as one call;
-  what follows of "a call" holds for the whole batch (one deadline, every
-  trajectory of it rescored or given the fallback, each counted), and
-  ``stats()`` counts ``batches`` too.
-- A call past ``timeout_s`` (from when its worker got it): the worker is
-  killed (SIGKILL, with the process group it leads), a replacement started;
-  each trajectory of it gets ``fallback``, ``reward_error`` "timeout", counted
-  ``timeouts``.
-- A worker that dies otherwise (a crash, ``os._exit``, the OOM killer) is
-  replaced; its trajectories are scored once more, by the next free worker,
-  and get ``fallback`` with ``reward_error`` "worker died" (counted
-  ``failures``) if that worker dies as well. ``stats()`` also counts
-  ``worker_deaths`` and ``restarts`` (every replacement, timeouts included).
-- The restart rule: sporadic deaths are survived and counted; more than
-  ``max_restarts`` deaths IN A ROW (no call answered in between) mean the
-  reward cannot run: the service stops and every pending and later Future
-  resolves with a ``RoleError`` naming the reward, which stops the run.
-- Workers die with this process, even by SIGKILL (``worker.py``: the
-  kernel's parent-death signal, and a thread watching the parent's pid).
-- ``close()`` cancels queued trajectories, lets running calls end or time
-  out, then asks the workers to exit and kills those that do not.
-- A worker is made by ``_worker(index, track)``: a ``worker.WorkerProcess``
-  here, a Ray actor behind the same face in ``launch.ray_rewards.RayRewardService``
-  (whose ``end()`` says in words how it ended, where a process gives its
-  exit code).
+Contract: ``ProcessRewardService(spec, timeout_s, fallback, workers,
+max_restarts, batch_wait_s)`` is an ``api.RewardHandle`` like
+``service.RewardService``, with the same results, failure kinds, counters and
+log-once lines (``calls.py``), over ``workers`` spawned processes that each
+load the reward from ``spec`` and call it on their main thread. A call past
+``timeout_s`` is killed with its worker, which is replaced; a worker that dies
+otherwise is replaced and its trajectories scored once more; more than
+``max_restarts`` deaths in a row stop the run with a ``RoleError``. A
+``BatchReward`` is scored in batches gathered as on threads. Workers die with
+this process. The class docstring has the details.
 
 It knows nothing of what a reward computes.
 """
@@ -95,6 +60,54 @@ class _Slot:
 
 
 class ProcessRewardService:
+    """Reward calls in worker processes: the module docstring's contract in full.
+
+    - ``ProcessRewardService(spec, timeout_s, fallback, workers, max_restarts, batch_wait_s)``
+      is an ``api.RewardHandle`` like ``service.RewardService``: ``submit(traj)``
+      returns at once a Future that always resolves (a trajectory, or the error
+      that stopped the service, below); ``score(trajs)`` is the blocking form in
+      order; ``stats()``; ``close()``; a context manager. Results, failure kinds,
+      ``reward_error`` values, counters, log-once lines and timeline spans (one
+      row per worker) are those of the thread service (``calls.py`` is shared).
+    - Each of ``workers`` processes (multiprocessing "spawn": nothing inherited
+      from a parent that runs torch and threads) loads the reward itself from
+      ``spec`` (``factory.RewardSpec``: only its strings and numbers cross) and
+      calls it on its MAIN thread, so a verifier's own ``signal.alarm`` timeouts
+      (math-verify's) work there. Trajectories wait in this process and go to a
+      worker when it is free, one at a time, so several score in parallel while
+      the caller goes on. The constructor returns once every worker has loaded
+      the reward, or raises ``PluginError`` with a worker's one-line reason.
+    - A reward the workers load as an ``api.BatchReward`` (a reward model, each
+      worker with its own copy on its device) scores batches: trajectories are
+      gathered here exactly as the thread service gathers them (``batching.py``,
+      ``process_jobs.py``: up to its ``max_batch``, or fewer once the oldest has
+      waited ``batch_wait_s``) and a batch goes to a free worker as one call;
+      what follows of "a call" holds for the whole batch (one deadline, every
+      trajectory of it rescored or given the fallback, each counted), and
+      ``stats()`` counts ``batches`` too.
+    - A call past ``timeout_s`` (from when its worker got it): the worker is
+      killed (SIGKILL, with the process group it leads), a replacement started;
+      each trajectory of it gets ``fallback``, ``reward_error`` "timeout", counted
+      ``timeouts``.
+    - A worker that dies otherwise (a crash, ``os._exit``, the OOM killer) is
+      replaced; its trajectories are scored once more, by the next free worker,
+      and get ``fallback`` with ``reward_error`` "worker died" (counted
+      ``failures``) if that worker dies as well. ``stats()`` also counts
+      ``worker_deaths`` and ``restarts`` (every replacement, timeouts included).
+    - The restart rule: sporadic deaths are survived and counted; more than
+      ``max_restarts`` deaths IN A ROW (no call answered in between) mean the
+      reward cannot run: the service stops and every pending and later Future
+      resolves with a ``RoleError`` naming the reward, which stops the run.
+    - Workers die with this process, even by SIGKILL (``worker.py``: the
+      kernel's parent-death signal, and a thread watching the parent's pid).
+    - ``close()`` cancels queued trajectories, lets running calls end or time
+      out, then asks the workers to exit and kills those that do not.
+    - A worker is made by ``_worker(index, track)``: a ``worker.WorkerProcess``
+      here, a Ray actor behind the same face in ``launch.ray_rewards.RayRewardService``
+      (whose ``end()`` says in words how it ended, where a process gives its
+      exit code).
+    """
+
     def __init__(self, spec: RewardSpec, timeout_s: float = 5.0, fallback: float = 0.0, workers: int = 2,
                  max_restarts: int = 16, name: str | None = None, load_timeout_s: float = 120.0,
                  batch_wait_s: float = 0.02) -> None:

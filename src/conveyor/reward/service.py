@@ -1,28 +1,17 @@
 """Score trajectories off the caller's thread, with a deadline on every call.
 
-Contract
-- ``RewardService(fn, timeout_s, fallback, workers)`` runs the reward ``fn``
-  (``api.RewardFn``) on worker threads. ``submit(traj)`` returns a Future
-  that ALWAYS resolves to ``traj.with_reward(reward, info)``, at the latest
-  ``timeout_s`` after a worker picked it up; ``score(trajs)`` is the blocking
-  form, in order.
-- A verifier that raises, returns a wrong type, NaN/inf or runs past
-  ``timeout_s`` yields ``fallback`` with ``reward_info["reward_error"]``
-  saying why; nothing is re-raised. ``stats()`` counts scored, failures,
-  timeouts, nonfinite and stuck threads.
-- A call past its deadline is abandoned (a thread cannot be killed) and a
-  replacement worker started, up to ``max_stuck``; beyond that trajectories
-  get the fallback at once. Details: docs/modules.md
-  ("reward/service.py").
-- Every call is a span on the run's timeline (``observe.timeline``), one row
-  per worker thread.
-- Results are checked, counted and logged once as ``calls.py`` says, shared
-  with the process executor (``processes.py``).
-- ``fn`` may also be an ``api.BatchReward`` (a reward model, a judge): then
-  trajectories are gathered into batches of up to ``fn.max_batch`` (waiting at
-  most ``batch_wait_s`` for a batch to fill) and scored in one call each, the
-  deadline ``timeout_s`` applying to the whole call; ``batching.py`` states
-  what such a reward can rely on. ``close()`` closes it.
+Contract: ``RewardService(fn, timeout_s, fallback, workers)`` runs the reward
+``fn`` (``api.RewardFn``, or an ``api.BatchReward`` scored in batches of up to
+``fn.max_batch`` gathered within ``batch_wait_s``, ``batching.py``) on worker
+threads. ``submit(traj)`` returns a Future that ALWAYS resolves to
+``traj.with_reward(reward, info)``, at the latest ``timeout_s`` after a worker
+picked it up; ``score(trajs)`` is the blocking form, in order. A verifier that
+raises, returns a wrong type, NaN/inf or runs past ``timeout_s`` yields
+``fallback`` with ``reward_info["reward_error"]`` saying why; nothing is
+re-raised. A call past its deadline is abandoned (a thread cannot be killed)
+and a replacement worker started, up to ``max_stuck``. Results are checked,
+counted and logged once as ``calls.py`` says (shared with ``processes.py``);
+every call is a span on the run's timeline, one row per worker thread.
 
 This module knows nothing of what a reward computes or which reward a task
 wants; it only runs callables under a deadline and counts what went wrong.
@@ -70,6 +59,26 @@ class _Call:
 
 
 class RewardService:
+    """Reward calls on worker threads, each under a deadline, never re-raising.
+
+    - ``submit`` resolves to ``traj.with_reward(reward, info)`` plus ``timings["reward_s"]``.
+      A verifier that raises (anything, even ``SystemExit``), returns a wrong type or a dict
+      without ``"reward"``, NaN/inf, or runs past ``timeout_s`` gives ``fallback``.
+      ``stats()``: ``scored`` (fallbacks included), ``failures`` (raised / wrong type),
+      ``timeouts``, ``nonfinite``, the gauge ``stuck``, and ``batches`` for a ``BatchReward``.
+      Each distinct failure kind's first traceback or message is logged once with the name.
+    - A call past its deadline is ABANDONED: its caller gets the fallback at once, the thread
+      runs on until the verifier returns (the result discarded) and a replacement worker starts.
+      Past ``max_stuck`` abandoned threads no replacement starts; with no usable worker left,
+      queued and new trajectories get the fallback at once (counted as timeouts,
+      ``reward_error`` "no free worker"). A stuck thread that returns rejoins a short pool.
+      Threads are daemons. A verifier that can hang for good belongs in ``reward.executor:
+      process``.
+    - A ``BatchReward`` call that raises, times out or returns another count of results gives
+      the whole batch the fallback, each trajectory counted; results are otherwise checked one
+      by one. The per-trajectory path is the same machinery with batches of one taken at once.
+    """
+
     def __init__(self, fn: Callable[[Trajectory], Any], timeout_s: float = 5.0, fallback: float = 0.0,
                  workers: int = 2, name: str | None = None, max_stuck: int | None = None,
                  batch_wait_s: float = 0.02) -> None:

@@ -1,19 +1,15 @@
 """RemoteEngine: any OpenAI-compatible completion server (vLLM's api_server, SGLang) as a rollout engine.
 
-Contract (``conveyor.rollout.api`` states what every engine promises)
-- ``generate`` sends one ``POST /v1/completions`` per prompt (token ids in,
-  ``n`` samples, ``logprobs=1``), up to ``max_concurrency`` at once; token ids
-  come from ``token_ids`` or ``logprobs.tokens`` and must agree in length with
-  the logprobs. Logprobs are the server's (start vLLM with
-  ``--logprobs-mode processed_logprobs``).
-- Versions: a token records the version when its request was sent;
-  ``update_weights`` waits for requests in flight and holds new ones back, so
-  no request straddles an update.
-- Weights (``weight_sync``): ``vllm_reload``, ``vllm_nccl``, ``sglang_disk`` or
-  ``none`` (only the version is recorded).
-- Every HTTP call has a deadline; connection failures and 502/503/504 are
-  retried with backoff; a broken server raises ``RemoteEngineError`` naming
-  the URL and the fix. Details: docs/modules.md ("rollout/remote.py").
+Contract (``conveyor.rollout.api`` states what every engine promises):
+``generate`` sends one ``POST /v1/completions`` per prompt (token ids in, ``n``
+samples, ``logprobs=1``), up to ``max_concurrency`` at once. Logprobs are the
+server's (start vLLM with ``--logprobs-mode processed_logprobs``). A token
+records the version when its request was sent; ``update_weights`` waits for
+requests in flight and holds new ones back, so no request straddles an update.
+``weight_sync``: ``vllm_reload``, ``vllm_nccl``, ``sglang_disk`` (these two have
+not run on this project's CPU-only CI) or ``none``. Every HTTP call has a
+deadline, retried with backoff on connection failures and 502/503/504; a
+broken server raises ``RemoteEngineError`` naming the URL and the fix.
 
 It does not start or stop servers, pick models or know the loop; it speaks HTTP
 with the standard library only.
@@ -149,7 +145,26 @@ class _Gate:
 
 
 class RemoteEngine:
-    """A client of one OpenAI-compatible server; thread-safe."""
+    """A client of one OpenAI-compatible server; thread-safe.
+
+    - Completion ids come from the choice's ``token_ids`` (vLLM's ``return_token_ids``) or else
+      the ``token_id:N`` strings ``return_tokens_as_token_ids`` puts in ``logprobs.tokens``; a
+      length that disagrees with ``token_logprobs`` fails naming the server. Greedy ``n > 1``
+      asks for one sample and copies it (vLLM refuses greedy ``n > 1``).
+    - Logprobs: vLLM's default ``raw_logprobs`` ignores temperature; ``processed_logprobs``
+      means what ``rollout.vllm`` says with top-k / top-p.
+    - ``weight_sync``: ``vllm_reload`` writes one safetensors file to a private directory
+      (``/dev/shm`` by default: the server runs on this host or shares ``shm_dir``) and calls
+      the dev-mode routes ``/pause?mode=keep``, ``/collective_rpc`` (``reload_weights``),
+      ``/update_weight_version``, ``/reset_prefix_cache``, ``/resume`` (start vLLM with
+      ``VLLM_SERVER_DEV_MODE=1``); ``vllm_nccl`` broadcasts over NCCL through
+      ``/init_weight_transfer_engine`` ... ``/finish_weight_update`` (needs the vllm package
+      here, a GPU, and a server started with ``--weight-transfer-config '{"backend":
+      "nccl"}'``); ``sglang_disk`` writes a checkpoint directory and calls SGLang's
+      ``/update_weights_from_disk``; ``none`` records the version (something else pushes).
+    - Every call's deadline is ``request_timeout_s``; connection failures and 502/503/504 are
+      retried ``retries`` times with backoff, other errors not.
+    """
 
     streams = False  # no generate_stream: engine workers serve it in waves
     cuda_device = None  # update_weights returns once the weights are in place

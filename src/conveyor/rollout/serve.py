@@ -2,26 +2,16 @@
 
 Contract: ``engine_loop(engine, inbox, outbox, weights, engine_id, partial,
 timeout_s)`` serves ``messages.Generate`` from ``inbox`` until ``Stop`` and
-answers on ``outbox``: ``Done`` for every prompt of a chunk exactly once
-(evaluation requests, negative ids, whole and never merged), ``WeightSwap``
-for every version it takes from the ``WeightReader`` ``weights`` (stamped
-once the copy has run on the device), ``Failed`` before it ends on an error.
-A chunk's tokens never come from weights older than the version it was
-admitted for: the worker takes that version first, waiting up to
-``timeout_s``. Two ways of serving (docs/modules.md, "rollout/serve.py"):
-streaming (``partial`` and ``engine.streams``): one ``generate_stream`` call
-that compatible chunks join between decode steps, each prompt reported as
-its samples end, weights swapped between steps; waves (otherwise): one
-``generate`` per group of waiting chunks with equal sampling settings.
-``Memory`` (``launch.time_share``, sent only between a step's generation
-and the next) releases or takes back the engine's KV pool and is answered
-by ``MemoryDone``. ``engine_process`` is the same loop as a child process's main;
-``engine_standby`` is what a standby process for it does before it is needed. Each ``Done``
-carries the ``Span``s of what the worker did since its previous one (generate
-calls, or a streaming call's stretch up to this report; waits for weights)
-for the run's timeline. A ``Failed`` whose error is the weight transport's
-(``WeightSyncError``, ``WeightSyncTimeout``) says so (``weights``): the
-controller may replace the engine instead of stopping.
+answers on ``outbox``: ``Done`` for every prompt of a chunk exactly once,
+``WeightSwap`` for every version it takes from ``weights``, ``Failed`` before
+it ends on an error. A chunk's tokens never come from weights older than the
+version it was admitted for. It serves by streaming (``partial`` and
+``engine.streams``: one ``generate_stream`` call that chunks join between
+decode steps) or in waves (one ``generate`` per group of waiting chunks);
+``Memory`` (``launch.time_share``) releases or takes back the KV pool,
+answered by ``MemoryDone``. ``engine_process`` is the same loop as a child
+process's main; ``engine_standby`` is a standby process's wait before it is
+needed. ``engine_loop``'s docstring has the details.
 
 It knows nothing of tasks, rewards, the admission rule or how it was started.
 """
@@ -59,6 +49,42 @@ WATCH_WEIGHTS = True
 
 def engine_loop(engine: RolloutEngine, inbox, outbox, weights: WeightReader, engine_id: int, partial: bool,
                 timeout_s: float = 600.0) -> None:
+    """Serve ``engine`` from ``inbox`` until ``Stop``, answering on ``outbox``.
+
+    - ``Generate(chunk_id, prompts, params, version)``: ``version`` is the weights the chunk was
+      admitted for (default 0, the weights the engine was built with); the worker takes them,
+      waiting up to ``timeout_s``, before the chunk starts. It answers
+      ``Done(engine_id, chunk_id, completions, clock, offset, spans)``: the samples of prompts
+      ``offset, offset + 1, ...``; every prompt answered exactly once. ``clock`` (``EngineClock``)
+      holds ``busy_s`` (inside generation calls), ``idle_s`` and the engine's ``counters``;
+      ``spans`` what the worker did since its previous ``Done`` (generate calls or a streaming
+      call's stretch; waits for weights), for the timeline. Negative chunk ids are evaluation
+      requests: never merged, answered whole (offset 0).
+    - Each swap is ``WeightSwap(engine_id, version, applied_at, pause_s, received_at,
+      announced_at)`` (when the transport held the whole version and when its writer announced
+      it; None where it does not say). An error is ``Failed(engine_id, traceback, weights)``;
+      ``weights`` is true for ``WeightSyncError`` / ``WeightSyncTimeout``, which the producer
+      answers by replacing a restartable engine (within ``launch.max_restarts``).
+    - With ``partial`` each version is applied as soon as the transport has it, and
+      ``applied_at`` is stamped once the copy ran on the device. In a streaming call the
+      generating thread applies it between two steps (a non-blocking ``wait_news`` check each
+      step, the copy queued right before the next forward) and a watcher thread stamps it;
+      otherwise the watcher applies it (woken by ``wait_news``; the engine's lock puts the copy
+      between two decode steps).
+    - Streaming: between decode steps the generating thread takes newly arrived chunks whose
+      sampling params equal the running call's but for the seed; they join the running batch
+      (each its own seed) and each prompt (a group) is reported as its own samples end. The
+      first message that cannot join (an evaluation request, other params, ``Stop``) is held
+      and nothing more read: the call drains, then it is served. Weights are taken right before
+      new chunks enter, so a chunk admitted after version v was published never decodes with
+      older weights; later tokens carry the new version, earlier KV is kept. A chunk admitted
+      for a version still on its way waits outside the engine while the running rows decode on
+      (only an idle engine blocks for it).
+    - Waves: the first request plus every waiting one with the same params (but seed) is one
+      ``engine.generate``; its chunks are reported when it returns. Without ``partial`` weights
+      change only between calls, so a sample's tokens come from one version.
+    - On a GPU the engine decodes on a high-priority stream of its own (``_own_stream``).
+    """
     _own_stream(engine.cuda_device)
     server = _EngineServer(engine, inbox, outbox, weights, engine_id, timeout_s)
     try:

@@ -1,23 +1,21 @@
 """VLLMEngine: vLLM's offline ``LLM`` behind conveyor's RolloutEngine protocol.
 
-Contract (``conveyor.rollout.api`` states what every engine promises)
-- Token ids in, token ids, logprobs and versions out; greedy with ``n > 1``
-  generates one sample and returns n copies.
-- Logprobs are vLLM's ``processed_logprobs``: the protocol's
-  ``log_softmax(logits / T)`` when top-k / top-p are off (conveyor's
-  defaults); with truncation on, of the truncated distribution (warned once).
-  A vLLM without that mode is refused at construction.
-- Versions: each token carries the version vLLM attached to its step; an
-  update resets the prefix cache. ``generate`` and ``update_weights`` share
-  one lock.
-- Weights: ``weight_sync`` "reload" (a safetensors file in /dev/shm), "nccl"
-  or "ipc" (vLLM's weight-transfer API). ``pause`` / ``resume`` use sleep mode.
-  A tied output embedding may be sent under either name or both; vLLM always
-  receives both (it refreshes only the layers it is sent tensors for).
-Details: docs/modules.md ("rollout/vllm.py").
+Contract (``conveyor.rollout.api`` states what every engine promises): token
+ids in, token ids, logprobs and versions out. Logprobs are vLLM's
+``processed_logprobs``: the protocol's ``log_softmax(logits / T)`` when top-k /
+top-p are off (conveyor's defaults); with truncation on, of the truncated
+distribution (warned once). Each token carries the version vLLM attached to
+its step; an update resets the prefix cache; ``generate`` and
+``update_weights`` share one lock. Weights: ``weight_sync`` "reload" (a
+safetensors file in /dev/shm), "nccl" or "ipc" (vLLM's weight-transfer API;
+these two follow vLLM 0.32 and have not run on this project's CPU-only CI). A
+tied output embedding may be sent under either name or both; vLLM always
+receives both (it refreshes only the layers it is sent tensors for).
+``pause`` / ``resume`` use sleep mode. The class docstring has the details.
 
-It does not know the loop, tasks, rewards or where weights come from, and
-starts no server; ``vllm`` is imported only when an engine is built.
+It does not know the loop, tasks, rewards or where weights come from, and starts
+no server (``rollout.remote`` talks to one); ``vllm`` is imported only when an
+engine is built, so this module imports without vLLM.
 """
 from __future__ import annotations
 
@@ -132,7 +130,29 @@ def _free_port() -> int:
 
 
 class VLLMEngine:
-    """vLLM in this process (its engine core and workers in child processes)."""
+    """vLLM in this process (its engine core and workers in child processes).
+
+    - Prompts go in as ``TokensPrompt``. Greedy ``n > 1`` is one sample copied n times: vLLM
+      refuses greedy ``n > 1`` and greedy samples are identical.
+    - Logprobs: started with ``logprobs_mode="processed_logprobs"`` (after logit bias,
+      temperature AND top-k / top-p), asking for the sampled token's only; a vLLM older than
+      0.10.2 lacks the mode and is refused. ``eos_bias`` is vLLM's ``logit_bias`` on the EOS ids,
+      applied before temperature as in the native sampler.
+    - Stops: EOS (model, generation config and tokenizer) and ``stop_token_ids`` stop with the
+      token kept; stop strings stop with ``include_stop_str_in_output``, so the completing token
+      stays in ``token_ids``. ``text`` is decoded by conveyor's tokenizer when one is given.
+    - Versions come from ``CompletionOutput.weight_versions`` (set by ``update_weight_version``);
+      a vLLM without version spans gives every token the engine's version at the call.
+    - Weights: "reload" (default; CPU or GPU on one host) writes one safetensors file into a
+      private directory under ``/dev/shm`` and calls the workers'
+      ``reload_weights(weights_path=...)``; "nccl" (trainer on its own GPU) and "ipc" (trainer
+      on the same GPU) make this process rank 0 of vLLM's weight transfer. Names are checked
+      against the checkpoint before anything moves; ``last_update_ms`` is the last update's
+      wall time.
+    - ``pause()`` / ``resume()`` put vLLM to sleep (KV cache freed, weights offloaded at level
+      1) and wake it, for a trainer sharing the GPU; they need ``sleep_mode=True`` (or
+      ``enable_sleep_mode`` in the vLLM kwargs). vLLM on CPU ignores sleep.
+    """
 
     streams = False  # no generate_stream: engine workers serve it in waves
     cuda_device = None  # update_weights returns once the weights are in place

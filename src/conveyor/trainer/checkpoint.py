@@ -1,28 +1,18 @@
 """Resumable trainer checkpoints and plain Hugging Face exports.
 
-Contract
-- ``save_checkpoint(trainer, dir, extra)`` writes ``policy/`` (HF weights and
-  tokenizer files), ``critic.safetensors``, ``training_state.pt`` (optimizers,
-  schedulers, step), ``rng.pt`` and ``extra.json``, assembled under a
-  temporary name and renamed into place, so a crash never leaves half a
-  checkpoint.
-- ``save_checkpoint_async(trainer, dir, extra) -> PendingSave``: the same
-  files, written by a thread from host copies taken at the call, so the
-  trainer steps while they go to disk; ``PendingSave.wait()`` joins it.
-- ``load_checkpoint(trainer, dir) -> extra`` restores it in place (parameters
-  keep their identity). The frozen reference is not saved: resume from the
-  same initial model.
-- ``reader_of(dir)``: the kind of trainer ranks that resume ``dir``: ``fsdp``
-  for a sharded checkpoint, ``replicate`` for a whole one (one rank's, or
-  whole-model ranks').
-- ``export_hf(dir, out)`` writes a plain HF checkpoint, also from a sharded
-  one (``dir/fsdp.json``, weights in ``dir/dcp``) in a single process;
-  ``export_policy(trainer, out)`` writes the current policy.
-Details: docs/modules.md ("trainer/checkpoint.py").
+Contract: ``save_checkpoint(trainer, dir, extra)`` writes ``policy/`` (HF
+weights and tokenizer files), ``critic.safetensors``, ``training_state.pt``,
+``rng.pt`` and ``extra.json`` atomically (a crash never leaves half a
+checkpoint); ``save_checkpoint_async`` writes the same files on a thread from
+host copies taken at the call (``PendingSave.wait()`` joins it).
+``load_checkpoint(trainer, dir) -> extra`` restores it in place; the frozen
+reference is not saved. ``reader_of(dir)``: ``fsdp`` for a sharded checkpoint,
+``replicate`` for a whole one. ``export_hf(dir, out)`` writes a plain HF
+checkpoint, also from a sharded one, in one process; ``export_policy(trainer,
+out)`` the current policy. The trainer is duck-typed (``model``, ``critic``,
+``source_dir``, ``training_state()``, ``load_training_state(state)``).
 
-The trainer is duck-typed (``model``, ``critic``, ``source_dir``,
-``training_state()``, ``load_training_state(state)``). This module does not
-know what the extra state means, nor anything about training.
+It knows nothing of what the extra state means, nor anything about training.
 """
 from __future__ import annotations
 
@@ -52,6 +42,7 @@ SHARDED_MARKER = "fsdp.json"
 
 
 def reader_of(path: str | Path) -> str:
+    """``fsdp`` for a sharded checkpoint, ``replicate`` for a whole one."""
     return "fsdp" if (Path(path) / SHARDED_MARKER).is_file() else "replicate"
 
 
@@ -200,7 +191,20 @@ def save_checkpoint_async(trainer: Any, path: str | Path, extra: dict[str, Any])
 
 
 def save_checkpoint(trainer: Any, path: str | Path, extra: dict[str, Any]) -> Path:
-    """Write a resumable checkpoint of ``trainer`` to ``path`` (atomically); returns ``path``."""
+    """Write a resumable checkpoint of ``trainer`` to ``path`` (atomically); returns ``path``.
+
+    ::
+
+        path/policy/               save_pretrained (safetensors) + tokenizer files of trainer.source_dir
+        path/critic.safetensors    the critic (backbone + value head), if any
+        path/training_state.pt     trainer.training_state(): optimizers, LR schedulers, step
+        path/rng.pt                python random, numpy (if installed), torch CPU and CUDA RNG
+        path/extra.json            ``extra`` (the loop's data cursor, step, ...)
+
+    Assembled under a temporary sibling and renamed into place; an older ``path`` is moved aside
+    first and deleted after the rename (the only window without a checkpoint there is between
+    the two renames).
+    """
     extra_text = _extra_text(extra)
     with _atomic_dir(path) as tmp:
         trainer.model.save_pretrained(tmp / "policy")
@@ -259,7 +263,12 @@ def load_policy_weights(model: torch.nn.Module, policy_dir: str | Path) -> None:
 
 
 def load_checkpoint(trainer: Any, path: str | Path) -> dict[str, Any]:
-    """Restore weights, optimizer/scheduler/step and RNG state; returns the saved ``extra``."""
+    """Restore weights, optimizer/scheduler/step and RNG state; returns the saved ``extra``.
+
+    In place: parameters keep their identity, so optimizer references stay valid. The frozen
+    reference is not saved (it is what the trainer was built from): resume from the same initial
+    model, not from ``path/policy``. A sharded checkpoint is refused.
+    """
     path = Path(path)
     if (path / SHARDED_MARKER).is_file():
         raise ValueError(f"{path} is a sharded (FSDP) checkpoint; resume it with the FSDP trainer, "
@@ -310,7 +319,12 @@ def read_sharded_policy(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def export_hf(path: str | Path, out: str | Path) -> Path:
-    """Write ``path``'s policy (weights, config, tokenizer files) to ``out`` as a plain HF checkpoint."""
+    """Write ``path``'s policy (weights, config, tokenizer files) to ``out`` as a plain HF checkpoint.
+
+    A sharded checkpoint (``FSDPTrainer.save``: ``path/fsdp.json``, ``SHARDED_MARKER``; weights in
+    ``path/dcp`` by torch.distributed.checkpoint, config and tokenizer in ``path/policy``) is read
+    in this process without a process group, the policy weights only (no optimizer state).
+    """
     policy = Path(path) / "policy"
     if not policy.is_dir():
         raise FileNotFoundError(f"{policy} does not exist; pass a checkpoint directory written by save_checkpoint")

@@ -1,26 +1,17 @@
 """Single-device trainer: a Hugging Face causal LM, AdamW, and a token budget.
 
-Contract (``trainer/api.py`` for the loss function and output alignment)
-- ``LocalTrainer(model_path_or_model, cfg, total_steps, temperature,
-  pad_token_id)`` holds float32 master weights on one device; on CUDA forward
-  and backward run under bf16 autocast on bf16 copies of the linear weights
-  (``precision.py``), on CPU nothing is cast (exact, deterministic).
-- ``train(batch, loss_fn)``: ``cfg.ppo_epochs`` passes over
-  ``cfg.mini_batches`` contiguous chunks, one optimizer step per chunk over
-  token-budget micro-batches (``microbatch.py``); ``num_tokens`` is the
-  chunk's loss tokens, floored at 1. The LR schedule counts ``train`` calls.
-- A non-finite loss or gradient norm raises ``NonFiniteLossError`` naming
-  where; that mini-batch takes no step.
-- A batch with ``routes`` (routing replay) runs the policy and reference forwards
-  with those experts (``conveyor.routing``); the critic routes on its own.
-- Optional frozen reference and critic (its own AdamW). ``streams_publish``:
-  ``train(publish=...)`` runs the last optimizer step while weights leave
-  (``streamed.py``). Details: docs/modules.md ("trainer/single.py").
-- Streamed accumulation (``accumulate`` / ``train_accumulated``) is the
-  ``AccumulatingTrainer`` mixin (``accumulation.py``), the memory probe
-  ``fits(tokens, length)`` the ``MemoryProbe`` mixin (``fit.py``); both run on
-  this class's optimizer step and forward. Loading the policy, the critic's
-  ``ValueModel`` and the layer preparations are ``models.py``'s.
+Contract (``trainer/api.py`` for the loss function and output alignment):
+``LocalTrainer(model_path_or_model, cfg, total_steps, temperature,
+pad_token_id)`` holds float32 master weights on one device; on CUDA forward and
+backward run under bf16 autocast on bf16 copies of the linear weights
+(``precision.py``), on CPU nothing is cast (exact, deterministic).
+``train(batch, loss_fn)``: ``cfg.ppo_epochs`` passes over ``cfg.mini_batches``
+chunks, one optimizer step per chunk over token-budget micro-batches; the LR
+schedule counts ``train`` calls. A non-finite loss or gradient norm raises
+``NonFiniteLossError`` naming where, and that mini-batch takes no step. Routing
+replay, the optional reference and critic, the streamed publish
+(``streamed.py``), accumulation (``accumulation.py``) and the memory probe
+(``fit.py``): the class docstring. Loading is ``models.py``'s.
 
 It does not know what the loss computes, where the batch came from, or how
 weights reach engines (``named_weights`` just yields the live tensors).
@@ -175,7 +166,30 @@ def profiled(cfg: TrainerConfig, step: int, rank: int, device: torch.device):
 
 
 class LocalTrainer(AccumulatingTrainer, MemoryProbe):
-    """Policy (+ optional reference and critic) on one device; implements ``Trainer``."""
+    """Policy (+ optional reference and critic) on one device; implements ``Trainer``.
+
+    - ``model`` is the float32 master weights (``cfg.device``; "auto" picks CUDA when there):
+      what the optimizer steps, checkpoints save and ``named_weights`` publishes. Forward and
+      backward run on ``compute``: with ``cfg.param_dtype`` bfloat16 (auto on CUDA) bf16 copies
+      of the linear weights (gradients summed into the masters' in float32, copies refreshed
+      after every optimizer step) sharing every other tensor with ``model``; with float32
+      ``model`` itself.
+    - ``train``: each pass cuts the batch into the same ``cfg.mini_batches`` chunks (sizes
+      differing by at most one); per chunk zero grad, one backward per micro-batch
+      (``plan_microbatches``; packed: ``packing.micro_batches`` and a host-built
+      ``packing.Layout``; shared: ``packing.plan_shared``), clip, step. ``num_tokens`` is the
+      chunk's loss tokens floored at 1 (an all-masked chunk gives 0, not 0/0). The scheduler
+      steps once per call: ``cfg.warmup_steps`` and ``total_steps`` (authoritative, resolved by
+      the caller) are loop steps (``lr_multiplier``). A non-finite mini-batch takes no step;
+      earlier ones of the call already have.
+    - A batch with ``routes`` runs the policy and reference forwards with those experts; the
+      critic routes on its own. ``cfg.reference``: a deep copy at construction. ``cfg.critic``:
+      a backbone copy plus ``Linear(hidden, 1)`` with its own AdamW (``cfg.critic_lr``, same
+      schedule shape), stepped with the policy.
+    - ``accumulate(..., sms=n)`` (``AccumulatingTrainer``) may run in a CUDA green context of
+      n SMs (``sm_share.py``); ``fits(tokens, length)`` is ``MemoryProbe``'s.
+      ``ReplicatedTrainer`` is this class on every rank, gradients summed over ranks.
+    """
 
     streams_publish = True  # train(publish=...) steps the optimizer as the weights leave
     _publish = _stepped = _publish_error = None  # that train call's publisher, plan, failure

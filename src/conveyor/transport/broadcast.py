@@ -14,7 +14,7 @@ reader's receiver thread (``broadcast_receive.Receiver``) takes every
 announced version into staging buckets at once; ``poll`` copies the newest
 whole one into the engine. A header that
 disagrees with the announcement or the layout is a ``WeightSyncError``;
-every wait has ``timeout_s``. Details: docs/architecture.md ("Launch").
+every wait has ``timeout_s``.
 
 Replaced engines: the group is one membership generation (``group.Membership``).
 ``regroup()`` (the controller, when it starts a replacement for a dead

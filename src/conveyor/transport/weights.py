@@ -118,7 +118,18 @@ class _Cell:
 
 class StagedWeights:
     """Versioned staging copy of the policy weights; see the module docstring. A writer and a
-    reader (``transport.api``); it does not say when a reader held a version."""
+    reader (``transport.api``); it does not say when a reader held a version.
+
+    - ``StagedWeights(specs)`` (``ctx=None``): trainer and engines in one process, staging on
+      the trainer's ``device``, a thread lock.
+    - ``StagedWeights(specs, ctx)``: processes of one machine; staging in shared memory, the
+      lock and version counter inter-process; nothing crosses a pipe per update and no tensor
+      is pickled.
+    - ``StagedWeights(specs, ctx, device="cuda:i")``: a trainer rank and an engine on GPU i in
+      two processes; the staging tensors reach the reader as CUDA IPC handles when pickled, so
+      an update is two device-local copies.
+    A publish copies its tensors in groups of up to ``FLUSH_BYTES`` (one foreach call per dtype).
+    """
 
     received_at = None
     announced_at = None

@@ -1,21 +1,16 @@
 """PagedGraphRunner: paged-KV model runner with CUDA-graph decode for Llama-family decoders.
 
-Contract
-- KV pool: one tensor in the model dtype, ``kv_blocks`` or ``kv_fraction`` of
-  the free GPU memory (a small pool on the CPU); each running request owns a
-  ``SeqKV`` (a block-table row, its blocks, ``cached`` tokens).
-- ``prefill(requests)`` computes every known token's KV and returns
-  next-token logits in request order; the samples of one group admitted
-  together share the prompt's full blocks.
-- ``ensure_slots(running)`` makes room for the next tokens, preempting the
-  latest admitted when the pool is full; ``decode(running[, last, src])``
-  feeds each request's last token (possibly still on the device) and returns
-  logits; ``free(request)`` returns its blocks.
-- Decode runs as a CUDA graph per batch bucket; weights are read through
-  references to the model's parameters, so in-place updates need no
-  recapture. ``release_memory`` / ``reacquire_memory`` give the pool's memory
-  back and take it again: in place on a GPU (``vmm.py``; graphs kept), else
-  pool and graphs are rebuilt. Details: docs/modules.md ("rollout/native/graph_runner.py").
+Contract: a KV pool in the model dtype (``kv_blocks``, or ``kv_fraction`` of
+the free GPU memory; a small pool on the CPU) and a ``SeqKV`` per running
+request. ``prefill(requests)`` computes every known token's KV and returns
+next-token logits in request order (a group's samples share the prompt's full
+blocks); ``ensure_slots(running)`` makes room for the next tokens, preempting
+the latest admitted when the pool is full; ``decode(running[, last, src])``
+feeds each request's last token (possibly still on the device) and returns
+logits; ``free(request)`` returns its blocks. Decode is a CUDA graph per batch
+bucket over references to the model's parameters, so in-place weight updates
+need no recapture. ``release_memory`` / ``reacquire_memory`` give the pool back
+and take it again: in place on a GPU (``vmm.py``; graphs kept), else rebuilt.
 
 It knows nothing of sampling, stop rules or versions: the engine's paged loop
 (``paged_loop.py``) drives it.
@@ -75,6 +70,28 @@ def _select_ops(device: torch.device):
 
 
 class PagedGraphRunner:
+    """The fast runner's KV pool, block tables and decode graphs over a model's own parameters.
+
+    - The pool is ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]`` (sized by
+      ``paged.kv_pool_blocks``). A ``SeqKV`` holds a row of the persistent block table, its
+      block ids (``len(blocks) == ceil(cached / block_size)``) and ``cached``, the tokens whose
+      keys and values are in the pool.
+    - ``prefill`` covers a prompt plus tokens generated before a preemption and returns
+      float32-castable logits ``[len(requests), V]``. Requests with the same prompt and nothing
+      generated are computed once: the others share its full blocks (reference counts) and copy
+      its last partial block, so they can diverge.
+    - ``ensure_slots`` preempts from the end of ``running`` (most recently admitted first) and
+      returns those requests: a later ``prefill`` recomputes their KV. ``decode(running, last,
+      src)`` reads last tokens sampled by a step the host has not read yet, so a step is queued
+      while the one before it runs; ``cached`` then counts that token. ``room_for_next_tokens``
+      says whether the next tokens fit without preemption (the loop preempts only with no step
+      in flight). ``free`` returns a finished or preempted request's blocks and row.
+    - Graph batches are padded to the bucket (``decode_buckets``), padded rows pointing at the
+      reserved null block and row; graph inputs are static buffers filled by one host-to-device
+      copy per step from two pinned staging buffers used in turn. ``release_memory`` needs no
+      request running.
+    """
+
     def __init__(self, model, *, max_batch: int, block_size: int = 16, kv_fraction: float = 0.4,
                  kv_blocks: int | None = None, cuda_graphs: bool = True, prefill_token_budget: int = 16384,
                  prefix_cache: str = "off", quantization: str = "none"):

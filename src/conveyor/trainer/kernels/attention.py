@@ -12,7 +12,6 @@ norms (``fusable(module)``); with a KV cache, non-float32 ``cos`` / ``sin`` or
 no position embeddings it runs the module's own forward.
 ``rotary(qkv, cos, sin, heads, kv_heads)`` works on any ``[..., (heads + 2 *
 kv_heads) * head_dim]``. ``TRITON_INTERPRET=1`` runs it on CPU tensors (tests).
-Details: docs/modules.md ("trainer/kernels/attention.py").
 """
 from __future__ import annotations
 
@@ -142,6 +141,17 @@ def _attention_function(name: str):
 
 def fused_attention_forward(module, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                             *args, **kwargs):
+    """Hugging Face's attention forward with one q/k/v GEMM and the fused rotary kernel.
+
+    The GEMM runs against the three weights concatenated (a copy of a few MiB per layer and
+    micro-batch); the concatenation's gradient hands each weight its own rows, and the input's
+    gradient is one GEMM summed in float32 before its single rounding (torch summed three rounded
+    ones), which lets the norm in front write bf16. Forward numbers are the torch ops' (up to a
+    fused multiply-add); the backward rounds once where torch rounds the two rotary terms apart.
+    With a KV cache (the trainers pass ``use_cache=False``), non-float32 ``cos`` / ``sin`` or no
+    position embeddings it runs the module's own forward, on a float32 copy of its input under
+    autocast.
+    """
     cache = kwargs.get("past_key_values", kwargs.get("cache", args[0] if args else None))
     attend = _attention_function(module.config._attn_implementation)
     if (cache is not None or attend is None or position_embeddings is None

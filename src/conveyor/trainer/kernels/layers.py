@@ -13,7 +13,6 @@ many; ``rms_norm(x, weight, eps, out_dtype=None)`` works on any ``[..., H]``,
 ``swiglu(gate, up)`` on two equal shapes and ``swiglu(packed)`` on
 ``[..., 2 w]`` (gate then up in each row).
 ``TRITON_INTERPRET=1`` runs them on CPU tensors (tests do).
-Details: docs/modules.md ("trainer/kernels/layers.py").
 """
 from __future__ import annotations
 
@@ -160,12 +159,27 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Hugging Face's RMSNorm; ``out_dtype`` rounds the output (default: as torch promotes)."""
+    """Hugging Face's RMSNorm; ``out_dtype`` rounds the output (default: as torch promotes).
+
+    HF's module is eight element-wise ops forward and about as many backward (49 norms per
+    forward of a 0.5B model, where at hidden size 896 the traffic and launches cost more than the
+    arithmetic). Here the forward reads and writes each row once (plus one float32 ``rstd`` per
+    row), the backward reads ``x`` and ``dy`` once and writes ``dx`` once, the weight's gradient
+    summed in float32 per program and then across programs. Same numbers: statistics in float32,
+    the normalised row rounded to the input dtype before it is scaled
+    (``weight * x_hat.to(input_dtype)``), gradients through that rounding as autograd takes them.
+    """
     return _RMSNorm.apply(x, weight, eps, out_dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up``; with ``up`` None, ``gate`` is ``[..., 2 w]`` holding gate then up."""
+    """``silu(gate) * up``; with ``up`` None, ``gate`` is ``[..., 2 w]`` holding gate then up.
+
+    One kernel each way where torch runs two forward and three backward over the layer's widest
+    activations; ``silu(gate)`` is rounded to the input dtype before the product, as torch does.
+    The packed form is the output of one GEMM against the gate and up weights stacked, read in
+    place.
+    """
     if up is None:
         if gate.shape[-1] % 2:
             raise ValueError(f"swiglu: a packed gate/up needs an even last dimension, got {tuple(gate.shape)}")
