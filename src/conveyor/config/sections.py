@@ -165,7 +165,7 @@ class TrainerConfig(_Section):
         "tokens. auto: on a GPU whose torch has variable-length flash attention (not with compile); "
         "on: also on CPU (a causal attention per sample); shared: packed with the prompt of samples "
         "that share it (a group) computed once, each completion attending to it (a masked attention per "
-        "group, docs/architecture.md); off: right-padded micro-batches"))
+        "group, trainer/packing.py); off: right-padded micro-batches"))
     logprob_chunk_rows: int | None = Field(1024, ge=1, description=(
         "positions per chunk of the logprob head (no float32 copy of the vocabulary logits; on a CPU fewer, "
         "so that a chunk's float32 logits stay within 3 MiB of cache); null = the plain autograd form"))

@@ -16,7 +16,7 @@ Contract (``trainer/api.py``, ``trainer/single.py``; only differences here)
   non-finite loss on any rank raises on every rank before backward.
 - ``save`` / ``load``: a sharded checkpoint directory (``checkpoint.py``) on a
   filesystem the ranks share; ``export_hf`` writes plain HF from rank 0.
-Details: docs/architecture.md ("The sharded trainer").
+The class docstring has the details.
 
 It does not start processes, pick ranks or set devices: the launcher does.
 """
@@ -158,7 +158,29 @@ def _shard(module: nn.Module, mesh, dtype: torch.dtype, device: torch.device, ke
 
 
 class FSDPTrainer(RankGroup, LocalTrainer):
-    """Policy (+ optional reference and critic) sharded over the default process group."""
+    """Policy (+ optional reference and critic) sharded over the default process group.
+
+    - Device: CUDA's current device (the caller ran ``torch.cuda.set_device``), or "cpu" (gloo)
+      when ``cfg.device`` resolves to cpu. Every decoder layer (``_no_split_modules``), then the
+      root, is ``fully_shard``-ed. With ``cfg.param_dtype`` float32 everything is gathered in
+      fp32 (under autocast on CUDA). A layer's weights are gathered per micro-batch or, with
+      ``trainer.fsdp_reshard=step``, once per step (freed after the step's last backward and
+      after forward-only passes, so no layer computes with weights older than the step).
+    - ``train``: a mini-batch's samples go longest first onto the least-loaded rank (with
+      ``pack_sequences: shared`` a prompt's samples go to one rank together); ranks with fewer
+      micro-batches run zero-weighted dummy passes; gradients are summed, not averaged, with
+      one reduce-scatter per optimizer step. Metrics are reduced over ranks: ``microbatches``
+      counts real ones on all ranks, ``time_s`` is the slowest rank's. A non-finite loss or a
+      ``loss_fn`` error on ANY rank (an all-reduced flag) raises on every rank before backward,
+      and that mini-batch takes no step.
+    - ``logprobs`` / ``ref_logprobs`` / ``values``: token-balanced shares, gathered back into
+      the batch's order on every rank. ``named_weights(dtype=None)`` is a collective generator
+      of full tensors on the trainer's device: iterate it to the end on every rank.
+    - ``save`` writes ``dcp/`` (model + optimizer, critic + its optimizer, by
+      torch.distributed.checkpoint), ``training_state.pt`` (schedulers, step),
+      ``rng/rank{r}.pt``, ``extra.json``, ``policy/`` (config + tokenizer) and the
+      ``fsdp.json`` marker; rank 0 renames it into place atomically.
+    """
 
     streams_publish = False  # its publish is a collective gather after the step
     parallel = "fsdp"  # what trainer.parallel names it

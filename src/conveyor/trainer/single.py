@@ -168,27 +168,19 @@ def profiled(cfg: TrainerConfig, step: int, rank: int, device: torch.device):
 class LocalTrainer(AccumulatingTrainer, MemoryProbe):
     """Policy (+ optional reference and critic) on one device; implements ``Trainer``.
 
-    - ``model`` is the float32 master weights (``cfg.device``; "auto" picks CUDA when there):
-      what the optimizer steps, checkpoints save and ``named_weights`` publishes. Forward and
-      backward run on ``compute``: with ``cfg.param_dtype`` bfloat16 (auto on CUDA) bf16 copies
-      of the linear weights (gradients summed into the masters' in float32, copies refreshed
-      after every optimizer step) sharing every other tensor with ``model``; with float32
-      ``model`` itself.
-    - ``train``: each pass cuts the batch into the same ``cfg.mini_batches`` chunks (sizes
-      differing by at most one); per chunk zero grad, one backward per micro-batch
-      (``plan_microbatches``; packed: ``packing.micro_batches`` and a host-built
-      ``packing.Layout``; shared: ``packing.plan_shared``), clip, step. ``num_tokens`` is the
-      chunk's loss tokens floored at 1 (an all-masked chunk gives 0, not 0/0). The scheduler
-      steps once per call: ``cfg.warmup_steps`` and ``total_steps`` (authoritative, resolved by
-      the caller) are loop steps (``lr_multiplier``). A non-finite mini-batch takes no step;
-      earlier ones of the call already have.
-    - A batch with ``routes`` runs the policy and reference forwards with those experts; the
-      critic routes on its own. ``cfg.reference``: a deep copy at construction. ``cfg.critic``:
-      a backbone copy plus ``Linear(hidden, 1)`` with its own AdamW (``cfg.critic_lr``, same
-      schedule shape), stepped with the policy.
-    - ``accumulate(..., sms=n)`` (``AccumulatingTrainer``) may run in a CUDA green context of
-      n SMs (``sm_share.py``); ``fits(tokens, length)`` is ``MemoryProbe``'s.
-      ``ReplicatedTrainer`` is this class on every rank, gradients summed over ranks.
+    ``model`` is the float32 masters (what the optimizer steps, checkpoints save, ``named_weights``
+    publishes); ``compute`` runs forward and backward: with ``param_dtype`` bfloat16 bf16 copies of
+    the linear weights (gradients summed into the masters' in float32, refreshed after every step)
+    sharing every other tensor with ``model``. ``train`` cuts the batch into the same
+    ``mini_batches`` chunks each pass (sizes differing by at most one); per chunk: zero grad, one
+    backward per micro-batch (``plan_microbatches``, or ``packing.micro_batches`` / ``plan_shared``
+    with a host-built ``packing.Layout``), clip, step; an all-masked chunk gives 0, not 0/0. The
+    scheduler steps once per call, so ``warmup_steps`` and ``total_steps`` (authoritative, resolved
+    by the caller) are loop steps (``lr_multiplier``); earlier mini-batches of a failing call have
+    stepped. The reference is a deep copy at construction; the critic a backbone copy plus
+    ``Linear(hidden, 1)`` with its own AdamW (``critic_lr``); with ``routes`` the critic routes on
+    its own. ``accumulate(..., sms=n)`` may run in a green context of n SMs (``sm_share.py``).
+    ``ReplicatedTrainer`` is this class on every rank, gradients summed over ranks.
     """
 
     streams_publish = True  # train(publish=...) steps the optimizer as the weights leave

@@ -14,7 +14,7 @@ step is queued before the host reads the step before's tokens, so host and
 device overlap; a step holds the engine's lock only while it queues its
 forward, so weight updates land between steps. ``engine.counters`` adds up
 decode steps, rows and host seconds; ``pause`` / ``resume`` / ``abort`` act
-between steps. Details: docs/architecture.md ("Built-in engine").
+between steps.
 
 It knows nothing of model internals or KV layout (the runner owns those), nor
 of chunks or callers: requests in, finished requests out.
