@@ -31,7 +31,7 @@ def _nodelay(conn: Connection) -> Connection:
 class Channel:
     """The driver's end.
 
-    closes. In the driver, ``connect(address, authkey)`` returns
+    ``connect(address, authkey)`` returns
     a ``Channel``: ``send(message)`` (thread-safe), ``recv()`` (blocks; raises
     ``EOFError`` / ``OSError`` when the actor's end is gone, which is how the
     driver learns of its death within the socket's close), ``close()``.
@@ -71,7 +71,7 @@ def serve(inbox: queue.Queue, outbox: queue.Queue, authkey: bytes, host: str) ->
     ``authkey``: only the driver that asked can connect), then puts every
     message received into ``inbox`` and sends everything put into ``outbox``
     (also what was put before the driver connected), until the connection
-    closes. In the driver, ``connect(address, authkey)`` returns
+    closes.
     """
     listener = Listener((host, 0), authkey=authkey)
 
