@@ -8,6 +8,8 @@
   as a whole (``limits_backend``, ``conveyor/sandbox_limits.py``). When ``run`` returns, every
   process of the sandbox is gone. ``PythonSandbox`` states each guarantee and what is not
   guaranteed; tests/unit/env/test_sandbox.py tries each escape.
+- As root, the code runs under a uid drawn per run, not bwrap's ``--unshare-user --uid`` (root's
+  user namespace maps that back to host uid 0, which RLIMIT_NPROC exempts).
 - No usable ``bwrap``: ``SandboxUnavailable`` naming the package. ``unsafe=True`` isolates nothing.
 - Not a VM: the kernel is shared, and there is no seccomp filter.
 """

@@ -47,7 +47,7 @@ class _Segment:
 def match_prefix(recorded: Sequence[int], spans: Sequence[Span], new: Sequence[int],
                  decode: Callable[[Sequence[int]], str]) -> int | None:
     """How many tokens of ``new`` the ``recorded`` sequence covers, or None if ``new`` does not
-    continue it (see the module docstring for the rules)."""
+    continue it (``Transcript`` gives the rules)."""
     i = j = 0
     for span in list(spans) + [Span(len(recorded), len(recorded))]:
         fixed = recorded[i:span.start]  # tokens the policy did not produce: equal, token by token
