@@ -32,9 +32,9 @@ def admissible(issued: int, batch_size: int, version: int, max_staleness: int) -
     ``admissible`` is the rule as the producer calls it; ``may_admit`` is the
     same rule as a yes/no.
 
-    published). Group ``issued`` belongs to training step ``issued //
+    Group ``issued`` belongs to training step ``issued //
     batch_size``; it was started with weights no older than ``max_staleness``
-    versions before that step. With ``max_staleness = 0`` nothing for step v+1
+    versions before that step.
     """
     if batch_size <= 0 or max_staleness < 0 or issued < 0 or version < 0:
         raise ValueError(f"admission: need batch_size > 0 and non-negative counts, got issued={issued}, "

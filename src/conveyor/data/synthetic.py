@@ -242,7 +242,7 @@ def partial_credit(traj: Trajectory) -> dict:
     by position (right-aligned for numbers, since carries make the low digits
     easiest; left-aligned for strings); reward = matching positions /
     max(len(answer), len(completion)), so 1.0 only for an exact answer and extra
-    or missing characters cost credit. This module knows nothing of tokenizers:
+    or missing characters cost credit.
     """
     answer = traj.task.answer or ""
     right = traj.task.info.get("task") == "addition"

@@ -37,7 +37,8 @@ class Channel:
     driver learns of its death within the socket's close), ``close()``.
     Messages are pickled with the standard pickler (protocol 5), never with
     torch's shared-memory reductions (which cannot cross nodes); Nagle's delay
-    is off. Measured against actor calls in ``benchmarks/ray_channels.py``
+    is off (measured against actor calls in ``benchmarks/ray_channels.py``,
+    docs/cluster.md, "Data over Ray").
     """
 
     def __init__(self, conn: Connection):

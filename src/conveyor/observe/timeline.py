@@ -10,7 +10,7 @@
 - Memory stays bounded; past ``max_mb`` nothing more is written (the drop is counted).
 
 It deliberately does not know what a span means or how steps are numbered:
-callers name them (the five role names above only fix the order of the
+callers name them (the five role names of ``Timeline`` only fix the order of the
 processes). A span costs a few microseconds while a timeline is active.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ class Evaluator:
     early-stop check). Requests go through the producer outside the training
     schedule, with a fixed seed, and wait with the launch deadline; before the
     first, PROBE of its generations are timed and a whole predicted to run past
-    that deadline is said at once. It knows
+    that deadline is said at once.
     """
     def __init__(self, cfg: RunConfig, tasks: list[Task], prompting: Prompting, rollouts: Producer, rewards,
                  logger, episodes=None):

@@ -315,7 +315,7 @@ def run(cfg: RunConfig, run_dir: Path, resume: bool, launcher: Callable[[RunConf
     continues. ``Session`` holds one run's parts, each typed; ``SetupError``
     (``runtime.errors``) is a run that cannot start, with the fix in its message.
     The reward service is ``reward.factory.reward_service``'s, or with
-    ``reward.executor=ray`` the Ray launcher's (``launch.ray_rewards``). It knows
+    ``reward.executor=ray`` the Ray launcher's (``launch.ray_rewards``).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.trainer.profile_steps and not cfg.trainer.profile_dir:
