@@ -125,8 +125,7 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class Group:
-    """``Group``: the n samples of one task, explicit (never a positional reshape).
-    """
+    """``Group``: the n samples of one task, explicit (never a positional reshape)."""
     task: Task
     trajectories: tuple[Trajectory, ...]
 
