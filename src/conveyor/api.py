@@ -1,23 +1,11 @@
 """The Python API beside the CLI: load a recipe, train, try the model, evaluate it.
 
-Contract
-- ``load_config(recipe=None, overrides=())``: the built-in default recipe when
-  ``recipe`` is None (as ``conveyor train`` with no recipe), else the file (its
-  ``base:`` chain merged under it), then the dotted overrides; a ``ConfigError``
+- ``load_config(recipe=None, overrides=())``: the recipe with its overrides; a ``ConfigError``
   names a bad field.
-- ``train(cfg, run_dir=None, resume=False) -> TrainSummary``: checks devices
-  before anything starts (``launch.preflight``), runs the whole run (initial
-  eval, warm-start, RL, final eval, ``final/``) and returns its typed summary.
-- ``generate(run_dir, prompts, ...) -> list[str]``: completions of the run's
-  final model (or a checkpoint), the run's prompt formatting applied; with an
-  environment, each prompt's episode (the model's turns and the environment's
-  answers).
-- ``evaluate(run_dir, overrides=(), checkpoint=None) -> EvalResult``: held-out
-  reward of that model with the run's reward and eval set, greedy and sampled.
-- ``model_dir(run_dir, checkpoint=None)``: where a run's model is (``final/``,
-  or a checkpoint directory); ``export(run_dir, out, checkpoint=None, form)`` writes
-  it as a plain HF directory, from any of them (sharded FSDP checkpoints too);
-  a LoRA run's ``form="adapter"`` writes its adapter alone (peft's format).
+- ``train(cfg, run_dir=None, resume=False) -> TrainSummary``: the whole run, devices checked
+  before anything starts.
+- ``generate(run_dir, prompts, ...)``, ``evaluate(run_dir, ...) -> EvalResult``: the run's model
+  tried and evaluated; ``model_dir`` / ``export``: where it is, and as a plain HF directory.
 
 It knows the run directory's layout and nothing of the loop's internals.
 """
@@ -72,7 +60,13 @@ class TrainSummary:
 
 def load_config(recipe: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """The recipe (None: the built-in one, or the pretrained-model recipe when the overrides name
-    ``model.path``) with the dotted overrides applied."""
+    ``model.path``) with the dotted overrides applied.
+
+    ``load_config(recipe=None, overrides=())``: the built-in default recipe when
+    ``recipe`` is None (as ``conveyor train`` with no recipe), else the file (its
+    ``base:`` chain merged under it), then the dotted overrides; a ``ConfigError``
+    names a bad field.
+    """
     return _load(recipe if recipe is not None else recipe_without_file(list(overrides)), list(overrides))
 
 
@@ -140,7 +134,12 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = Fals
           allow_changes: bool = False) -> TrainSummary:
     """Train ``cfg`` in ``run_dir``; ``resume``: continue it from its latest checkpoint, with the
     changes ``check_resume`` allows (``allow_changes``: those to the data, rewards, environment,
-    sampling and algorithm too)."""
+    sampling and algorithm too).
+
+    ``train(cfg, run_dir=None, resume=False) -> TrainSummary``: checks devices
+    before anything starts (``launch.preflight``), runs the whole run (initial
+    eval, warm-start, RL, final eval, ``final/``) and returns its typed summary.
+    """
     from conveyor.launch.preflight import check_devices
     from conveyor.observe.progress import quiet_libraries, say
     if cfg.launch.backend == "ray":  # the cluster's devices, not this machine's, are the roles'
@@ -234,7 +233,13 @@ def export(run_dir: str | Path, out: str | Path, checkpoint: str | Path | None =
     """Write the run's model (``final/`` or a checkpoint, sharded FSDP ones included) to ``out``
     as a plain Hugging Face directory with the tokenizer; returns where it came from. A LoRA run
     (``trainer.lora``) exports merged weights, or with ``form="adapter"`` the adapter alone in
-    peft's format (docs/lora.md)."""
+    peft's format (docs/lora.md).
+
+    ``model_dir(run_dir, checkpoint=None)``: where a run's model is (``final/``,
+    or a checkpoint directory); ``export(run_dir, out, checkpoint=None, form)`` writes
+    it as a plain HF directory, from any of them (sharded FSDP checkpoints too);
+    a LoRA run's ``form="adapter"`` writes its adapter alone (peft's format).
+    """
     import shutil
     import warnings
 
@@ -316,7 +321,13 @@ def generate(run_dir: str | Path, prompts: Sequence[str], *, checkpoint: str | P
              seed: int = 0) -> list[str]:
     """Completions of the run's model for ``prompts`` (greedy unless ``temperature`` > 0). A run
     with an environment (``env.name``) plays one episode per prompt instead and returns its
-    transcript: the model's turns and the environment's answers (``_episodes``)."""
+    transcript: the model's turns and the environment's answers (``_episodes``).
+
+    ``generate(run_dir, prompts, ...) -> list[str]``: completions of the run's
+    final model (or a checkpoint), the run's prompt formatting applied; with an
+    environment, each prompt's episode (the model's turns and the environment's
+    answers).
+    """
     from conveyor.data.api import prompt_special_tokens
     from conveyor.launch.preflight import check_devices
     from conveyor.observe.progress import quiet_libraries
@@ -351,7 +362,11 @@ def generate(run_dir: str | Path, prompts: Sequence[str], *, checkpoint: str | P
 def evaluate(run_dir: str | Path, overrides: Sequence[str] = (), *,
              checkpoint: str | Path | None = None) -> EvalResult:
     """Held-out reward of the run's model with the run's reward and eval set (overrides apply,
-    e.g. ``data.eval_size=500``), greedy and at the rollout temperature."""
+    e.g. ``data.eval_size=500``), greedy and at the rollout temperature.
+
+    ``evaluate(run_dir, overrides=(), checkpoint=None) -> EvalResult``: held-out
+    reward of that model with the run's reward and eval set, greedy and sampled.
+    """
     import tempfile
 
     from conveyor.launch.local import LocalLauncher

@@ -1,36 +1,14 @@
 """Mixture-of-experts routing: record the experts a model's routers choose, and replay them.
 
-A mixture-of-experts layer sends each token to the ``top_k`` experts its router scores
-highest. The engine (often bf16) and the trainer (float32 or bf16 autocast) compute those
-scores with different rounding, so near-ties go different ways: the trainer then computes a
-token's logprob through other experts than the ones that sampled it. Rollout routing replay
-makes the trainer use the experts the engine used, per token and per layer.
-
-Contract
-- A router is a module with ``weight`` ``[E, H]``, ``top_k``, ``num_experts``,
-  ``norm_topk_prob`` whose forward takes ``[N, H]`` (or ``[..., H]``) hidden states and returns
-  ``(router_logits [N, E], weights [N, k], indices [N, k])``: the Hugging Face top-k router
-  (Qwen3-MoE's ``Qwen3MoeTopKRouter`` and the routers written like it). ``moe_shape(model)``
-  is None for a model without one, else its ``MoEShape`` (routers in module order = layer order);
-  ``config_moe_shape(config)`` the same from a Hugging Face config (Qwen3-MoE's fields).
-- ``RouterTaps.of(model)`` (one per model, made on first use) puts a forward hook on each
-  router and holds what it does:
-  - ``start_recording()`` / ``take()``: the indices each router chose in the forwards since,
-    ``[N, layers, k]`` (int64, on the model's device) concatenated over those forwards in the
-    order the routers ran (one forward: ``N`` = its tokens, flattened as the router saw them).
-  - ``replay(routes)``: from now on (until the next ``replay``), a forward over ``[B, T]``
-    tokens uses ``routes[b, t, layer]`` (``[B, T, layers, k]``, int) as the experts of token
-    ``(b, t)`` wherever that row holds no negative entry, and the router's own top-k where it
-    does (positions the engine never fed, padding). The chosen experts are weighted by the
-    router's softmax probabilities gathered at them, renormalised over the k when the router
-    has ``norm_topk_prob`` (what the router itself computes for its own choice), so gradients
-    reach the router through those weights. ``replay(None)`` restores the router's own choice.
-    The setting outlives the forward on purpose: gradient checkpointing re-runs it in backward.
-- ``replay_differs(model)``: the fraction of replayed (token, layer) decisions where the
-  router's own top-k was another set of experts, since the last call (None: none replayed).
-- ``set_replay(model, routes)``: the same as a call (routes or None) before a forward.
-- ``own_routes(model, forward)``: the indices the model's own routers choose in ``forward()``,
-  without replay (for measuring disagreement).
+Engine and trainer compute router scores with different rounding, so near-ties go different
+ways; rollout routing replay makes the trainer use the experts the engine used, per token and
+per layer.
+- A router is the Hugging Face top-k router (``moe_shape`` / ``config_moe_shape`` say whether
+  and how a model has them).
+- ``RouterTaps.of(model)``: forward hooks on its routers that record (``start_recording`` /
+  ``take``) and replay (``replay(routes)``) the chosen experts; gradients still reach the
+  router through the gathered weights.
+- ``replay_differs``, ``set_replay``, ``own_routes``: disagreement and one-call helpers.
 
 It knows nothing of engines, trainers, batches or configs.
 """
@@ -63,6 +41,19 @@ def routers(model: nn.Module) -> list[nn.Module]:
 
 
 def moe_shape(model: nn.Module) -> MoEShape | None:
+    """A mixture-of-experts layer sends each token to the ``top_k`` experts its router scores
+    highest. The engine (often bf16) and the trainer (float32 or bf16 autocast) compute those
+    scores with different rounding, so near-ties go different ways: the trainer then computes a
+    token's logprob through other experts than the ones that sampled it. Rollout routing replay
+    makes the trainer use the experts the engine used, per token and per layer.
+
+    A router is a module with ``weight`` ``[E, H]``, ``top_k``, ``num_experts``,
+    ``norm_topk_prob`` whose forward takes ``[N, H]`` (or ``[..., H]``) hidden states and returns
+    ``(router_logits [N, E], weights [N, k], indices [N, k])``: the Hugging Face top-k router
+    (Qwen3-MoE's ``Qwen3MoeTopKRouter`` and the routers written like it). ``moe_shape(model)``
+    is None for a model without one, else its ``MoEShape`` (routers in module order = layer order);
+    ``config_moe_shape(config)`` the same from a Hugging Face config (Qwen3-MoE's fields).
+    """
     found = routers(model)
     if not found:
         return None
@@ -85,7 +76,22 @@ _TAPS: weakref.WeakKeyDictionary[nn.Module, RouterTaps] = weakref.WeakKeyDiction
 
 
 class RouterTaps:
-    """The hooks on one model's routers (see the module docstring)."""
+    """The hooks on one model's routers.
+
+    ``RouterTaps.of(model)`` (one per model, made on first use) puts a forward hook on each
+    router and holds what it does:
+    - ``start_recording()`` / ``take()``: the indices each router chose in the forwards since,
+      ``[N, layers, k]`` (int64, on the model's device) concatenated over those forwards in the
+      order the routers ran (one forward: ``N`` = its tokens, flattened as the router saw them).
+    - ``replay(routes)``: from now on (until the next ``replay``), a forward over ``[B, T]``
+      tokens uses ``routes[b, t, layer]`` (``[B, T, layers, k]``, int) as the experts of token
+      ``(b, t)`` wherever that row holds no negative entry, and the router's own top-k where it
+      does (positions the engine never fed, padding). The chosen experts are weighted by the
+      router's softmax probabilities gathered at them, renormalised over the k when the router
+      has ``norm_topk_prob`` (what the router itself computes for its own choice), so gradients
+      reach the router through those weights. ``replay(None)`` restores the router's own choice.
+      The setting outlives the forward on purpose: gradient checkpointing re-runs it in backward.
+    """
 
     def __init__(self, model: nn.Module):
         found = routers(model)

@@ -1,58 +1,17 @@
 """Run untrusted Python in a bubblewrap sandbox: the model's code for the ``python`` tool
 (``env/tools/sandbox.py``) and generated programs under test for the ``code`` reward.
 
-Contract
-- ``PythonSandbox(limits).run(code, stdin="") -> SandboxResult``: ``code`` runs as
-  ``python -B /tmp/main.py`` (copied in through a memfd, never on a command line) with
-  ``stdin``. stdout + stderr keep at most ``output_bytes`` (past that the program is stopped,
-  a marker ends the text, ``truncated``); ``exit_code`` is ``-N`` for death by signal N (as
-  in subprocess), None when stopped; ``violation``: None, ``timeout`` (wall), ``cpu_time``
-  (SIGXCPU of one process, or the whole sandbox's CPU total), ``memory`` (a MemoryError, or
-  the whole sandbox's memory), ``processes`` (the supervisor counted more), ``output``,
-  ``killed_by_signal N``. ``run`` never raises for the program's sake.
-- ``limits_backend`` (``auto``, ``cgroup2``, ``cgroup1``, ``supervisor``; chosen at
-  construction, the one in use is ``PythonSandbox.limits_backend`` and logged once): how the
-  memory, processes and CPU seconds of ``SandboxLimits`` hold for all of the sandbox's
-  processes together (``conveyor/sandbox_limits.py``; each process also keeps its own
-  RLIMIT_AS, RLIMIT_NPROC, RLIMIT_CPU). A named cgroup backend this machine lacks:
-  ``SandboxUnavailable`` saying why.
-- No ``bwrap`` (>= 0.8, for ``--size``), or one failing a trial run: ``SandboxUnavailable``
-  naming the package. ``unsafe=True``: a plain subprocess with rlimits, the whole-sandbox
-  limits and the deadline, and a warning on every construction.
-
-Guarantees (sandboxed; tests/unit/env/test_sandbox.py tries each escape)
-- New pid, net, ipc, uts, cgroup namespaces: no network (a private loopback), no view of
-  or signal to host processes.
-- Read-only: /usr (and the /bin, /lib* links), /etc/alternatives, /etc/ld.so.cache, the
-  interpreter's prefixes (venv and base). Fresh /proc, /dev; /tmp a private tmpfs of
-  ``tmp_mb``. No other host path: no /etc/shadow, home, run directory or cwd.
-- As root, the code runs under a uid drawn per run (no capabilities, no_new_privs).
-  ``bwrap --unshare-user --uid`` is not used: root's user namespace maps that uid back to
-  host uid 0, which the kernel exempts from RLIMIT_NPROC (a fork bomb went unchecked). One
-  uid per run, as RLIMIT_NPROC counts a uid's processes host-wide. Non-root callers get
-  bwrap's user namespace, where the count is per namespace.
-- rlimits per process: CPU seconds, address space, processes, open files, no core files.
-- Memory, processes and CPU seconds of the sandbox as a whole, by backend:
-  cgroup2 / cgroup1: the kernel's memory limit (swap off where it can be set; files in /tmp
-  count), exact, its OOM kill ends the run as ``memory``; pids.max where that controller is
-  there (a fork past it fails); CPU total read every ``POLL_S``. supervisor: PSS of the
-  sandbox's processes, their tasks and CPU time read from its own /proc every ``POLL_S``.
-- When ``run`` returns, every process of the sandbox is gone, daemonised or not (its pid
-  namespace is torn down; at the deadline its pid 1 is killed).
-
-Not guaranteed
-- Not a VM: the kernel is shared, a kernel bug is an escape. No seccomp filter: the code
-  may use any syscall and create nested user namespaces (more kernel attack surface).
-- The supervisor polls: a sandbox overshoots by what its processes touch in one ``POLL_S``
-  (measured on a 2-core EPYC: up to 153 MB over 512 MB, at about 0.9 GB/s of first touches a
-  core), never beyond ``processes`` x ``memory_mb`` (RLIMIT_AS of each); /tmp files are not
-  counted (``tmp_mb`` caps them). The CPU total may pass ``cpu_s`` by ``CPU_GRACE_S`` plus
-  one poll.
-- ``sys.exit(128 + N)`` reads as death by signal N (bwrap reports both alike); ``memory`` is
-  read from the last line of stderr.
-- ``unsafe=True`` isolates nothing: host files, network and processes are open to the code,
-  RLIMIT_NPROC binds no root, no tmpfs cap, a child leaving the process group outlives it
-  (on cgroups it is killed when the run ends; the supervisor loses sight of it).
+- ``PythonSandbox(limits).run(code, stdin="") -> SandboxResult`` never raises for the program's
+  sake: a breach of ``SandboxLimits`` is the result's ``violation``.
+- Sandboxed: new pid, net, ipc, uts and cgroup namespaces, read-only system and interpreter
+  paths, a private /tmp and no other host path; rlimits per process and limits on the sandbox
+  as a whole (``limits_backend``, ``conveyor/sandbox_limits.py``). When ``run`` returns, every
+  process of the sandbox is gone. ``PythonSandbox`` states each guarantee and what is not
+  guaranteed; tests/unit/env/test_sandbox.py tries each escape.
+- As root, the code runs under a uid drawn per run, not bwrap's ``--unshare-user --uid`` (root's
+  user namespace maps that back to host uid 0, which RLIMIT_NPROC exempts).
+- No usable ``bwrap``: ``SandboxUnavailable`` naming the package. ``unsafe=True`` isolates nothing.
+- Not a VM: the kernel is shared, and there is no seccomp filter.
 """
 from __future__ import annotations
 
@@ -115,6 +74,61 @@ class SandboxResult:
 
 
 class PythonSandbox:
+    """A bubblewrap sandbox for one program per ``run``, under ``SandboxLimits``.
+
+    Contract
+    - ``PythonSandbox(limits).run(code, stdin="") -> SandboxResult``: ``code`` runs as
+      ``python -B /tmp/main.py`` (copied in through a memfd, never on a command line) with
+      ``stdin``. stdout + stderr keep at most ``output_bytes`` (past that the program is stopped,
+      a marker ends the text, ``truncated``); ``exit_code`` is ``-N`` for death by signal N (as
+      in subprocess), None when stopped; ``violation``: None, ``timeout`` (wall), ``cpu_time``
+      (SIGXCPU of one process, or the whole sandbox's CPU total), ``memory`` (a MemoryError, or
+      the whole sandbox's memory), ``processes`` (the supervisor counted more), ``output``,
+      ``killed_by_signal N``. ``run`` never raises for the program's sake.
+    - ``limits_backend`` (``auto``, ``cgroup2``, ``cgroup1``, ``supervisor``; chosen at
+      construction, the one in use is ``PythonSandbox.limits_backend`` and logged once): how the
+      memory, processes and CPU seconds of ``SandboxLimits`` hold for all of the sandbox's
+      processes together (``conveyor/sandbox_limits.py``; each process also keeps its own
+      RLIMIT_AS, RLIMIT_NPROC, RLIMIT_CPU). A named cgroup backend this machine lacks:
+      ``SandboxUnavailable`` saying why.
+    - No ``bwrap`` (>= 0.8, for ``--size``), or one failing a trial run: ``SandboxUnavailable``
+      naming the package. ``unsafe=True``: a plain subprocess with rlimits, the whole-sandbox
+      limits and the deadline, and a warning on every construction.
+
+    Guarantees (sandboxed; tests/unit/env/test_sandbox.py tries each escape)
+    - New pid, net, ipc, uts, cgroup namespaces: no network (a private loopback), no view of
+      or signal to host processes.
+    - Read-only: /usr (and the /bin, /lib* links), /etc/alternatives, /etc/ld.so.cache, the
+      interpreter's prefixes (venv and base). Fresh /proc, /dev; /tmp a private tmpfs of
+      ``tmp_mb``. No other host path: no /etc/shadow, home, run directory or cwd.
+    - As root, the code runs under a uid drawn per run (no capabilities, no_new_privs).
+      ``bwrap --unshare-user --uid`` is not used: root's user namespace maps that uid back to
+      host uid 0, which the kernel exempts from RLIMIT_NPROC (a fork bomb went unchecked). One
+      uid per run, as RLIMIT_NPROC counts a uid's processes host-wide. Non-root callers get
+      bwrap's user namespace, where the count is per namespace.
+    - rlimits per process: CPU seconds, address space, processes, open files, no core files.
+    - Memory, processes and CPU seconds of the sandbox as a whole, by backend:
+      cgroup2 / cgroup1: the kernel's memory limit (swap off where it can be set; files in /tmp
+      count), exact, its OOM kill ends the run as ``memory``; pids.max where that controller is
+      there (a fork past it fails); CPU total read every ``POLL_S``. supervisor: PSS of the
+      sandbox's processes, their tasks and CPU time read from its own /proc every ``POLL_S``.
+    - When ``run`` returns, every process of the sandbox is gone, daemonised or not (its pid
+      namespace is torn down; at the deadline its pid 1 is killed).
+
+    Not guaranteed
+    - Not a VM: the kernel is shared, a kernel bug is an escape. No seccomp filter: the code
+      may use any syscall and create nested user namespaces (more kernel attack surface).
+    - The supervisor polls: a sandbox overshoots by what its processes touch in one ``POLL_S``
+      (measured on a 2-core EPYC: up to 153 MB over 512 MB, at about 0.9 GB/s of first touches a
+      core), never beyond ``processes`` x ``memory_mb`` (RLIMIT_AS of each); /tmp files are not
+      counted (``tmp_mb`` caps them). The CPU total may pass ``cpu_s`` by ``CPU_GRACE_S`` plus
+      one poll.
+    - ``sys.exit(128 + N)`` reads as death by signal N (bwrap reports both alike); ``memory`` is
+      read from the last line of stderr.
+    - ``unsafe=True`` isolates nothing: host files, network and processes are open to the code,
+      RLIMIT_NPROC binds no root, no tmpfs cap, a child leaving the process group outlives it
+      (on cgroups it is killed when the run ends; the supervisor loses sight of it).
+    """
     def __init__(self, limits: SandboxLimits = SandboxLimits(), python: str = sys.executable,
                  unsafe: bool = False, bwrap: str = "bwrap", limits_backend: str = "auto"):
         self.limits, self.unsafe = limits, unsafe

@@ -1,37 +1,14 @@
 """Limits that hold for a sandbox as a whole: the memory, the number and the CPU time of all its
 processes together (``conveyor/sandbox.py`` runs every program under one ``RunLimits``).
 
-Contract
-- ``pick(name="auto") -> Backend``: the backend for this machine, chosen once per process and
-  name. ``auto`` takes the first that works of ``cgroup2`` (a delegated, writable cgroup v2
-  subtree whose children get the memory controller, and pids if there), ``cgroup1`` (a writable
-  cgroup v1 memory hierarchy at our own cgroup; pids and cpuacct where they are writable too) and
-  ``supervisor`` (always there). Naming an unavailable cgroup backend raises ``LimitsUnavailable``
-  saying why; an unknown name raises ``ValueError`` naming the choices.
-- ``RunLimits(backend, Totals(memory_bytes, tasks, cpu_s), launcher)``: one run's limits.
-  ``argv(cmd)`` wraps the command so it joins the run's cgroups before it starts (a ``/bin/sh``
-  that writes its pid to each ``cgroup.procs``, then execs the command); ``watch(pid, init_pid)``
-  names the process started and, sandboxed, the pid namespace's init; ``exceeded()`` (call it
-  every ``POLL_S``) is ``"memory"``, ``"processes"``, ``"cpu_time"`` or None; ``oom_killed()``
-  after the end says whether the kernel killed a process of the run for memory; ``kill()`` kills
-  every process of the run's cgroups; ``close()`` removes them (a leftover is logged, never
-  raised). ``launcher`` is how many processes of the chain above the program belong to the
-  sandbox itself (bubblewrap and its init: 2; unsafe: 0): the process limit leaves them out.
-- What each limit means, per backend:
-  - memory: cgroups: ``memory.max`` / ``memory.limit_in_bytes`` (swap off where it can be set),
-    enforced by the kernel at every allocation; its OOM kill ends the whole run as ``memory``.
-    supervisor: the sum of PSS (else RSS) of every process of the sandbox, read every ``POLL_S``;
-    above the limit the run is killed as ``memory``.
-  - processes: cgroups with pids: ``pids.max`` = tasks + the launcher's, a fork past it fails
-    (EAGAIN) and the program goes on. Otherwise the supervisor counts tasks (threads included)
-    and kills the run as ``processes`` when there are more.
-  - cpu time: the run's total CPU (``cpu.stat`` / ``cpuacct.usage``, else the sum over the tree
-    of each process's own and its reaped children's time) past ``cpu_s + CPU_GRACE_S`` kills the
-    run as ``cpu_time``; the grace lets a single process meet its own ``RLIMIT_CPU`` first.
-
-Not guaranteed: the supervisor and the CPU total are polled, so a run can overshoot by what its
-processes do within one ``POLL_S``; a supervised process that leaves the tree (unsafe mode: one
-that daemonises) is not counted.
+- ``pick(name="auto") -> Backend``: ``cgroup2``, ``cgroup1`` or ``supervisor`` (always there),
+  chosen once per process and name; an unavailable cgroup backend raises ``LimitsUnavailable``
+  saying why, an unknown name ``ValueError`` naming the choices.
+- ``RunLimits(backend, Totals(...), launcher)``: one run's limits; ``exceeded()`` says which was
+  passed, ``kill()`` and ``close()`` end and remove the run's cgroups.
+- cgroups enforce memory and processes in the kernel; the supervisor polls, so a run can
+  overshoot by what its processes do within one ``POLL_S`` (``RunLimits`` says what each limit
+  means per backend).
 """
 from __future__ import annotations
 
@@ -90,6 +67,13 @@ class Backend:
 
 @functools.cache
 def pick(name: str = "auto") -> Backend:
+    """``pick(name="auto") -> Backend``: the backend for this machine, chosen once per process and
+    name. ``auto`` takes the first that works of ``cgroup2`` (a delegated, writable cgroup v2
+    subtree whose children get the memory controller, and pids if there), ``cgroup1`` (a writable
+    cgroup v1 memory hierarchy at our own cgroup; pids and cpuacct where they are writable too) and
+    ``supervisor`` (always there). Naming an unavailable cgroup backend raises ``LimitsUnavailable``
+    saying why; an unknown name raises ``ValueError`` naming the choices.
+    """
     if name not in BACKENDS:
         raise ValueError(f"unknown sandbox limits backend {name!r}: use one of {', '.join(BACKENDS)}")
     if name == "supervisor":
@@ -192,7 +176,33 @@ def _trial(parent: str, read: str) -> str:
 # ---------------------------------------------------------------- one run
 
 class RunLimits:
-    """One sandbox run's whole-sandbox limits (module docstring)."""
+    """One sandbox run's whole-sandbox limits.
+
+    - ``RunLimits(backend, Totals(memory_bytes, tasks, cpu_s), launcher)``: one run's limits.
+      ``argv(cmd)`` wraps the command so it joins the run's cgroups before it starts (a ``/bin/sh``
+      that writes its pid to each ``cgroup.procs``, then execs the command); ``watch(pid, init_pid)``
+      names the process started and, sandboxed, the pid namespace's init; ``exceeded()`` (call it
+      every ``POLL_S``) is ``"memory"``, ``"processes"``, ``"cpu_time"`` or None; ``oom_killed()``
+      after the end says whether the kernel killed a process of the run for memory; ``kill()`` kills
+      every process of the run's cgroups; ``close()`` removes them (a leftover is logged, never
+      raised). ``launcher`` is how many processes of the chain above the program belong to the
+      sandbox itself (bubblewrap and its init: 2; unsafe: 0): the process limit leaves them out.
+    - What each limit means, per backend:
+      - memory: cgroups: ``memory.max`` / ``memory.limit_in_bytes`` (swap off where it can be set),
+        enforced by the kernel at every allocation; its OOM kill ends the whole run as ``memory``.
+        supervisor: the sum of PSS (else RSS) of every process of the sandbox, read every ``POLL_S``;
+        above the limit the run is killed as ``memory``.
+      - processes: cgroups with pids: ``pids.max`` = tasks + the launcher's, a fork past it fails
+        (EAGAIN) and the program goes on. Otherwise the supervisor counts tasks (threads included)
+        and kills the run as ``processes`` when there are more.
+      - cpu time: the run's total CPU (``cpu.stat`` / ``cpuacct.usage``, else the sum over the tree
+        of each process's own and its reaped children's time) past ``cpu_s + CPU_GRACE_S`` kills the
+        run as ``cpu_time``; the grace lets a single process meet its own ``RLIMIT_CPU`` first.
+
+    Not guaranteed: the supervisor and the CPU total are polled, so a run can overshoot by what its
+    processes do within one ``POLL_S``; a supervised process that leaves the tree (unsafe mode: one
+    that daemonises) is not counted.
+    """
 
     def __init__(self, backend: Backend, totals: Totals, launcher: int):
         self.backend, self.totals, self.launcher = backend, totals, launcher

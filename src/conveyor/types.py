@@ -1,39 +1,12 @@
 """The wire types: the only data that crosses roles.
 
-Contract
-- ``Task``: one problem. ``prompt`` is the final text given to the tokenizer
-  (the data layer already applied any chat template); ``answer`` and ``info``
-  are verifier metadata that generation never sees.
-- ``Trajectory``: one sampled completion of one task, token-in/token-out.
-  ``completion_ids``, ``loss_mask``, ``logprobs`` and ``versions`` have the
-  same length (one entry per completion token). ``loss_mask[i] == 0`` marks
-  tokens the policy did not produce (environment / tool output in multi-turn
-  rollouts); their logprob is 0.0 and version -1. ``logprobs`` are the
-  behaviour policy's log-probabilities of the sampled tokens, taken from the
-  same logits the tokens were sampled from. ``versions[i]`` is the policy
-  version whose weights produced token i. ``routed_experts`` (mixture-of-experts
-  models, when the engine records them; else None): an integer numpy array
-  ``[positions, moe_layers, top_k]``, the experts the engine's routers chose for
-  each token it fed through the model, prompt tokens then completion tokens (the
-  last completion token is never fed, so ``positions`` is usually
-  ``num_tokens - 1``); the trainer replays them (``algo.routing_replay``).
-- ``TurnRecord``: one model turn of a multi-turn episode: the policy's tokens
-  of the turn are ``completion_ids[start:end]``; the environment's answer
-  follows them (loss-masked) up to the next turn's ``start``. ``reward`` is
-  the turn's reward from the environment (a process reward; 0 for none).
-- ``Group``: the n samples of one task, explicit (never a positional reshape).
-- ``Batch``: what the trainer consumes: token ids plus per-token float fields, the
-  objective's by name (``BATCH_FIELDS``) and a custom loss's in ``custom``, aligned
-  with the ids (position t of a field belongs to token t; fields are 0 where
-  ``loss_mask`` is 0, and position 0 is never a target), and for routing replay the
-  recorded experts per sample.
-- ``SamplingParams``, ``Completion``, ``StreamChunk`` (``FinishReason``): what a
-  generation call is asked and answers, for every engine and every consumer of
-  generation (the controller, the workflows, a judge); the engine's contract over
-  them is ``rollout/api.py``, which re-exports them.
-- ``Outcome`` (with its ``Problem``): what one trajectory gets of a reward call,
-  as it crosses from a reward worker process (``reward/calls.py`` makes them and
-  re-exports them).
+- ``Task``: one problem; ``Trajectory``: one sampled completion of one task, token-in/token-out,
+  its per-token fields of one length; ``TurnRecord``: one model turn of a multi-turn episode;
+  ``Group``: the n samples of one task, explicit (never a positional reshape).
+- ``Batch``: what the trainer consumes: token ids plus per-token float fields aligned with them.
+- ``SamplingParams``, ``Completion``, ``StreamChunk`` (``FinishReason``): what a generation call
+  is asked and answers; the engine's contract over them is ``rollout/api.py``.
+- ``Outcome`` (with its ``Problem``): what one trajectory gets of a reward call.
 
 These types know nothing of torch except ``Batch``, whose tensors are built
 by the loop just before training.
@@ -55,6 +28,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass(frozen=True)
 class Task:
+    """``Task``: one problem. ``prompt`` is the final text given to the tokenizer
+    (the data layer already applied any chat template); ``answer`` and ``info``
+    are verifier metadata that generation never sees.
+    """
     id: str
     prompt: str
     answer: str | None = None
@@ -63,9 +40,15 @@ class Task:
 
 @dataclass(frozen=True)
 class TurnRecord:
-    """One model turn of an episode (see the module docstring); ``tool_calls``: names of the
+    """One model turn of an episode; ``tool_calls``: names of the
     tools it called; ``env_s``: seconds the environment took to answer; ``error``: the failure
-    class of its answer (``"timeout"``, ``"malformed_call"``, ...) or ``""``."""
+    class of its answer (``"timeout"``, ``"malformed_call"``, ...) or ``""``.
+
+    ``TurnRecord``: one model turn of a multi-turn episode: the policy's tokens
+    of the turn are ``completion_ids[start:end]``; the environment's answer
+    follows them (loss-masked) up to the next turn's ``start``. ``reward`` is
+    the turn's reward from the environment (a process reward; 0 for none).
+    """
     start: int
     end: int
     reward: float = 0.0
@@ -76,6 +59,20 @@ class TurnRecord:
 
 @dataclass(frozen=True)
 class Trajectory:
+    """``Trajectory``: one sampled completion of one task, token-in/token-out.
+    ``completion_ids``, ``loss_mask``, ``logprobs`` and ``versions`` have the
+    same length (one entry per completion token). ``loss_mask[i] == 0`` marks
+    tokens the policy did not produce (environment / tool output in multi-turn
+    rollouts); their logprob is 0.0 and version -1. ``logprobs`` are the
+    behaviour policy's log-probabilities of the sampled tokens, taken from the
+    same logits the tokens were sampled from. ``versions[i]`` is the policy
+    version whose weights produced token i. ``routed_experts`` (mixture-of-experts
+    models, when the engine records them; else None): an integer numpy array
+    ``[positions, moe_layers, top_k]``, the experts the engine's routers chose for
+    each token it fed through the model, prompt tokens then completion tokens (the
+    last completion token is never fed, so ``positions`` is usually
+    ``num_tokens - 1``); the trainer replays them (``algo.routing_replay``).
+    """
     task: Task
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
@@ -128,6 +125,7 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class Group:
+    """``Group``: the n samples of one task, explicit (never a positional reshape)."""
     task: Task
     trajectories: tuple[Trajectory, ...]
 
@@ -166,6 +164,12 @@ class Batch:
     custom one); ``Batch(ids, mask, {name: rows})`` places each name in its attribute or in custom.
     num_tokens / num_seqs: totals over the WHOLE batch, so a loss can normalise
                   identically however the batch is split into micro-batches.
+
+    ``Batch``: what the trainer consumes: token ids plus per-token float fields, the
+    objective's by name (``BATCH_FIELDS``) and a custom loss's in ``custom``, aligned
+    with the ids (position t of a field belongs to token t; fields are 0 where
+    ``loss_mask`` is 0, and position 0 is never a target), and for routing replay the
+    recorded experts per sample.
     """
 
     input_ids: list["torch.Tensor"]
@@ -288,6 +292,11 @@ class SamplingParams:
     eos_bias: added to the EOS logit(s) before sampling and before the logprob.
     seed: keys the random streams of this call's samples (None: fresh entropy); the
           native engine gives prompt i the streams of prompt 0 of a call seeded seed + i.
+
+    ``SamplingParams``, ``Completion``, ``StreamChunk`` (``FinishReason``): what a
+    generation call is asked and answers, for every engine and every consumer of
+    generation (the controller, the workflows, a judge); the engine's contract over
+    them is ``rollout/api.py``, which re-exports them.
     """
 
     temperature: float = 1.0
@@ -370,7 +379,12 @@ class Problem:
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """What one trajectory gets: ``reward`` and ``info`` (its ``reward_info``), and when it is
-    a fallback, the counter it falls under (``failure``) and what to log (``problem``)."""
+    a fallback, the counter it falls under (``failure``) and what to log (``problem``).
+
+    ``Outcome`` (with its ``Problem``): what one trajectory gets of a reward call,
+    as it crosses from a reward worker process (``reward/calls.py`` makes them and
+    re-exports them).
+    """
     reward: float
     info: dict[str, Any]
     failure: str | None = None

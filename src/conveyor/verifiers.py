@@ -1,30 +1,15 @@
 """Rule-based verifiers: math answers, exact match, and a format check.
 
-Contract
-- ``math_reward(traj)`` compares the completion ``traj.text`` with the gold
-  ``traj.task.answer`` using math-verify (``math_verdict(text, answer,
-  task_id)``: the same over a text and a gold, an environment's check) and returns
-  ``{"reward": 1.0 | 0.0, "parsed": 1.0 | 0.0}`` ("parsed" says whether any
-  answer could be extracted from the completion). The prediction is the
-  content of ``\\boxed{...}`` when the completion has one, otherwise the last
-  number in the text. A GSM8K-style gold (``"... #### 42"``) is reduced to the
-  text after the last ``####``. A task without a gold answer, or a gold that
-  math-verify cannot parse, raises ``ValueError`` (a data problem the reward
-  service counts and logs, rather than a silent 0).
-- ``exact_match`` compares the completion text with the gold as strings.
-- ``format_reward`` is 1.0 when a regular expression is found ANYWHERE in the
-  completion (``re.search`` with DOTALL); anchor the pattern with ``\\A`` and
-  ``\\Z`` to demand the whole completion match.
+- ``math_reward(traj)`` compares the completion with the gold answer using math-verify and
+  returns ``{"reward": 1.0 | 0.0, "parsed": 1.0 | 0.0}``; a missing or unparseable gold raises
+  ``ValueError`` (a data problem, counted), never a silent 0.
+- ``exact_match`` compares as strings; ``format_reward`` searches a regular expression.
 
 They are the builtin rewards of those names (``reward/verifiers.py`` re-exports
 them under their reward path, ``conveyor.reward.verifiers:math_reward``) and the
 answer checks of environments (``env/tool_env.py``): a module both roles share,
-below both. These functions know nothing of the reward service's deadlines.
-math-verify's own timeout (``verify_timeout_s``, per parse and per comparison)
-uses ``signal.alarm``, which only works on a process's main thread: it is on
-where ``math_reward`` runs there (the worker processes of ``reward.executor:
-process``, or a direct call) and off on any other thread (the thread
-executor), where only the service's deadline limits a call.
+below both. These functions know nothing of the reward service's deadlines;
+math-verify's own timeout works on a process's main thread only (``math_reward``).
 """
 from __future__ import annotations
 
@@ -71,9 +56,26 @@ def extract_prediction(text: str) -> str | None:
 
 def math_reward(traj: Trajectory, *, float_rounding: int = 6, numeric_precision: int = 15,
                 strict: bool = True, verify_timeout_s: int = 3) -> dict[str, float]:
-    """1.0 if the completion's answer equals the gold mathematically (see the module docstring).
+    """1.0 if the completion's answer equals the gold mathematically.
     A parse or comparison past ``verify_timeout_s`` (whole seconds; main thread only) counts as
-    no answer / not equal, as math-verify decides."""
+    no answer / not equal, as math-verify decides.
+
+    ``math_reward(traj)`` compares the completion ``traj.text`` with the gold
+    ``traj.task.answer`` using math-verify (``math_verdict(text, answer,
+    task_id)``: the same over a text and a gold, an environment's check) and returns
+    ``{"reward": 1.0 | 0.0, "parsed": 1.0 | 0.0}`` ("parsed" says whether any
+    answer could be extracted from the completion). The prediction is the
+    content of ``\\boxed{...}`` when the completion has one, otherwise the last
+    number in the text. A GSM8K-style gold (``"... #### 42"``) is reduced to the
+    text after the last ``####``. A task without a gold answer, or a gold that
+    math-verify cannot parse, raises ``ValueError`` (a data problem the reward
+    service counts and logs, rather than a silent 0).
+    math-verify's own timeout (``verify_timeout_s``, per parse and per comparison)
+    uses ``signal.alarm``, which only works on a process's main thread: it is on
+    where ``math_reward`` runs there (the worker processes of ``reward.executor:
+    process``, or a direct call) and off on any other thread (the thread
+    executor), where only the service's deadline limits a call.
+    """
     return math_verdict(traj.text, traj.task.answer, traj.task.id, float_rounding=float_rounding,
                         numeric_precision=numeric_precision, strict=strict, verify_timeout_s=verify_timeout_s)
 
@@ -121,7 +123,12 @@ def exact_match(traj: Trajectory, strip: bool = True, case_sensitive: bool = Tru
 
 
 def format_reward(traj: Trajectory, pattern: str = DEFAULT_FORMAT_PATTERN) -> float:
-    """1.0 if ``pattern`` is found anywhere in the completion (``re.search``, DOTALL)."""
+    """1.0 if ``pattern`` is found anywhere in the completion (``re.search``, DOTALL).
+
+    ``format_reward`` is 1.0 when a regular expression is found ANYWHERE in the
+    completion (``re.search`` with DOTALL); anchor the pattern with ``\\A`` and
+    ``\\Z`` to demand the whole completion match.
+    """
     # re caches compiled patterns, so compiling per call costs a dict lookup.
     return 1.0 if re.search(pattern, traj.text, flags=re.DOTALL) else 0.0
 

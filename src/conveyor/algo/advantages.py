@@ -1,20 +1,13 @@
 """Advantage estimators: scores in, per-sequence or per-token advantages out.
 
 Contract
-- Group estimators (GRPO, Dr.GRPO, RLOO) take ``rewards`` of shape [G, n]:
-  G groups (tasks), n samples per task, row g holding the n samples of task g.
-  They return [G, n] sequence-level advantages; ``expand_to_tokens`` spreads
-  them over a [B, T] loss mask.
-- Token estimators (REINFORCE++, GAE) take [B, T] tensors (B sequences,
-  padded time T) and a ``mask`` that is 1 on policy-generated target tokens.
-  They only ever read masked positions: padded or environment positions may
-  hold garbage (even NaN or inf) and come back as exactly 0.
-- Everything here is a pure function of its tensors and runs under
-  ``torch.no_grad`` semantics: advantages are targets, never differentiated,
-  so every output is detached.
-- ``estimate_*`` are the estimators as ``conveyor.config.estimators.ESTIMATORS``
-  names them: one call shape, ``(AdvantageInputs) -> (advantages [B, T], returns
-  [B, T] or None)``, the advantages 0 off the mask, returns for a critic to regress on.
+- Group estimators (GRPO, Dr.GRPO, RLOO) take ``rewards`` [G, n] (row g: the n samples of task
+  g) and return [G, n] sequence-level advantages; ``expand_to_tokens`` spreads them over a mask.
+- Token estimators (REINFORCE++, GAE) take [B, T] tensors and a ``mask`` of policy target
+  tokens; they read only masked positions (others may hold NaN or inf) and return exactly 0 there.
+- Everything is a pure function of its tensors; every output is detached.
+- ``estimate_*``: the estimators as ``conveyor.config.estimators.ESTIMATORS`` names them, one
+  call shape ``(AdvantageInputs) -> (advantages [B, T], returns [B, T] or None)``.
 
 What it deliberately does not know: where rewards came from, how groups were
 formed (callers build the [G, n] matrix from explicit groups), which loss
@@ -237,6 +230,10 @@ class AdvantageInputs:
     (the per-token KL to the reference, ``algo.kl_in_reward``: a penalty of ``kl_coef`` per unit),
     values [B, T] or None (the critic's, for an estimator that reads them), gamma and lam (the
     discount and GAE's lambda).
+
+    ``estimate_*`` are the estimators as ``conveyor.config.estimators.ESTIMATORS``
+    names them: one call shape, ``(AdvantageInputs) -> (advantages [B, T], returns
+    [B, T] or None)``, the advantages 0 off the mask, returns for a critic to regress on.
     """
 
     rewards: torch.Tensor

@@ -2,14 +2,7 @@
 
 Contract: ``kl_estimate(logprobs, ref_logprobs, kind)`` returns a [B, T]
 tensor whose expectation over tokens sampled from π_θ estimates the KL
-divergence from the reference. With
-    log_ratio = logprobs - ref_logprobs = log π_θ(a_t|s_t) - log π_ref(a_t|s_t)
-and ρ = π_ref / π_θ = exp(-log_ratio) (Schulman, "Approximating KL
-divergence", 2020):
-    k1 = log_ratio                            unbiased, high variance, can be < 0
-    k2 = 0.5 * log_ratio^2                    biased, low variance, >= 0
-    k3 = ρ - 1 - log ρ = exp(-log_ratio) - 1 + log_ratio
-                                              unbiased, low variance, >= 0
+divergence from the reference (k1, k2 or k3: Schulman, "Approximating KL divergence", 2020).
 Gradients flow into ``logprobs`` (the policy being trained); the reference is
 frozen, so ``ref_logprobs`` is detached. With ``mask`` given, off-mask
 positions are exactly 0 whatever garbage they hold.
@@ -27,7 +20,16 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3",
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-token KL estimate [B, T]; see the module docstring for the formulas."""
+    """Per-token KL estimate [B, T]; with
+
+        log_ratio = logprobs - ref_logprobs = log π_θ(a_t|s_t) - log π_ref(a_t|s_t)
+    and ρ = π_ref / π_θ = exp(-log_ratio) (Schulman, "Approximating KL
+    divergence", 2020):
+        k1 = log_ratio                            unbiased, high variance, can be < 0
+        k2 = 0.5 * log_ratio^2                    biased, low variance, >= 0
+        k3 = ρ - 1 - log ρ = exp(-log_ratio) - 1 + log_ratio
+                                                  unbiased, low variance, >= 0
+    """
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_ESTIMATORS}")
     lp, ref = logprobs, ref_logprobs.detach()

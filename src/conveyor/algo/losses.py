@@ -1,22 +1,13 @@
 """Policy losses, importance weights and the loss aggregation that the trainer sums.
 
 Contract
-- Per-token tensors are [B, T]; ``mask`` (bool or 0/1 float) is 1 on target
-  tokens. Every loss returns ``(per_token_loss [B, T], metrics)`` where the
-  loss is exactly 0 off the mask, even when padded positions hold -inf, NaN
-  or huge logprobs: inputs are replaced with ``torch.where`` before any
-  arithmetic, so neither values nor gradients ever see the garbage.
-- Only ``logprobs`` (the policy being trained, π_θ) carries gradient. Old,
-  proximal and behaviour logprobs, advantages and importance weights are
+- Per-token tensors are [B, T]; ``mask`` is 1 on target tokens. Every loss returns
+  ``(per_token_loss [B, T], metrics)`` with the loss exactly 0 off the mask, even when padded
+  positions hold -inf, NaN or huge logprobs (inputs are replaced with ``torch.where`` first).
+- Only ``logprobs`` (the policy being trained, π_θ) carries gradient; everything else is
   detached here, whatever the caller passes.
-- ``metrics`` maps names to detached scalar tensors computed over target
-  tokens (or target sequences where stated); no ``.item()`` happens here,
-  so the caller decides when to synchronise with the device.
-- ``aggregate`` turns a per-token loss into the scalar to backpropagate,
-  with normalisers that are totals over the WHOLE batch (passed in). Hence
-  summing ``aggregate`` over any split of a batch into micro-batches equals
-  one call on the whole batch, value and gradient: gradient accumulation is
-  exact, whatever the micro-batch sizes.
+- ``metrics`` are detached scalar tensors over target tokens; no ``.item()`` happens here.
+- ``aggregate``'s normalisers are totals over the WHOLE batch, so gradient accumulation is exact.
 
 What it deliberately does not know: how logprobs were computed, which
 micro-batch it is looking at, how advantages were estimated, or anything of
@@ -306,6 +297,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens
       "seq-mean-token-sum-norm" sum_i,t l m / (num_seqs * norm_len)   (Dr.GRPO; norm_len
                                 is a constant such as the maximum generation length)
     A zero normaliser (a batch without targets) gives 0.
+
+    ``aggregate`` turns a per-token loss into the scalar to backpropagate,
+    with normalisers that are totals over the WHOLE batch (passed in). Hence
+    summing ``aggregate`` over any split of a batch into micro-batches equals
+    one call on the whole batch, value and gradient: gradient accumulation is
+    exact, whatever the micro-batch sizes.
     """
     m = mask.bool()
     l = _zeros_off_mask(per_token, m)                                 # [B, T]

@@ -1,18 +1,12 @@
 """What a reward section is checked against when the config loads: a judge's templates and score
 pattern, and the components of a composite reward.
 
-Contract
-- A judge's templates (``reward.judge``): ``FIELDS`` (what a template of each mode may use) and
-  ``REQUIRED`` (what it must show), ``DEFAULT_TEMPLATES`` (one per mode), ``template_fields``,
-  ``template_problem(template, mode)`` and ``pattern_problem(pattern)`` (what is wrong, or None).
-  ``reward/judge_text.py``, the judge's text side, re-exports them.
-- Components (``reward.components``): ``Part(name, fn, kwargs, weight, gate)`` (a name that is
-  empty, has a ``/`` or is ``RESERVED`` is refused, as is a weight or gate that is not finite),
-  ``part_name(fn)`` (a part's default name), ``parts_of(components)``, ``check_parts(parts)``
-  (at least one, names distinct) and ``composite_name(parts)``. ``RESERVED`` holds a composite's
-  own keys and the names whose metric the loop already logs, among them ``COUNTERS``, the
-  counters every reward service keeps. ``reward/compose.py`` and ``reward/calls.py`` re-export
-  them.
+- A judge's templates (``reward.judge``): ``FIELDS``, ``REQUIRED``, ``DEFAULT_TEMPLATES``,
+  ``template_fields``, ``template_problem`` and ``pattern_problem``; ``reward/judge_text.py``
+  re-exports them.
+- Components (``reward.components``): ``Part``, ``part_name``, ``parts_of``, ``check_parts``,
+  ``composite_name``, ``RESERVED`` and ``COUNTERS``; ``reward/compose.py`` and
+  ``reward/calls.py`` re-export them.
 
 Pure Python on the floor of the config: it imports nothing of conveyor, loads no reward and
 knows nothing of engines.
@@ -62,7 +56,13 @@ def template_fields(template: str) -> list[str]:
 
 
 def template_problem(template: str, mode: str) -> str | None:
-    """What makes ``template`` unusable for ``mode``, or None."""
+    """What makes ``template`` unusable for ``mode``, or None.
+
+    A judge's templates (``reward.judge``): ``FIELDS`` (what a template of each mode may use) and
+    ``REQUIRED`` (what it must show), ``DEFAULT_TEMPLATES`` (one per mode), ``template_fields``,
+    ``template_problem(template, mode)`` and ``pattern_problem(pattern)`` (what is wrong, or None).
+    ``reward/judge_text.py``, the judge's text side, re-exports them.
+    """
     allowed, required = FIELDS[mode], REQUIRED[mode]
     try:
         names = template_fields(template)
@@ -106,7 +106,16 @@ RESERVED = ("reward", "gated", "reward_error", "std", *COUNTERS, "stuck", "batch
 @dataclass(frozen=True)
 class Part:
     """One component: what to load (``fn``, ``kwargs``), its metric ``name``, its ``weight`` in
-    the total and its ``gate`` (None: no gate)."""
+    the total and its ``gate`` (None: no gate).
+
+    Components (``reward.components``): ``Part(name, fn, kwargs, weight, gate)`` (a name that is
+    empty, has a ``/`` or is ``RESERVED`` is refused, as is a weight or gate that is not finite),
+    ``part_name(fn)`` (a part's default name), ``parts_of(components)``, ``check_parts(parts)``
+    (at least one, names distinct) and ``composite_name(parts)``. ``RESERVED`` holds a composite's
+    own keys and the names whose metric the loop already logs, among them ``COUNTERS``, the
+    counters every reward service keeps. ``reward/compose.py`` and ``reward/calls.py`` re-export
+    them.
+    """
     name: str
     fn: str
     kwargs: Mapping[str, Any] = field(default_factory=dict)

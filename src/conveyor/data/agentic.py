@@ -5,20 +5,8 @@ task source like ``data.synthetic``'s (disjoint seeded splits, the gold
 answer in ``Task.answer``) for an environment to play, plus ``teacher(task,
 transcript, rng)``: the next action of a scripted teacher given the
 episode's text so far (the prompt, every turn and observation), what the
-warm start imitates (``run.sft``).
-
-Families
-- ``multiply`` (env ``tools`` with the calculator): ``"123*456="`` ->
-  ``"56088"``; ``digits`` per factor (default 3). A model this small cannot
-  multiply; the teacher calls ``calculator(123*456)`` and then copies the
-  result, except with probability ``teacher_error`` it answers at once with
-  a guess of the right length (almost always wrong): imitation learns both
-  habits, RL learns from the reward which one pays.
-- ``guess`` (env ``guess_number``): ``"guess 1-15:"`` with the secret in
-  ``info["target"]``; the teacher guesses uniformly among the numbers its
-  feedback still allows (``teacher="random"``, default) or bisects
-  (``teacher="bisect"``). Random consistent guessing needs more turns than
-  the budget allows on many secrets; bisection never does.
+warm start imitates (``run.sft``). Families: ``multiply`` (env ``tools``) and ``guess`` (env
+``guess_number``); ``agentic_source`` describes them and their teachers.
 
 It knows nothing of tokenizers, engines or the pool: text in, text out.
 """
@@ -94,7 +82,21 @@ def agentic_source(name: str, split: str, options: dict | None = None, eval_size
                    seed: int = 0) -> AgenticSource:
     """Seeded tasks; the first ``eval_size`` are the eval split. ``multiply`` keeps prompts
     distinct across splits; ``guess`` has few secrets, so its splits share them (the seeds of
-    sampling differ) and it is the policy, not a memorised answer, that is evaluated."""
+    sampling differ) and it is the policy, not a memorised answer, that is evaluated.
+
+    Families
+    - ``multiply`` (env ``tools`` with the calculator): ``"123*456="`` ->
+      ``"56088"``; ``digits`` per factor (default 3). A model this small cannot
+      multiply; the teacher calls ``calculator(123*456)`` and then copies the
+      result, except with probability ``teacher_error`` it answers at once with
+      a guess of the right length (almost always wrong): imitation learns both
+      habits, RL learns from the reward which one pays.
+    - ``guess`` (env ``guess_number``): ``"guess 1-15:"`` with the secret in
+      ``info["target"]``; the teacher guesses uniformly among the numbers its
+      feedback still allows (``teacher="random"``, default) or bisects
+      (``teacher="bisect"``). Random consistent guessing needs more turns than
+      the budget allows on many secrets; bisection never does.
+    """
     if name not in AGENTIC_TASKS:
         raise ValueError(f"unknown agentic task {name!r}; choose one of {', '.join(AGENTIC_TASKS)}")
     options = dict(options or {})

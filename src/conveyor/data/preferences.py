@@ -1,24 +1,11 @@
 """Preference pairs: what a reward model is trained on (``conveyor train-rm``).
 
-Contract
-- ``read_pairs(path) -> list[PreferencePair]`` reads a JSONL file, one pair per line (blank
-  lines skipped), in one of three forms:
-  * ``{"prompt": str, "chosen": str, "rejected": str}``: texts used as they are;
-  * ``{"prompt": [messages], "chosen": ..., "rejected": ...}``: the prompt is a conversation
-    (``{"role", "content"}`` dicts) rendered by the reward model's chat template with the
-    assistant's turn opened; each completion is a string or a list of one assistant message;
-  * ``{"chosen": [messages], "rejected": [messages]}``: two conversations that share every
-    message but the last, an assistant message each; the shared part is the prompt.
-  Every row is checked before any is used: a line that is not JSON or not an object, a
-  missing or mistyped key, an empty completion, or ``chosen == rejected`` raises ``DataError``
-  naming ``path:line`` and the fix. Broken rows are never skipped silently: a pair with a
-  wrong label teaches the opposite of what it should.
+- ``read_pairs(path) -> list[PreferencePair]`` reads a JSONL file in one of three forms; every
+  row is checked before any is used, and a broken one raises ``DataError`` naming ``path:line``
+  and the fix (never skipped silently: a wrong label teaches the opposite).
 - ``prompt_text(tokenizer, pair)``: the prompt as text (chat template applied to messages).
-- ``synthetic_pairs(name, n, options, eval_size, seed)``: pairs for the built-in synthetic
-  tasks (``data.synthetic``), the gold answer chosen over a wrong one: a quarter the
-  imperfect teacher's mistake, a quarter the answer up to some point and the mistake after
-  it, half the answer with one slip (a character changed, dropped, added, or two swapped);
-  from the training split of those tasks only, so a run's held-out tasks stay unseen. ``write_pairs(path, pairs)`` writes them as JSONL rows of the first form.
+- ``synthetic_pairs`` / ``write_pairs``: pairs for the built-in synthetic tasks, from their
+  training split only, as JSONL.
 
 It knows nothing of models or training (``reward.train_rm``) or of how a reward is computed.
 """
@@ -48,6 +35,19 @@ class PreferencePair:
 
 
 def read_pairs(path: str | Path) -> list[PreferencePair]:
+    """``read_pairs(path) -> list[PreferencePair]`` reads a JSONL file, one pair per line (blank
+    lines skipped), in one of three forms:
+    * ``{"prompt": str, "chosen": str, "rejected": str}``: texts used as they are;
+    * ``{"prompt": [messages], "chosen": ..., "rejected": ...}``: the prompt is a conversation
+      (``{"role", "content"}`` dicts) rendered by the reward model's chat template with the
+      assistant's turn opened; each completion is a string or a list of one assistant message;
+    * ``{"chosen": [messages], "rejected": [messages]}``: two conversations that share every
+      message but the last, an assistant message each; the shared part is the prompt.
+    Every row is checked before any is used: a line that is not JSON or not an object, a
+    missing or mistyped key, an empty completion, or ``chosen == rejected`` raises ``DataError``
+    naming ``path:line`` and the fix. Broken rows are never skipped silently: a pair with a
+    wrong label teaches the opposite of what it should.
+    """
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(f"preference pairs {str(path)!r}: no such file; give a JSONL file of "
@@ -152,6 +152,12 @@ def _changed(answer: str, rng: random.Random, alphabet: str) -> str:
 
 def synthetic_pairs(name: str, n: int, options: dict | None = None, eval_size: int = 256,
                     seed: int = 0) -> list[PreferencePair]:
+    """``synthetic_pairs(name, n, options, eval_size, seed)``: pairs for the built-in synthetic
+    tasks (``data.synthetic``), the gold answer chosen over a wrong one: a quarter the
+    imperfect teacher's mistake, a quarter the answer up to some point and the mistake after
+    it, half the answer with one slip (a character changed, dropped, added, or two swapped);
+    from the training split of those tasks only, so a run's held-out tasks stay unseen. ``write_pairs(path, pairs)`` writes them as JSONL rows of the first form.
+    """
     from conveyor.data.synthetic import synthetic_source
     if name not in ("addition", "reverse"):
         raise DataError(f"synthetic pairs exist for addition and reverse, not {name!r}")

@@ -1,38 +1,11 @@
 """Tasks and rewards from reasoning-gym's procedural datasets, used as the library ships them.
 
-Contract
-- ``reasoning_gym_source(name, split, options, eval_size, seed, render=None)``
-  returns a task source (``__len__``, ``__getitem__``, ``default_reward``,
-  ``stats``, ``demonstration``) over the reasoning-gym dataset ``name`` (any
-  name of ``reasoning_gym.factory.DATASETS``). ``options["size"]`` is the
-  number of training tasks (default 10000); every other option is a keyword
-  of the dataset's config (difficulty ranges and the like) and is checked
-  when the source is built. The eval split has ``eval_size`` tasks.
-- Train and eval are generated from different dataset seeds, both derived
-  from ``(name, seed, split)``; tasks are deterministic for a seed. Small
-  problem spaces repeat questions across seeds, so a train task whose
-  question is also an eval question is redrawn from a spare seed (a few
-  tries); one that still collides is kept and counted in
-  ``stats["eval_overlap"]``.
-- Each task: ``prompt`` = the entry's ``question`` (through ``render`` if
-  given: the run passes its prompt template / chat template there),
-  ``answer`` = the entry's ``answer`` (None for datasets without a single
-  oracle answer, e.g. ``rush_hour``: only the scorer can judge those), and
-  ``info = {"rg_dataset": name, "rg_entry": {"seed", "size", "index",
-  "options"}}``, the JSON-safe address of the entry, not the entry itself
-  (most entries' metadata holds tuples and other values JSON would change).
-- ``reasoning_gym_reward(traj, tag="answer", require_tag=False)`` rebuilds
-  the entry from that address (datasets are cached by (name, seed, size,
-  options), so a reward worker builds each at most once) and returns
-  ``{"reward": dataset.score_answer(answer, entry), "tagged": 1.0 | 0.0}``.
-  The answer is what the completion puts inside the LAST ``<answer>...</answer>``
-  (reasoning-gym's ``extract_answer``; surrounding whitespace stripped);
-  without such tags it is the whole completion, stripped (``tagged`` = 0),
-  or nothing at all with ``require_tag=True``. The score is the dataset's
-  own: 1.0 for a right answer and, for some datasets, partial credit. A
-  scorer that raises on a malformed answer scores 0.0 with ``scorer_error``
-  = 1.0. reasoning-gym's ``utils.SYSTEM_PROMPTS["default"]`` is a system
-  prompt that asks for the tags (``data.system_prompt``).
+- ``reasoning_gym_source(name, split, options, eval_size, seed, render=None)``: a task source
+  over the reasoning-gym dataset ``name``; tasks are deterministic for a seed, train and eval
+  come from different dataset seeds (a colliding question is redrawn, else counted).
+- Each task's ``info`` holds the JSON-safe address of its entry, not the entry itself.
+- ``reasoning_gym_reward(traj, tag="answer", require_tag=False)``: the dataset's own score of
+  the answer in the completion's last ``<answer>...</answer>``.
 
 The package is optional (``pip install 'conveyor[envs]'``); it is imported only
 when a source or the reward is used. This module knows nothing of tokenizers,
@@ -123,7 +96,7 @@ def _build(name: str, seed: int, size: int, options: Mapping[str, Any]) -> Any:
 
 
 class ReasoningGymSource:
-    """Lazily generated tasks of one reasoning-gym dataset and split (see the module docstring).
+    """Lazily generated tasks of one reasoning-gym dataset and split.
 
     Entries are generated on first access and kept, because a few datasets take a
     tenth of a second per problem: a run only pays for the tasks it draws."""
@@ -196,7 +169,29 @@ def _eval_questions(name: str, seed: int, eval_size: int, options_key: str) -> f
 
 def reasoning_gym_source(name: str, split: str, options: Mapping[str, Any] | None = None, eval_size: int = 256,
                          seed: int = 0, render: Callable[[str], str] | None = None) -> ReasoningGymSource:
-    """The ``split`` ("train" or "eval") of reasoning-gym dataset ``name`` (see the module docstring)."""
+    """The ``split`` ("train" or "eval") of reasoning-gym dataset ``name``.
+
+    - ``reasoning_gym_source(name, split, options, eval_size, seed, render=None)``
+      returns a task source (``__len__``, ``__getitem__``, ``default_reward``,
+      ``stats``, ``demonstration``) over the reasoning-gym dataset ``name`` (any
+      name of ``reasoning_gym.factory.DATASETS``). ``options["size"]`` is the
+      number of training tasks (default 10000); every other option is a keyword
+      of the dataset's config (difficulty ranges and the like) and is checked
+      when the source is built. The eval split has ``eval_size`` tasks.
+    - Train and eval are generated from different dataset seeds, both derived
+      from ``(name, seed, split)``; tasks are deterministic for a seed. Small
+      problem spaces repeat questions across seeds, so a train task whose
+      question is also an eval question is redrawn from a spare seed (a few
+      tries); one that still collides is kept and counted in
+      ``stats["eval_overlap"]``.
+    - Each task: ``prompt`` = the entry's ``question`` (through ``render`` if
+      given: the run passes its prompt template / chat template there),
+      ``answer`` = the entry's ``answer`` (None for datasets without a single
+      oracle answer, e.g. ``rush_hour``: only the scorer can judge those), and
+      ``info = {"rg_dataset": name, "rg_entry": {"seed", "size", "index",
+      "options"}}``, the JSON-safe address of the entry, not the entry itself
+      (most entries' metadata holds tuples and other values JSON would change).
+    """
     _check_name(name)
     options = dict(options or {})
     for reserved in ("seed", "eval_size"):
@@ -216,7 +211,21 @@ def reasoning_gym_source(name: str, split: str, options: Mapping[str, Any] | Non
 
 
 def reasoning_gym_reward(traj: Trajectory, *, tag: str = "answer", require_tag: bool = False) -> dict[str, float]:
-    """The dataset's own score of the completion's answer (see the module docstring)."""
+    """The dataset's own score of the completion's answer.
+
+    ``reasoning_gym_reward(traj, tag="answer", require_tag=False)`` rebuilds
+    the entry from that address (datasets are cached by (name, seed, size,
+    options), so a reward worker builds each at most once) and returns
+    ``{"reward": dataset.score_answer(answer, entry), "tagged": 1.0 | 0.0}``.
+    The answer is what the completion puts inside the LAST ``<answer>...</answer>``
+    (reasoning-gym's ``extract_answer``; surrounding whitespace stripped);
+    without such tags it is the whole completion, stripped (``tagged`` = 0),
+    or nothing at all with ``require_tag=True``. The score is the dataset's
+    own: 1.0 for a right answer and, for some datasets, partial credit. A
+    scorer that raises on a malformed answer scores 0.0 with ``scorer_error``
+    = 1.0. reasoning-gym's ``utils.SYSTEM_PROMPTS["default"]`` is a system
+    prompt that asks for the tags (``data.system_prompt``).
+    """
     info = traj.task.info
     name, ref = info.get("rg_dataset"), info.get("rg_entry")
     if not isinstance(name, str) or not isinstance(ref, Mapping):

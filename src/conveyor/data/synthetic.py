@@ -4,38 +4,12 @@ Contract: ``synthetic_source(name, split, options, eval_size, seed)`` returns a
 task source (``__len__``, ``__getitem__``, ``default_reward``) whose tasks
 carry the gold answer in ``Task.answer``; train and eval splits are disjoint
 by construction. Each task family has a reward with partial credit so that a
-policy that is almost right gets a gradient, and ``sft_pairs`` gives the
-(prompt, answer) pairs of the supervised warm-start.
+policy that is almost right gets a gradient (``partial_credit``), and ``sft_pairs`` gives the
+(prompt, answer) pairs of the supervised warm-start. Tasks: ``addition``, ``reverse``,
+``code`` (``synthetic_source`` says what each is); ``options.teacher_error`` makes the
+warm-start's demonstrations imperfect. Tasks, evaluation and rewards always use the true answer.
 
-Tasks
-- ``addition``: ``"47+38="`` -> ``"85"``; operands have ``digits`` digits;
-  ``terms`` (2..5, default 2) operands per sum (``"4+7+3="`` -> ``"14"``).
-  ``short_operands`` s (0..1, default 0) draws that share of the TRAINING sums
-  with each operand's number of digits even (1 to ``digits``, then the
-  operand among the numbers of that many digits; 0-9 have one), the rest
-  uniformly: with 2 digits, s = 1 puts a one-digit operand in 3 of 4
-  training sums against about 1 in 5 uniformly. The held-out sums are always
-  drawn uniformly (the task), and never trained on.
-- ``reverse``: ``"rev:kxqa="`` -> ``"aqxk"``; strings of ``length`` letters.
-- ``code``: Python functions with unit tests, from ``data/code_tasks.py``.
-
-``data.prompt_template`` may name a task's parts (``{a}``, ``{b}`` and, with
-more ``terms``, ``{c}``, ``{d}``, ``{e}`` of a sum; ``{text}`` of a string to
-reverse) besides ``{prompt}``: the tasks of a pretrained model read as
-questions ("What is {a} + {b}?"), rendered through its chat template with
-``data.chat_template``.
-
-``options.teacher_error`` p makes the warm-start's demonstrations imperfect
-(``SyntheticSource.demonstration``): with probability p the teacher drops the
-carries of every column of a sum (addition) or copies the string instead of
-reversing it (reverse).
-Tasks, evaluation and rewards always use the true answer.
-
-Partial credit (both): the completion is compared with the answer position
-by position (right-aligned for numbers, since carries make the low digits
-easiest; left-aligned for strings); reward = matching positions /
-max(len(answer), len(completion)), so 1.0 only for an exact answer and extra
-or missing characters cost credit. This module knows nothing of tokenizers:
+This module knows nothing of tokenizers:
 prompts are plain text and the tiny character tokenizer maps them 1:1.
 """
 from __future__ import annotations
@@ -144,7 +118,14 @@ class SyntheticSource:
         probability p it drops the carries of a sum, of all its terms (the flawed
         answer only differs where a carry happens) or copies a string it should reverse.
         The verifier always checks the true answer, so RL can learn what
-        imitation of this teacher cannot."""
+        imitation of this teacher cannot.
+
+        ``options.teacher_error`` p makes the warm-start's demonstrations imperfect
+        (``SyntheticSource.demonstration``): with probability p the teacher drops the
+        carries of every column of a sum (addition) or copies the string instead of
+        reversing it (reverse).
+        Tasks, evaluation and rewards always use the true answer.
+        """
         if self.teacher_error and rng.random() < self.teacher_error:
             parts = task.info["fields"]
             if self.name == "reverse":  # the teacher copies the string instead of reversing it
@@ -160,7 +141,26 @@ def synthetic_source(name: str, split: str, options: dict | None = None, eval_si
     belong to the eval split, the rest (up to ``train_size``, default 20000)
     to train, so the splits never share a prompt. ``render(prompt, fields)``
     (the data section's prompt and chat templates) gives the text the model
-    sees; the plain prompt and its fields stay in ``Task.info``."""
+    sees; the plain prompt and its fields stay in ``Task.info``.
+
+    Tasks
+    - ``addition``: ``"47+38="`` -> ``"85"``; operands have ``digits`` digits;
+      ``terms`` (2..5, default 2) operands per sum (``"4+7+3="`` -> ``"14"``).
+      ``short_operands`` s (0..1, default 0) draws that share of the TRAINING sums
+      with each operand's number of digits even (1 to ``digits``, then the
+      operand among the numbers of that many digits; 0-9 have one), the rest
+      uniformly: with 2 digits, s = 1 puts a one-digit operand in 3 of 4
+      training sums against about 1 in 5 uniformly. The held-out sums are always
+      drawn uniformly (the task), and never trained on.
+    - ``reverse``: ``"rev:kxqa="`` -> ``"aqxk"``; strings of ``length`` letters.
+    - ``code``: Python functions with unit tests, from ``data/code_tasks.py``.
+
+    ``data.prompt_template`` may name a task's parts (``{a}``, ``{b}`` and, with
+    more ``terms``, ``{c}``, ``{d}``, ``{e}`` of a sum; ``{text}`` of a string to
+    reverse) besides ``{prompt}``: the tasks of a pretrained model read as
+    questions ("What is {a} + {b}?"), rendered through its chat template with
+    ``data.chat_template``.
+    """
     from conveyor.data.agentic import AGENTIC_TASKS, agentic_source
     if name == "code":  # functions to write, with unit tests (data/code_tasks.py)
         from conveyor.data.code_tasks import code_source
@@ -236,7 +236,14 @@ def score_text(completion: str, answer: str, right_align: bool) -> float:
 
 
 def partial_credit(traj: Trajectory) -> dict:
-    """Reward of the built-in tasks: positionwise credit in [0, 1], plus exact match as a metric."""
+    """Reward of the built-in tasks: positionwise credit in [0, 1], plus exact match as a metric.
+
+    Partial credit (both): the completion is compared with the answer position
+    by position (right-aligned for numbers, since carries make the low digits
+    easiest; left-aligned for strings); reward = matching positions /
+    max(len(answer), len(completion)), so 1.0 only for an exact answer and extra
+    or missing characters cost credit.
+    """
     answer = traj.task.answer or ""
     right = traj.task.info.get("task") == "addition"
     r = score_text(traj.text, answer, right_align=right)

@@ -1,26 +1,10 @@
 """External agents as environments (``env.name: agent``): the user's agent plays an episode through an endpoint.
 
-Contract
-- ``AgentEnv(agent="pkg.mod:fn")`` (or the function itself, from Python) or
-  ``AgentEnv(command=["prog", "arg"])`` (exactly one; ``env.kwargs``):
-  - a function ``async def fn(base_url: str, api_key: str, task: Task) ->
-    float | dict | None`` (a plain ``def`` runs in the pool's threads) runs its
-    agent with any OpenAI client pointed at ``base_url`` with ``api_key``;
-  - a program is started with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
-    ``OPENAI_MODEL`` in its environment (plus ``env`` and ``cwd`` when
-    given) and the task as one JSON object on stdin (``id``, ``prompt``,
-    ``answer``, ``info``); its reward is the last line of its stdout that is
-    JSON (a number, an object with ``"reward"``, or ``null``); an exit code
-    other than 0 is a crash (its stderr's last lines in the message). On a
-    deadline or cancellation its whole process group is killed.
-- ``entry`` is what the pool calls under the episode deadline
-  (``EnvPool.call``): the function, or the program's runner (async).
-- It declares ``played_by = PlayedBy("agent", model_kwarg="model")``
-  (``env.api``): the episode runner serves the endpoint, passes its model
-  name as ``model`` and reads what ``entry`` returns with
-  ``env.api.agent_result``: a float (the reward), a dict with ``"reward"``
-  (its other numbers are kept as reward components), or None (the
-  configured ``reward.fn`` scores the transcript).
+- ``AgentEnv(agent="pkg.mod:fn")`` or ``AgentEnv(command=[...])``: a function called with the
+  endpoint's ``base_url`` and ``api_key``, or a program started with them in ``OPENAI_*``
+  environment variables (killed with its process group on a deadline).
+- It declares ``played_by = PlayedBy("agent", ...)``: the episode runner serves the endpoint and
+  reads what ``entry`` returns (a reward, a dict, or None: ``reward.fn`` scores the transcript).
 
 It knows no tokens, engines or HTTP server: it starts agents and hands
 back what they return.
@@ -42,6 +26,27 @@ _OUTPUT_KEPT = 64 * 1024  # bytes of an agent program's stdout / stderr kept (it
 
 
 class AgentEnv:
+    """- ``AgentEnv(agent="pkg.mod:fn")`` (or the function itself, from Python) or
+      ``AgentEnv(command=["prog", "arg"])`` (exactly one; ``env.kwargs``):
+      - a function ``async def fn(base_url: str, api_key: str, task: Task) ->
+        float | dict | None`` (a plain ``def`` runs in the pool's threads) runs its
+        agent with any OpenAI client pointed at ``base_url`` with ``api_key``;
+      - a program is started with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
+        ``OPENAI_MODEL`` in its environment (plus ``env`` and ``cwd`` when
+        given) and the task as one JSON object on stdin (``id``, ``prompt``,
+        ``answer``, ``info``); its reward is the last line of its stdout that is
+        JSON (a number, an object with ``"reward"``, or ``null``); an exit code
+        other than 0 is a crash (its stderr's last lines in the message). On a
+        deadline or cancellation its whole process group is killed.
+    - ``entry`` is what the pool calls under the episode deadline
+      (``EnvPool.call``): the function, or the program's runner (async).
+    - It declares ``played_by = PlayedBy("agent", model_kwarg="model")``
+      (``env.api``): the episode runner serves the endpoint, passes its model
+      name as ``model`` and reads what ``entry`` returns with
+      ``env.api.agent_result``: a float (the reward), a dict with ``"reward"``
+      (its other numbers are kept as reward components), or None (the
+      configured ``reward.fn`` scores the transcript).
+    """
     played_by = PlayedBy("agent", model_kwarg="model")
 
     def __init__(self, agent: str | Callable | None = None, command: str | Sequence[str] | None = None,

@@ -1,36 +1,13 @@
 """The environment pool's contract: environments, tools, tool calls and what a step returns.
 
-Contract
-- ``Env``: what a Python developer knows from gymnasium, for text.
-  ``reset(task) -> observation`` starts an episode (the first observation is
-  the text the model reads first; ``""`` or ``None`` means ``task.prompt``);
-  ``step(action) -> StepResult`` (or gymnasium's 4-tuple ``(observation,
-  reward, done, info)``) answers one model turn. Either method may be
-  ``async def``; the pool runs plain ones in a worker thread under a
-  deadline. ``close()`` (optional) releases what the instance holds. One
-  instance serves one episode at a time and is reused for the next after
-  ``reset``. ``tools`` (optional) lists the tools the model is shown.
-- ``StepResult.reward`` is the reward of this turn (a process reward; 0 for
-  none); the episode's return is the sum of its turns' rewards.
-- ``Tool``: a function the model may call, declared by a JSON schema of its
-  keyword arguments (OpenAI's ``function`` shape, what
-  ``tokenizer.apply_chat_template(tools=...)`` renders). ``fn(**arguments)``
-  returns the observation text (or awaits it). ``ToolCall`` is one parsed
-  call; ``ToolError`` is raised by a tool for a failure the model should
-  read (bad arguments, a sandbox violation), with a failure class for the
-  pool's counters.
-- ``load_env(spec)`` resolves an environment factory from a builtin name or
-  a dotted path (``pkg.module:MyEnv``); the factory is called with the
-  recipe's ``env.kwargs`` once per instance.
-- How an episode is played is the factory's declaration ``played_by``
-  (``PlayedBy``; ``played_by(factory, spec)`` reads it, ``TURNS`` when there
-  is none): ``"turns"``, the engine writes each turn and ``step`` answers it
-  (an ``Env``); ``"agent"``, one call of user code plays the whole episode
-  against the OpenAI-compatible endpoint the episode runner serves (an
-  ``AgentPlayed``: ``entry(base_url, api_key, task)``, whose return
-  ``agent_result`` reads).
-- ``EnvFailure(kind, message)``: an episode cannot go on (``kind`` one of
-  the failure classes).
+- ``Env``: what a Python developer knows from gymnasium, for text: ``reset(task)``,
+  ``step(action) -> StepResult``, either may be ``async def``; one instance serves one episode
+  at a time. ``StepResult.reward`` is the turn's reward; the return is their sum.
+- ``Tool``: a function the model may call, declared by a JSON schema; ``ToolCall`` is one
+  parsed call; ``ToolError`` a failure the model reads.
+- ``load_env(spec)``: an environment factory from a builtin name or a dotted path.
+- ``played_by``: whether the engine writes each turn (``"turns"``) or an external agent plays
+  the whole episode (``"agent"``). ``EnvFailure``: an episode cannot go on.
 
 This module knows no engine, no tokenizer and no pool: only the shapes an
 environment and its tools speak.
@@ -93,7 +70,16 @@ class Tool:
     name / description: what the model is shown. parameters: the JSON schema (an ``object``
     schema) of ``fn``'s keyword arguments. fn: ``fn(**arguments) -> str`` (or a coroutine
     function); it raises ``ToolError`` for a failure the model should read. timeout_s: the
-    deadline of one call (None: the pool's ``tool_timeout_s``)."""
+    deadline of one call (None: the pool's ``tool_timeout_s``).
+
+    ``Tool``: a function the model may call, declared by a JSON schema of its
+    keyword arguments (OpenAI's ``function`` shape, what
+    ``tokenizer.apply_chat_template(tools=...)`` renders). ``fn(**arguments)``
+    returns the observation text (or awaits it). ``ToolCall`` is one parsed
+    call; ``ToolError`` is raised by a tool for a failure the model should
+    read (bad arguments, a sandbox violation), with a failure class for the
+    pool's counters.
+    """
     name: str
     description: str
     parameters: Mapping[str, Any]
@@ -108,7 +94,20 @@ class Tool:
 
 @runtime_checkable
 class Env(Protocol):
-    """A multi-turn text environment (methods may be ``async def``)."""
+    """A multi-turn text environment (methods may be ``async def``).
+
+    - ``Env``: what a Python developer knows from gymnasium, for text.
+      ``reset(task) -> observation`` starts an episode (the first observation is
+      the text the model reads first; ``""`` or ``None`` means ``task.prompt``);
+      ``step(action) -> StepResult`` (or gymnasium's 4-tuple ``(observation,
+      reward, done, info)``) answers one model turn. Either method may be
+      ``async def``; the pool runs plain ones in a worker thread under a
+      deadline. ``close()`` (optional) releases what the instance holds. One
+      instance serves one episode at a time and is reused for the next after
+      ``reset``. ``tools`` (optional) lists the tools the model is shown.
+    - ``StepResult.reward`` is the reward of this turn (a process reward; 0 for
+      none); the episode's return is the sum of its turns' rewards.
+    """
 
     def reset(self, task: Task) -> "str | None | Awaitable[str | None]":
         """Start an episode of ``task``; the first observation (None or "": ``task.prompt``)."""
@@ -150,7 +149,16 @@ class PlayedBy:
 
     kind: ``"turns"`` (the engine writes each turn, ``step`` answers it) or ``"agent"`` (an
     ``AgentPlayed``'s ``entry`` plays the whole episode through the OpenAI-compatible endpoint).
-    model_kwarg: the keyword argument its factory is given the endpoint's model name by (None: none)."""
+    model_kwarg: the keyword argument its factory is given the endpoint's model name by (None: none).
+
+    How an episode is played is the factory's declaration ``played_by``
+    (``PlayedBy``; ``played_by(factory, spec)`` reads it, ``TURNS`` when there
+    is none): ``"turns"``, the engine writes each turn and ``step`` answers it
+    (an ``Env``); ``"agent"``, one call of user code plays the whole episode
+    against the OpenAI-compatible endpoint the episode runner serves (an
+    ``AgentPlayed``: ``entry(base_url, api_key, task)``, whose return
+    ``agent_result`` reads).
+    """
     kind: str = "turns"
     model_kwarg: str | None = None
 
@@ -225,5 +233,10 @@ BUILTIN_ENVS = {
 
 
 def load_env(spec: str) -> Callable[..., Env]:
-    """The environment factory named by ``spec`` (a builtin name or ``pkg.module:Factory``)."""
+    """The environment factory named by ``spec`` (a builtin name or ``pkg.module:Factory``).
+
+    ``load_env(spec)`` resolves an environment factory from a builtin name or
+    a dotted path (``pkg.module:MyEnv``); the factory is called with the
+    recipe's ``env.kwargs`` once per instance.
+    """
     return resolve(spec, "env.name", BUILTIN_ENVS)

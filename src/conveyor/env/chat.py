@@ -1,18 +1,9 @@
 """How tools reach the model: the prompt text, rendered through the tokenizer's chat template.
 
 Contract: ``render_prompt(tokenizer, messages, tools) -> str`` is the text the model reads
-before its turn (generation prompt included).
-- With a chat template that renders ``tools`` (Qwen2.5/3, Llama 3.1+, Hermes, ...): the
-  template's own rendering, ``apply_chat_template(messages, tools=[t.schema() ...],
-  add_generation_prompt=True, tokenize=False)``.
-- With a chat template that ignores ``tools`` (rendering with and without them gives the
-  same text) or fails on them: ``tools_system_prompt(tools)`` (the Hermes description: the
-  schemas as JSON lines inside ``<tools></tools>`` and the ``<tool_call>`` format) goes into
-  the system message (merged after an existing one, or prepended), rendered by the template.
-- Without a chat template: the same system text, then each message as ``<role>: <content>``
-  on its own line, then ``assistant:``.
-- No tools: the template's rendering of the messages (or the plain join), nothing added.
-The input ``messages`` are never modified.
+before its turn (generation prompt included): the template's own rendering of the tools where
+it renders them, else ``tools_system_prompt(tools)`` (the Hermes description) in the system
+message. The input ``messages`` are never modified.
 
 This module knows no parser and no engine: it does not check that the model will answer in
 the format its template describes (pick the parser format to match: ``hermes`` for the
@@ -49,7 +40,20 @@ def tools_system_prompt(tools: Sequence[Tool]) -> str:
 
 
 def render_prompt(tokenizer: Any, messages: list[dict], tools: Sequence[Tool]) -> str:
-    """The prompt for the model's next turn, with ``tools`` described (see the module docstring)."""
+    """The prompt for the model's next turn, with ``tools`` described.
+
+    - With a chat template that renders ``tools`` (Qwen2.5/3, Llama 3.1+, Hermes, ...): the
+      template's own rendering, ``apply_chat_template(messages, tools=[t.schema() ...],
+      add_generation_prompt=True, tokenize=False)``.
+    - With a chat template that ignores ``tools`` (rendering with and without them gives the
+      same text) or fails on them: ``tools_system_prompt(tools)`` (the Hermes description: the
+      schemas as JSON lines inside ``<tools></tools>`` and the ``<tool_call>`` format) goes into
+      the system message (merged after an existing one, or prepended), rendered by the template.
+    - Without a chat template: the same system text, then each message as ``<role>: <content>``
+      on its own line, then ``assistant:``.
+    - No tools: the template's rendering of the messages (or the plain join), nothing added.
+    The input ``messages`` are never modified.
+    """
     messages = [dict(m) for m in messages]
     if not getattr(tokenizer, "chat_template", None):
         return _plain_join(_with_tools_system(messages, tools) if tools else messages)

@@ -1,63 +1,15 @@
 """Multi-turn games from the TextArena library as conveyor environments, used as they ship.
 
-Contract
-- ``TextArenaEnv(game=None, **game_kwargs)`` plays one single-player
-  TextArena game (``"GuessTheNumber-v0"`` when neither the constructor nor
-  the task names one) as player 0. ``reset(task)`` makes a fresh game
-  (``textarena.make``; a task's ``info["game"]``, which ``textarena_source``
-  writes, names the game, so ``data.source`` alone chooses it) and seeds it
-  with ``task.info["seed"]`` or, without one, a hash of ``task.id``; it
-  returns the game's first observation (its rules and, for board games, the
-  board). ``step(action)`` passes the model's whole turn to the game and
-  returns ``StepResult(observation, reward, done, info)``; the observation
-  is the game's messages since the previous turn (the echo of the model's
-  own move left out, since the model already has it in its context).
-- Reward: 0.0 on every turn but the last; on the last, TextArena's reward of
-  player 0, unchanged: 1.0 for a win, and for a game that ends otherwise
-  (turn limit, or a second invalid move in a row) whatever the game gives,
-  which for most games is the fraction of the puzzle completed in [0, 1].
-  ``info`` at the end holds ``reason``, ``invalid_move`` and ``turn_count``
-  from the game.
-- Invalid moves are the game's business: with TextArena's error allowance
-  of one, a first bad move yields an observation that says why and the
-  game goes on; a second one in a row ends it with the game's reward.
-  Moves are read as the game reads them, usually the first ``[...]`` in
-  the turn (the game's rules say so in the first observation).
-- ``textarena_source(name, split, options, eval_size, seed)``: tasks with
-  ``prompt=""`` (the first observation is the prompt) and ``info =
-  {"game": name, "seed": s}``; train and eval seeds are disjoint.
-  ``options["size"]`` is the number of training tasks (default 10000).
-  Games with few distinct boards (GuessTheNumber has 20 secrets) repeat
-  boards across splits; it is the policy that is evaluated, not an answer.
-- Games that work offline with no API key (checked with textarena 0.7.4):
-  GuessTheNumber, TowerOfHanoi, Minesweeper, Mastermind, Sudoku, FrozenLake,
-  FifteenPuzzle, LightsOut, PegJump, RushHour, Sokoban, Crosswords,
-  LogicPuzzle, Secretary, Bandit, Blackjack, 2048 (``-v0`` and variants).
-  Word games (Wordle, Hangman, WordLadder, SpellingBee) need NLTK's
-  ``words`` corpus on disk (``python -m nltk.downloader words``) and
-  fail without it; games judged by an LLM need an OpenRouter key;
-  multi-player games are refused (there is no opponent here).
+- ``TextArenaEnv``: one single-player TextArena game per episode, played as player 0. The reward
+  is 0.0 on every turn but the last, and TextArena's reward of player 0 on the last, unchanged;
+  invalid moves are the game's business.
+- ``textarena_source``: seeded tasks of one game for it; train and eval seeds are disjoint.
+- Concurrent episodes stay reproducible: every call into a game runs under one lock with the
+  episode's own ``random`` state swapped in.
+- Games that need an API key or a corpus not on disk fail; multi-player games are refused.
 
-TextArena games draw from Python's process-global ``random`` module. So
-that concurrent episodes stay reproducible, every call into a game runs
-under one lock with the episode's own generator state swapped in and the
-caller's restored afterwards; calls into games are short, except the reset
-of a few generated puzzles (Sokoban-v0-medium takes seconds).
-
-Why TextArena rather than the ``verifiers`` library: TextArena installs its
-games with their data and runs them in-process behind a small
-reset/step/observe API that maps one-to-one onto ``Env``, about 45 MB
-(textarena, openai, nltk, chess). ``verifiers`` inverts control: its
-environments own the rollout loop and call the policy through an
-OpenAI-compatible client, which does not fit a token-in/token-out episode
-whose logprobs the trainer needs, and it brings about 50 packages
-(anthropic, mcp, its vendor's sandbox and tunnel clients, uvicorn). Its
-environments are mostly installed from its vendor's hub over the network,
-and its own TextArena taskset wraps this same library but only its word
-games, which download NLTK data when loaded and so fail offline.
-
-This module knows nothing of tokens, engines, the pool or how a game
-decides its outcome: it translates calls and messages.
+This module knows nothing of tokens, engines, the pool or how a game decides its outcome: it
+translates calls and messages. Why TextArena rather than ``verifiers``: see ``TextArenaEnv``.
 """
 from __future__ import annotations
 
@@ -117,7 +69,57 @@ def task_seed(task: Task) -> int:
 
 
 class TextArenaEnv:
-    """One single-player TextArena game per episode (see the module docstring)."""
+    """One single-player TextArena game per episode.
+
+    - ``TextArenaEnv(game=None, **game_kwargs)`` plays one single-player
+      TextArena game (``"GuessTheNumber-v0"`` when neither the constructor nor
+      the task names one) as player 0. ``reset(task)`` makes a fresh game
+      (``textarena.make``; a task's ``info["game"]``, which ``textarena_source``
+      writes, names the game, so ``data.source`` alone chooses it) and seeds it
+      with ``task.info["seed"]`` or, without one, a hash of ``task.id``; it
+      returns the game's first observation (its rules and, for board games, the
+      board). ``step(action)`` passes the model's whole turn to the game and
+      returns ``StepResult(observation, reward, done, info)``; the observation
+      is the game's messages since the previous turn (the echo of the model's
+      own move left out, since the model already has it in its context).
+    - Reward: 0.0 on every turn but the last; on the last, TextArena's reward of
+      player 0, unchanged: 1.0 for a win, and for a game that ends otherwise
+      (turn limit, or a second invalid move in a row) whatever the game gives,
+      which for most games is the fraction of the puzzle completed in [0, 1].
+      ``info`` at the end holds ``reason``, ``invalid_move`` and ``turn_count``
+      from the game.
+    - Invalid moves are the game's business: with TextArena's error allowance
+      of one, a first bad move yields an observation that says why and the
+      game goes on; a second one in a row ends it with the game's reward.
+      Moves are read as the game reads them, usually the first ``[...]`` in
+      the turn (the game's rules say so in the first observation).
+    - Games that work offline with no API key (checked with textarena 0.7.4):
+      GuessTheNumber, TowerOfHanoi, Minesweeper, Mastermind, Sudoku, FrozenLake,
+      FifteenPuzzle, LightsOut, PegJump, RushHour, Sokoban, Crosswords,
+      LogicPuzzle, Secretary, Bandit, Blackjack, 2048 (``-v0`` and variants).
+      Word games (Wordle, Hangman, WordLadder, SpellingBee) need NLTK's
+      ``words`` corpus on disk (``python -m nltk.downloader words``) and
+      fail without it; games judged by an LLM need an OpenRouter key;
+      multi-player games are refused (there is no opponent here).
+
+    TextArena games draw from Python's process-global ``random`` module. So
+    that concurrent episodes stay reproducible, every call into a game runs
+    under one lock with the episode's own generator state swapped in and the
+    caller's restored afterwards; calls into games are short, except the reset
+    of a few generated puzzles (Sokoban-v0-medium takes seconds).
+
+    Why TextArena rather than the ``verifiers`` library: TextArena installs its
+    games with their data and runs them in-process behind a small
+    reset/step/observe API that maps one-to-one onto ``Env``, about 45 MB
+    (textarena, openai, nltk, chess). ``verifiers`` inverts control: its
+    environments own the rollout loop and call the policy through an
+    OpenAI-compatible client, which does not fit a token-in/token-out episode
+    whose logprobs the trainer needs, and it brings about 50 packages
+    (anthropic, mcp, its vendor's sandbox and tunnel clients, uvicorn). Its
+    environments are mostly installed from its vendor's hub over the network,
+    and its own TextArena taskset wraps this same library but only its word
+    games, which download NLTK data when loaded and so fail offline.
+    """
 
     def __init__(self, game: str | None = None, **game_kwargs: Any) -> None:
         ta = _require()
@@ -226,7 +228,15 @@ def _split_seeds(name: str, seed: int, split: str, count: int, taken: set[int]) 
 
 def textarena_source(name: str, split: str, options: Mapping[str, Any] | None = None, eval_size: int = 256,
                      seed: int = 0):
-    """Seeded tasks of TextArena game ``name`` for ``TextArenaEnv`` (see the module docstring)."""
+    """Seeded tasks of TextArena game ``name`` for ``TextArenaEnv``.
+
+    - ``textarena_source(name, split, options, eval_size, seed)``: tasks with
+      ``prompt=""`` (the first observation is the prompt) and ``info =
+      {"game": name, "seed": s}``; train and eval seeds are disjoint.
+      ``options["size"]`` is the number of training tasks (default 10000).
+      Games with few distinct boards (GuessTheNumber has 20 secrets) repeat
+      boards across splits; it is the policy that is evaluated, not an answer.
+    """
     from conveyor.data.api import DataError, ListSource
 
     try:

@@ -1,48 +1,14 @@
 """Tool calls out of a model turn's text, checked against the tools' JSON schemas.
 
-Contract
-- ``parse_tool_calls(text, fmt, tools) -> ParsedTurn`` never raises on model output: what
-  it cannot read becomes a ``ParseError`` (kind ``malformed_call``), the rest of the text
-  is ``content``. Formats:
-  - ``"hermes"`` (Hermes, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}
-    </tool_call>``, any number of them. ``arguments`` may also be a JSON string holding a
-    JSON object; ``parameters`` is accepted for ``arguments``; a body that is not JSON but a
-    Python dict literal (single quotes) is accepted too. A ``<tool_call>`` with no closing
-    tag is a malformed call (a truncated turn), even when its JSON is complete.
-  - ``"llama3"`` (Llama 3.1 / 3.2 JSON tool calls): the whole turn, after an optional
-    ``<|python_tag|>`` and without trailing ``<|eom_id|>`` / ``<|eot_id|>``, is one JSON
-    object ``{"name": ..., "parameters": {...}}`` (``arguments`` accepted) or several
-    separated by ``;``. Text after the last object is content. A turn that does not start
-    with ``{`` has no call; one that starts with ``{`` but is not a call object is content,
-    unless it had ``<|python_tag|>`` or a ``"name"`` key (then it is malformed).
-  - ``"plain"`` (a fallback for small models): a line that is ``name(...)``, optionally in
-    backticks, where ``name`` is one of the given tools (other names are prose, so
-    ``f(x)`` in a math answer is never a call). Inside the parentheses: nothing; or Python
-    call arguments with keywords (``key=value``, after optional positional values), or
-    several positional values when the tool has several parameters: each a Python literal,
-    else its source text; or ``key=text`` that is not Python (the text, unquoted); or else
-    ONE positional value, the whole text: unquoted if it is one string literal, a number
-    if it is a number literal and the parameter is numeric, else the text as written.
-    Positional values fill the required parameters in order, then the other properties
-    in schema order: ``calculator(123*456)`` is ``{"expression": "123*456"}``. Other
-    shapes (``<tool>name: {...}</tool>``, ``Action:`` lines) are not recognised.
-  - ``"auto"``: hermes, then llama3, then plain; the first that finds a call or a
-    malformed call wins.
-- ``check_call(call, tools) -> ToolError | None``: ``unknown_tool`` (the message lists the
-  known tools) or ``bad_arguments`` (the arguments against the tool's schema).
-- ``tool_problem(tool) -> str | None``: what is wrong with a tool's declaration
-  (its name, or its ``parameters`` as a schema of the subset below: an
-  ``object`` schema, known ``type`` names, ``properties`` of schemas,
-  ``required`` naming properties, ``enum`` a list, ``items`` one schema); the
-  pool's environment is refused before the run when one of its tools has one.
+- ``parse_tool_calls(text, fmt, tools) -> ParsedTurn`` never raises on model output: what it
+  cannot read becomes a ``ParseError`` (kind ``malformed_call``), the rest of the text is
+  ``content``. Formats: ``hermes``, ``llama3``, ``plain``, ``auto`` (``parse_tool_calls`` says
+  what each reads).
+- ``check_call(call, tools) -> ToolError | None``: ``unknown_tool`` or ``bad_arguments`` (a
+  JSON-schema subset, ``check_call`` names it). ``tool_problem(tool)``: what is wrong with a
+  tool's declaration.
 - ``format_tool_result(name, text)`` is ``"<name>: <text>"``; ``format_error(message)`` is
   ``"error: <message>"``: the observation texts the model reads.
-
-JSON-schema subset checked by ``check_call`` (anything else in a schema is ignored):
-``type`` (string, number, integer, boolean, array, object, null, or a list of them; an
-integer-valued float counts as an integer, a bool is never a number), ``enum``,
-``properties``, ``required``, ``additionalProperties: false``, ``items`` (one schema),
-recursively.
 
 This module knows no tokenizer, no engine and no pool: text in, calls and errors out.
 """
@@ -91,7 +57,34 @@ class ParsedTurn:
 
 
 def parse_tool_calls(text: str, fmt: str, tools: Sequence[Tool]) -> ParsedTurn:
-    """The tool calls in ``text`` in format ``fmt`` (one of ``FORMATS``); never raises on ``text``."""
+    """The tool calls in ``text`` in format ``fmt`` (one of ``FORMATS``); never raises on ``text``.
+
+    Formats:
+    - ``"hermes"`` (Hermes, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}
+      </tool_call>``, any number of them. ``arguments`` may also be a JSON string holding a
+      JSON object; ``parameters`` is accepted for ``arguments``; a body that is not JSON but a
+      Python dict literal (single quotes) is accepted too. A ``<tool_call>`` with no closing
+      tag is a malformed call (a truncated turn), even when its JSON is complete.
+    - ``"llama3"`` (Llama 3.1 / 3.2 JSON tool calls): the whole turn, after an optional
+      ``<|python_tag|>`` and without trailing ``<|eom_id|>`` / ``<|eot_id|>``, is one JSON
+      object ``{"name": ..., "parameters": {...}}`` (``arguments`` accepted) or several
+      separated by ``;``. Text after the last object is content. A turn that does not start
+      with ``{`` has no call; one that starts with ``{`` but is not a call object is content,
+      unless it had ``<|python_tag|>`` or a ``"name"`` key (then it is malformed).
+    - ``"plain"`` (a fallback for small models): a line that is ``name(...)``, optionally in
+      backticks, where ``name`` is one of the given tools (other names are prose, so
+      ``f(x)`` in a math answer is never a call). Inside the parentheses: nothing; or Python
+      call arguments with keywords (``key=value``, after optional positional values), or
+      several positional values when the tool has several parameters: each a Python literal,
+      else its source text; or ``key=text`` that is not Python (the text, unquoted); or else
+      ONE positional value, the whole text: unquoted if it is one string literal, a number
+      if it is a number literal and the parameter is numeric, else the text as written.
+      Positional values fill the required parameters in order, then the other properties
+      in schema order: ``calculator(123*456)`` is ``{"expression": "123*456"}``. Other
+      shapes (``<tool>name: {...}</tool>``, ``Action:`` lines) are not recognised.
+    - ``"auto"``: hermes, then llama3, then plain; the first that finds a call or a
+      malformed call wins.
+    """
     if fmt not in FORMATS:
         raise ValueError(f"tool call format {fmt!r} is not one of {FORMATS}")
     text = text if isinstance(text, str) else str(text)
@@ -331,7 +324,14 @@ _JSON_TYPES = {"string": "a string", "number": "a number", "integer": "an intege
 
 
 def check_call(call: ToolCall, tools: Sequence[Tool]) -> ToolError | None:
-    """Why ``call`` cannot run against ``tools`` (``unknown_tool`` / ``bad_arguments``), or None."""
+    """Why ``call`` cannot run against ``tools`` (``unknown_tool`` / ``bad_arguments``), or None.
+
+    JSON-schema subset checked by ``check_call`` (anything else in a schema is ignored):
+    ``type`` (string, number, integer, boolean, array, object, null, or a list of them; an
+    integer-valued float counts as an integer, a bool is never a number), ``enum``,
+    ``properties``, ``required``, ``additionalProperties: false``, ``items`` (one schema),
+    recursively.
+    """
     by_name = {t.name: t for t in tools}
     tool = by_name.get(call.name)
     if tool is None:
@@ -355,7 +355,14 @@ _TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def tool_problem(tool: Tool) -> str | None:
-    """What is wrong with ``tool``'s declaration (see the module docstring), or None."""
+    """What is wrong with ``tool``'s declaration, or None.
+
+    ``tool_problem(tool) -> str | None``: what is wrong with a tool's declaration
+    (its name, or its ``parameters`` as a schema of the subset below: an
+    ``object`` schema, known ``type`` names, ``properties`` of schemas,
+    ``required`` naming properties, ``enum`` a list, ``items`` one schema); the
+    pool's environment is refused before the run when one of its tools has one.
+    """
     if not isinstance(tool.name, str) or not _TOOL_NAME.fullmatch(tool.name):
         return f"tool name {tool.name!r} must be 1-64 letters, digits, _ . or -"
     schema = tool.parameters
@@ -394,7 +401,7 @@ def _declaration_problem(schema: Any, where: str) -> str | None:
 
 
 def _schema_problem(value: Any, schema: Mapping[str, Any], where: str) -> str | None:
-    """The first way ``value`` breaks ``schema`` (the subset in the module docstring), or None."""
+    """The first way ``value`` breaks ``schema`` (the subset ``check_call`` names), or None."""
     if not isinstance(schema, Mapping):
         return None
     types = schema.get("type")

@@ -1,47 +1,14 @@
 """The environment pool: instances, deadlines, retries, a circuit breaker and failure counters.
 
-Contract
-- ``EnvPool(factory, limits, tool_format)`` hands out ``EnvSession``s (``async
-  with pool.session() as s``), at most ``limits.concurrency`` at once. An
-  instance is created by ``factory()`` (in a worker thread), reset for each
-  episode and reused; an instance whose call failed or timed out is closed
-  and never reused.
-- Every call into user code has a deadline: ``reset_timeout_s``,
-  ``step_timeout_s``, ``tool_timeout_s``. Plain methods run in the pool's
-  worker threads (a hung one is abandoned at its deadline: its thread stays
-  busy, the instance is discarded); ``async`` ones are cancelled.
-- Creation and ``reset`` are retried ``retries`` times with exponential
-  backoff (they start an episode, so a retry is safe); ``step`` is not
-  (it changes the environment's state): its failure ends the episode with
-  ``EnvFailure``.
-- Tool calls: when the instance declares ``tools``, the pool parses the
-  model's turn (``env.parsers``). A turn with calls runs them (each under
-  its deadline and the circuit breaker) and answers with their results,
-  without calling ``step``; a turn without calls goes to ``step`` (the
-  final answer). A malformed call, an unknown tool, bad arguments, a tool's
-  ``ToolError`` or a timeout become an error observation the model reads,
-  counted by class; never an exception in the episode.
-- Circuit breaker (``resilience.Breaker``): after ``breaker_failures`` consecutive
-  failures a tool (or the environment type) is quarantined for
-  ``breaker_cooldown_s``; then one trial call decides. Calls to a
-  quarantined tool answer an error observation; a quarantined environment
-  holds new episodes back (up to ``reset_timeout_s``, then
-  ``EnvFailure("quarantined")``, naming the last failure) until its trial
-  call. An environment quarantined before it ever worked (no reset, step or
-  play succeeded yet) is not an outage to wait out but a broken one: every
-  new session raises ``EnvUnusable`` naming it and its last failure, which
-  stops the run at once.
-- ``EnvSession.play(fn, *args, timeout, what)``: a whole episode in one
-  call of user code (an external agent, ``env.agent``) under ``timeout``;
-  its failure is counted, recorded by the breaker and drops the instance,
-  as a failed ``step``'s does.
-- ``counts()``: failures by class (``env.api.FAILURE_CLASSES``) plus
-  ``episodes``, ``tool_calls``, ``instances_created``; ``quarantined()``
-  names what is quarantined now.
-- Each session holds the lowest free slot number (< ``limits.concurrency``);
-  its episode, resets and steps are spans of that slot's row on the run's
-  timeline (``observe.timeline``): one slot runs one episode at a time, so
-  its spans nest.
+- ``EnvPool(factory, limits, tool_format)`` hands out ``EnvSession``s, at most
+  ``limits.concurrency`` at once; an instance whose call failed or timed out is never reused.
+- Every call into user code has a deadline (``reset_timeout_s``, ``step_timeout_s``,
+  ``tool_timeout_s``); creation and ``reset`` are retried, ``step`` is not.
+- Tool calls are parsed (``env.parsers``) and run by the pool; their failures become error
+  observations the model reads, never an exception in the episode.
+- A circuit breaker quarantines a failing tool or environment type; an environment that never
+  worked raises ``EnvUnusable``, which stops the run.
+- ``counts()``: failures by class plus ``episodes``, ``tool_calls``, ``instances_created``.
 
 It knows nothing of tokens, engines or rewards: text in, text out.
 """
@@ -88,6 +55,46 @@ class EnvUnusable(RunStop):
 
 
 class EnvPool:
+    """Environment instances behind deadlines, retries and a circuit breaker.
+
+    - ``EnvPool(factory, limits, tool_format)`` hands out ``EnvSession``s (``async
+      with pool.session() as s``), at most ``limits.concurrency`` at once. An
+      instance is created by ``factory()`` (in a worker thread), reset for each
+      episode and reused; an instance whose call failed or timed out is closed
+      and never reused.
+    - Every call into user code has a deadline: ``reset_timeout_s``,
+      ``step_timeout_s``, ``tool_timeout_s``. Plain methods run in the pool's
+      worker threads (a hung one is abandoned at its deadline: its thread stays
+      busy, the instance is discarded); ``async`` ones are cancelled.
+    - Creation and ``reset`` are retried ``retries`` times with exponential
+      backoff (they start an episode, so a retry is safe); ``step`` is not
+      (it changes the environment's state): its failure ends the episode with
+      ``EnvFailure``.
+    - Tool calls: when the instance declares ``tools``, the pool parses the
+      model's turn (``env.parsers``). A turn with calls runs them (each under
+      its deadline and the circuit breaker) and answers with their results,
+      without calling ``step``; a turn without calls goes to ``step`` (the
+      final answer). A malformed call, an unknown tool, bad arguments, a tool's
+      ``ToolError`` or a timeout become an error observation the model reads,
+      counted by class; never an exception in the episode.
+    - Circuit breaker (``resilience.Breaker``): after ``breaker_failures`` consecutive
+      failures a tool (or the environment type) is quarantined for
+      ``breaker_cooldown_s``; then one trial call decides. Calls to a
+      quarantined tool answer an error observation; a quarantined environment
+      holds new episodes back (up to ``reset_timeout_s``, then
+      ``EnvFailure("quarantined")``, naming the last failure) until its trial
+      call. An environment quarantined before it ever worked (no reset, step or
+      play succeeded yet) is not an outage to wait out but a broken one: every
+      new session raises ``EnvUnusable`` naming it and its last failure, which
+      stops the run at once.
+    - ``counts()``: failures by class (``env.api.FAILURE_CLASSES``) plus
+      ``episodes``, ``tool_calls``, ``instances_created``; ``quarantined()``
+      names what is quarantined now.
+    - Each session holds the lowest free slot number (< ``limits.concurrency``);
+      its episode, resets and steps are spans of that slot's row on the run's
+      timeline (``observe.timeline``): one slot runs one episode at a time, so
+      its spans nest.
+    """
     def __init__(self, factory: Callable[[], Any], limits: PoolLimits = PoolLimits(), tool_format: str = "auto",
                  name: str = "env"):
         self.factory, self.limits, self.tool_format, self.name = factory, limits, tool_format, name
@@ -271,7 +278,13 @@ class EnvSession:
 
     async def play(self, fn: Callable, *args: Any, timeout: float, what: str) -> Any:
         """A whole episode in one call of user code (an external agent: ``env.agent``), under
-        ``timeout``; its failure is counted, trips the breaker and drops the instance, like a step's."""
+        ``timeout``; its failure is counted, trips the breaker and drops the instance, like a step's.
+
+        - ``EnvSession.play(fn, *args, timeout, what)``: a whole episode in one
+          call of user code (an external agent, ``env.agent``) under ``timeout``;
+          its failure is counted, recorded by the breaker and drops the instance,
+          as a failed ``step``'s does.
+        """
         p = self.pool
         try:
             with timeline.measure("environment", "agent", track=self.track):

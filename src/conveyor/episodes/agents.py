@@ -1,24 +1,9 @@
 """Agent episodes: the user's agent plays a task through the OpenAI-compatible endpoint, its calls become a trajectory.
 
-Contract: ``AgentEpisodes(endpoint, timeout_s)`` is the episode runner's
-(``episodes.runner.EpisodeRunner``) path for an environment that declares
-it is played by an agent (``env.api.PlayedBy("agent")``, as ``env.name: agent`` does).
-``start(engine)`` serves the endpoint on the runner's event loop with the
-runner as the default engine (turns reach the engine workers exactly as
-``run_episode``'s do). ``play(session, task, params, engine=None)`` opens
-an episode, runs the session's ``env.api.AgentPlayed`` with the endpoint's
-``base_url`` and the episode's key under the pool's deadline
-(``timeout_s``: ``env.endpoint.episode_timeout_s``; an agent that raises,
-hangs or never closes its episode is a counted failure of the session, see
-``EnvSession.play``), closes the episode (later calls with its key are
-refused) and returns its ``Trajectory``: the recorded tokens, the agent's
-reward on its last turn (its other numbers in ``reward_info``), and
-``finish_reason`` ``length`` when a call hit a budget. An episode that
-rewrote its history, made no call, returned something that is not a
-reward, or whose engine call failed raises ``EnvFailure``, counted by
-class on the pool. ``engine`` replaces the runner for one episode (the warm
-start's scripted teacher). ``stop()`` refuses every later call (the run
-ended) and stops the server.
+- ``AgentEpisodes(endpoint, timeout_s)`` is the episode runner's path for an environment played
+  by an agent (``env.api.PlayedBy("agent")``): ``play`` runs the agent under the pool's deadline
+  and returns the episode's recorded ``Trajectory``, or raises ``EnvFailure``, counted.
+- ``agent_episodes(cfg, ...)`` builds it for a run.
 
 It knows nothing of admission, rewards functions or training.
 """
@@ -34,6 +19,26 @@ from conveyor.types import SamplingParams, Task, Trajectory
 
 
 class AgentEpisodes:
+    """Contract: ``AgentEpisodes(endpoint, timeout_s)`` is the episode runner's
+    (``episodes.runner.EpisodeRunner``) path for an environment that declares
+    it is played by an agent (``env.api.PlayedBy("agent")``, as ``env.name: agent`` does).
+    ``start(engine)`` serves the endpoint on the runner's event loop with the
+    runner as the default engine (turns reach the engine workers exactly as
+    ``run_episode``'s do). ``play(session, task, params, engine=None)`` opens
+    an episode, runs the session's ``env.api.AgentPlayed`` with the endpoint's
+    ``base_url`` and the episode's key under the pool's deadline
+    (``timeout_s``: ``env.endpoint.episode_timeout_s``; an agent that raises,
+    hangs or never closes its episode is a counted failure of the session, see
+    ``EnvSession.play``), closes the episode (later calls with its key are
+    refused) and returns its ``Trajectory``: the recorded tokens, the agent's
+    reward on its last turn (its other numbers in ``reward_info``), and
+    ``finish_reason`` ``length`` when a call hit a budget. An episode that
+    rewrote its history, made no call, returned something that is not a
+    reward, or whose engine call failed raises ``EnvFailure``, counted by
+    class on the pool. ``engine`` replaces the runner for one episode (the warm
+    start's scripted teacher). ``stop()`` refuses every later call (the run
+    ended) and stops the server.
+    """
     def __init__(self, endpoint: Endpoint, timeout_s: float):
         self.endpoint, self.timeout_s = endpoint, timeout_s
 

@@ -1,30 +1,13 @@
 """Multi-turn rollouts, token in / token out: one episode of engine turns and environment answers.
 
-Contract: ``run_episode(engine, session, task, fmt, params, limits)`` runs one
-episode and returns its ``Trajectory``:
-- The prompt is the first observation (``session.reset``), rendered by
-  ``TurnFormat.first_prompt`` (with the tools through the chat template
-  where there is one). Each turn, the engine continues the running token
-  sequence (prompt + every earlier turn and observation, the ids
-  themselves: nothing is re-tokenised); the turn's text goes to
-  ``session.step``; the observation's tokens (``TurnFormat.observation_ids``)
-  are appended. Policy tokens keep the engine's logprob and version
-  (``loss_mask`` 1); environment tokens have ``loss_mask`` 0, logprob 0.0
-  and version -1.
-- Budgets: ``limits.max_turns`` model turns; ``limits.max_tokens``
-  completion tokens (policy and environment together) and the engine's
-  context. A turn that would pass a budget is cut there (its tokens stay
-  valid samples), an observation that would is dropped, and the episode
-  ends with ``finish_reason="length"``. An observation longer than
-  ``limits.max_observation_tokens`` is cut with a marker and counted
-  (``truncated_observation``). ``finish_reason="stop"``: the environment
-  said done.
-- ``TurnRecord``s give each turn's token span, reward, tool calls, the
-  environment's time and failure class. ``Trajectory.text`` is the whole
-  completion decoded (observations included), what a transcript reward
-  reads.
-- Failures of the environment (``env.api.EnvFailure``) propagate: the
-  caller's failure policy decides (retry or drop the group).
+- ``run_episode(engine, session, task, fmt, params, limits)`` runs one episode and returns its
+  ``Trajectory``: the engine continues the running token sequence itself (nothing is
+  re-tokenised); policy tokens keep the engine's logprob and version, environment tokens are
+  loss-masked.
+- Budgets (turns, tokens, the context) cut the episode with ``finish_reason="length"``;
+  ``TurnRecord``s give each turn's span, reward and tool calls.
+- Failures of the environment (``env.api.EnvFailure``) propagate: the caller's failure policy
+  decides.
 
 ``TurnEngine`` is what an episode needs of generation (one continuation,
 awaited); it knows nothing of processes, the schedule or rewards.
@@ -135,6 +118,32 @@ class _Running:
 
 async def run_episode(engine: TurnEngine, session: EnvSession, task: Task, fmt: TurnFormat,
                       params: SamplingParams, limits: EpisodeLimits) -> Trajectory:
+    """Contract: ``run_episode(engine, session, task, fmt, params, limits)`` runs one
+    episode and returns its ``Trajectory``:
+    - The prompt is the first observation (``session.reset``), rendered by
+      ``TurnFormat.first_prompt`` (with the tools through the chat template
+      where there is one). Each turn, the engine continues the running token
+      sequence (prompt + every earlier turn and observation, the ids
+      themselves: nothing is re-tokenised); the turn's text goes to
+      ``session.step``; the observation's tokens (``TurnFormat.observation_ids``)
+      are appended. Policy tokens keep the engine's logprob and version
+      (``loss_mask`` 1); environment tokens have ``loss_mask`` 0, logprob 0.0
+      and version -1.
+    - Budgets: ``limits.max_turns`` model turns; ``limits.max_tokens``
+      completion tokens (policy and environment together) and the engine's
+      context. A turn that would pass a budget is cut there (its tokens stay
+      valid samples), an observation that would is dropped, and the episode
+      ends with ``finish_reason="length"``. An observation longer than
+      ``limits.max_observation_tokens`` is cut with a marker and counted
+      (``truncated_observation``). ``finish_reason="stop"``: the environment
+      said done.
+    - ``TurnRecord``s give each turn's token span, reward, tool calls, the
+      environment's time and failure class. ``Trajectory.text`` is the whole
+      completion decoded (observations included), what a transcript reward
+      reads.
+    - Failures of the environment (``env.api.EnvFailure``) propagate: the
+      caller's failure policy decides (retry or drop the group).
+    """
     t0 = time.perf_counter()
     prompt = fmt.first_prompt(await session.reset(task), session.tools)
     if not prompt or len(prompt) >= limits.context_limit:

@@ -1,22 +1,11 @@
 """OpenAI's HTTP API as data: requests checked and normalised, responses and stream chunks built.
 
-Contract
-- ``ApiError(status, message, param=..., code=...)`` is a refusal; ``body()`` is
-  OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``.
-- ``parse_chat(body)`` -> ``ChatRequest`` and ``parse_text(body)`` -> ``TextRequest``
-  raise ``ApiError`` (400) naming the field and the fix. Accepted: ``messages``
-  (system / developer / user / assistant / tool; text content as a string or as
-  text parts; assistant ``tool_calls`` whose ``arguments`` are JSON), ``tools``
-  (functions whose ``parameters`` are a JSON schema of an object, checked with
-  ``jsonschema``), ``tool_choice`` ``auto`` / ``none``, ``stream``,
-  ``stream_options.include_usage``, ``max_tokens`` / ``max_completion_tokens``,
-  ``stop``, ``logprobs``, ``n`` = 1. Fields that steer sampling (``temperature``,
-  ``top_p``, ``seed``, ...) are read by nobody: an episode samples with the run's
-  parameters, because the trainer recomputes exactly those. Unknown fields are
-  ignored, as OpenAI-compatible servers do.
-- ``chat_completion`` / ``chat_chunks`` / ``text_completion`` / ``text_chunks``
-  build the response objects (``chat.completion``, ``chat.completion.chunk``,
-  ``text_completion``) from a ``Reply``.
+- ``parse_chat(body)`` -> ``ChatRequest`` and ``parse_text(body)`` -> ``TextRequest`` raise
+  ``ApiError`` (400) naming the field and the fix; ``ApiError.body()`` is OpenAI's error shape.
+- Fields that steer sampling are read by nobody: an episode samples with the run's parameters,
+  because the trainer recomputes exactly those. Unknown fields are ignored.
+- ``chat_completion`` / ``chat_chunks`` / ``text_completion`` / ``text_chunks`` build the
+  response objects from a ``Reply``.
 
 It knows no tokenizer, no engine and no episode: JSON in, JSON out.
 """
@@ -34,7 +23,11 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class ApiError(Exception):
-    """A refused request: the HTTP status and OpenAI's error fields."""
+    """A refused request: the HTTP status and OpenAI's error fields.
+
+    ``ApiError(status, message, param=..., code=...)`` is a refusal; ``body()`` is
+    OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``.
+    """
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error"):
@@ -111,6 +104,18 @@ def parse_json(raw: bytes) -> dict:
 
 
 def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
+    """``parse_chat(body)`` -> ``ChatRequest`` and ``parse_text(body)`` -> ``TextRequest``
+    raise ``ApiError`` (400) naming the field and the fix. Accepted: ``messages``
+    (system / developer / user / assistant / tool; text content as a string or as
+    text parts; assistant ``tool_calls`` whose ``arguments`` are JSON), ``tools``
+    (functions whose ``parameters`` are a JSON schema of an object, checked with
+    ``jsonschema``), ``tool_choice`` ``auto`` / ``none``, ``stream``,
+    ``stream_options.include_usage``, ``max_tokens`` / ``max_completion_tokens``,
+    ``stop``, ``logprobs``, ``n`` = 1. Fields that steer sampling (``temperature``,
+    ``top_p``, ``seed``, ...) are read by nobody: an episode samples with the run's
+    parameters, because the trainer recomputes exactly those. Unknown fields are
+    ignored, as OpenAI-compatible servers do.
+    """
     model = _model(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

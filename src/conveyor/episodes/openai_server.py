@@ -1,37 +1,13 @@
 """The OpenAI-compatible endpoint in front of the rollout engines: every call of an agent recorded as its episode.
 
-Contract
-- ``Endpoint(tokenizer, settings, limits, count)``; ``await start(engine)`` serves
-  ``/v1/chat/completions`` (tools and tool calls in OpenAI's format, SSE
-  streaming or not), ``/v1/completions`` and ``/v1/models`` (uvicorn +
-  starlette) on ``settings.host:settings.port`` (port 0: a free one;
-  ``base_url`` says which) on the CALLING event loop: the loop that routes
-  turns to the engine workers (``episodes.runner``), so a call is one
-  ``engine.generate`` there, the same path as every other episode turn, for
-  the native engine, vLLM and remote engines alike.
-- ``open(task, params, engine=None)`` returns an ``Episode`` whose ``key`` is
-  the API key its client sends (``Authorization: Bearer <key>``, or the
-  ``X-Conveyor-Episode`` header, which wins). Its calls are served one at a
-  time, in order, and recorded by a ``episodes.transcript.Transcript``: each
-  request's messages are rendered by the chat template (the model's own
-  replies rendered as the text it sampled, recognised by their content and
-  tool calls), matched against the recorded tokens and only the new suffix is
-  appended; the engine continues the recorded ids. Sampling is the episode's
-  ``params`` (the run's), whatever the request asks; ``max_tokens`` and
-  ``stop`` of a request narrow it. ``close(key)`` ends the episode: later
-  calls with its key get 410.
-- A reply's text is parsed for tool calls (``env.parsers``, the configured
-  format) against the request's tools; calls that parse and check become
-  ``tool_calls`` (``finish_reason: tool_calls``); a malformed call is
-  returned as text and counted (``malformed_call``).
-- Refusals are OpenAI error objects: 400 (bad JSON or fields, a tool schema
-  that is not JSON schema, a call past the episode's turn or token budget:
-  ``episode_budget_exhausted``, a prompt past the context), 401 (no key or
-  an unknown one), 404 (unknown model or route), 410 (a closed episode, or
-  the run ended: ``end()``), 500 (the endpoint failed on the call: the
-  episode is not trained), 503 (the engine did not answer in time).
-- ``count(name)`` is told ``agent_calls``, ``rewritten_calls``,
-  ``malformed_call``, ``bad_requests``, ``budget_exhausted``.
+- ``Endpoint``; ``await start(engine)`` serves ``/v1/chat/completions``, ``/v1/completions`` and
+  ``/v1/models`` on the CALLING event loop, so a call is one ``engine.generate`` there, the same
+  path as every other episode turn.
+- ``open(task, params)`` returns an ``Episode`` keyed by the API key its client sends; its calls
+  are served one at a time, in order, and recorded token by token
+  (``episodes.transcript.Transcript``); sampling is the run's, whatever the request asks.
+- Tool calls in a reply are parsed (``env.parsers``); refusals are OpenAI error objects.
+- ``count(name)`` is told what happened (``agent_calls``, ``malformed_call``, ...).
 
 It knows nothing of agents, rewards or training: requests in, tokens
 recorded, replies out.
@@ -106,6 +82,40 @@ def _signature(content: str | None, calls: Sequence[tuple[str, Any]]) -> str:
 
 
 class Endpoint:
+    """The OpenAI-compatible endpoint; each call recorded as its episode's.
+
+    - ``Endpoint(tokenizer, settings, limits, count)``; ``await start(engine)`` serves
+      ``/v1/chat/completions`` (tools and tool calls in OpenAI's format, SSE
+      streaming or not), ``/v1/completions`` and ``/v1/models`` (uvicorn +
+      starlette) on ``settings.host:settings.port`` (port 0: a free one;
+      ``base_url`` says which) on the CALLING event loop: the loop that routes
+      turns to the engine workers (``episodes.runner``), so a call is one
+      ``engine.generate`` there, the same path as every other episode turn, for
+      the native engine, vLLM and remote engines alike.
+    - ``open(task, params, engine=None)`` returns an ``Episode`` whose ``key`` is
+      the API key its client sends (``Authorization: Bearer <key>``, or the
+      ``X-Conveyor-Episode`` header, which wins). Its calls are served one at a
+      time, in order, and recorded by a ``episodes.transcript.Transcript``: each
+      request's messages are rendered by the chat template (the model's own
+      replies rendered as the text it sampled, recognised by their content and
+      tool calls), matched against the recorded tokens and only the new suffix is
+      appended; the engine continues the recorded ids. Sampling is the episode's
+      ``params`` (the run's), whatever the request asks; ``max_tokens`` and
+      ``stop`` of a request narrow it. ``close(key)`` ends the episode: later
+      calls with its key get 410.
+    - A reply's text is parsed for tool calls (``env.parsers``, the configured
+      format) against the request's tools; calls that parse and check become
+      ``tool_calls`` (``finish_reason: tool_calls``); a malformed call is
+      returned as text and counted (``malformed_call``).
+    - Refusals are OpenAI error objects: 400 (bad JSON or fields, a tool schema
+      that is not JSON schema, a call past the episode's turn or token budget:
+      ``episode_budget_exhausted``, a prompt past the context), 401 (no key or
+      an unknown one), 404 (unknown model or route), 410 (a closed episode, or
+      the run ended: ``end()``), 500 (the endpoint failed on the call: the
+      episode is not trained), 503 (the engine did not answer in time).
+    - ``count(name)`` is told ``agent_calls``, ``rewritten_calls``,
+      ``malformed_call``, ``bad_requests``, ``budget_exhausted``.
+    """
     def __init__(self, tokenizer, settings: EndpointSettings, limits: EpisodeLimits, count: Callable[[str], None]):
         self.tok, self.settings, self.limits, self.count = tokenizer, settings, limits, count
         self.base_url = ""

@@ -1,29 +1,12 @@
 """The episode runner: multi-turn groups driven on one event loop, turns routed to engine workers.
 
-Contract: ``EpisodeRunner(workers, pool, fmt, limits, ...)`` runs an asyncio
-loop in a thread of its own. ``start_group(index, task, seed)`` runs the
-group's n episodes concurrently (``episodes.multi_turn.run_episode``, each
-in a session of the ``EnvPool``); each turn is a ``messages.Generate`` of
-one prompt sent to the engine worker with the fewest turns in flight,
-tagged with a turn id (>= 0, so a streaming engine merges concurrent
-turns into its running batch) and the newest published version (so a
-weight swap may land between turns; inside a turn the engine's partial
-rollouts apply). The producer hands every ``Done`` of a turn id to
-``answer``. ``finished()`` returns the groups that ended since the last
-call as ``GroupOutcome``s, whole: every episode succeeded, or the group
-failed (``group is None``) under the failure policy: ``retry`` re-runs a
-failed episode on a fresh instance with a fresh seed up to ``attempts``
-times, ``drop`` fails the group at its first failed episode. A turn that
-no engine answers within ``timeout_s`` fails its episode (``timeout``).
-``run_tasks(tasks, params)`` runs one episode per task outside the
-schedule (evaluation) and returns the trajectories (None for failures);
-``play_tasks`` returns each failure's ``EnvFailure`` instead (``conveyor generate``).
-With ``agents`` (``episodes.agents``) an episode is the user's agent
-calling the OpenAI-compatible endpoint, served on this loop with this
-runner as its engine, instead of ``run_episode``. ``episode_runner(cfg,
-...)`` builds the runner a config asks for; which of the two ways an
-episode is played is the environment's declaration (``env.api.played_by``),
-never its name.
+- ``EpisodeRunner`` runs an asyncio loop in a thread of its own: ``start_group`` runs a group's
+  episodes concurrently, each turn sent to the least loaded engine worker; ``finished()``
+  returns ended groups whole, or failed under the failure policy (``retry`` / ``drop``).
+- A turn that no engine answers within ``timeout_s`` fails its episode.
+- ``run_tasks`` / ``play_tasks``: one episode per task outside the schedule.
+- How an episode is played (engine turns or the user's agent) is the environment's declaration
+  (``env.api.played_by``), never its name; ``episode_runner(cfg, ...)`` builds the runner.
 
 It knows nothing of rewards, admission or training.
 """
@@ -65,6 +48,31 @@ class GroupOutcome:
 
 
 class EpisodeRunner:
+    """Contract: ``EpisodeRunner(workers, pool, fmt, limits, ...)`` runs an asyncio
+    loop in a thread of its own. ``start_group(index, task, seed)`` runs the
+    group's n episodes concurrently (``episodes.multi_turn.run_episode``, each
+    in a session of the ``EnvPool``); each turn is a ``messages.Generate`` of
+    one prompt sent to the engine worker with the fewest turns in flight,
+    tagged with a turn id (>= 0, so a streaming engine merges concurrent
+    turns into its running batch) and the newest published version (so a
+    weight swap may land between turns; inside a turn the engine's partial
+    rollouts apply). The producer hands every ``Done`` of a turn id to
+    ``answer``. ``finished()`` returns the groups that ended since the last
+    call as ``GroupOutcome``s, whole: every episode succeeded, or the group
+    failed (``group is None``) under the failure policy: ``retry`` re-runs a
+    failed episode on a fresh instance with a fresh seed up to ``attempts``
+    times, ``drop`` fails the group at its first failed episode. A turn that
+    no engine answers within ``timeout_s`` fails its episode (``timeout``).
+    ``run_tasks(tasks, params)`` runs one episode per task outside the
+    schedule (evaluation) and returns the trajectories (None for failures);
+    ``play_tasks`` returns each failure's ``EnvFailure`` instead (``conveyor generate``).
+    With ``agents`` (``episodes.agents``) an episode is the user's agent
+    calling the OpenAI-compatible endpoint, served on this loop with this
+    runner as its engine, instead of ``run_episode``. ``episode_runner(cfg,
+    ...)`` builds the runner a config asks for; which of the two ways an
+    episode is played is the environment's declaration (``env.api.played_by``),
+    never its name.
+    """
     def __init__(self, workers: list[EngineWorker], pool: EnvPool, fmt: TurnFormat, limits: EpisodeLimits, *,
                  sampling: Callable[[int], SamplingParams], n: int, version: Callable[[], int],
                  on_failure: str = "retry", attempts: int = 2, timeout_s: float = 600.0,

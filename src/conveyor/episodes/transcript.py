@@ -1,32 +1,12 @@
 """One episode's model calls recorded as one token sequence: the rendered history is matched, not re-tokenised.
 
-Contract: ``Transcript(limits, decode, text)`` records the calls of one episode
-that a client (an agent) makes through the OpenAI-compatible endpoint.
-- ``covered(rendered)`` then ``extend(rendered, covered)``: the call's request
-  rendered by the chat template and tokenised (two steps, so a caller can
-  refuse the call on a budget before anything is recorded). The first
-  call's ids are the prompt (``loss_mask`` 0). A later call must continue
-  the recorded sequence (prompt + every completion and suffix so far):
-  ``match_prefix`` walks the recorded tokens against ``rendered``; the
-  part past them, the new messages (tool results, user turns, the next
-  generation prompt), is appended with ``loss_mask`` 0, logprob 0.0,
-  version -1. The engine then continues the recorded ids
-  themselves, so the history's tokens are the ones the model sampled.
-- Matching rules: tokens the policy did not produce must be equal; a
-  completion may end with a stop token (EOS) that the template does not
-  write back (then it is skipped there, as the template writes its own end
-  of turn); a completion whose text the tokenizer splits differently now
-  matches by its text (the sampled ids are kept).
-- A call that does not continue the record (the client rewrote, dropped or
-  reordered earlier messages) is a rewrite: it is counted (``rewrites``)
-  and starts a new segment whose prompt is the whole rendered request, so
-  the client is still served; ``trajectory`` then refuses the episode
-  (``EnvFailure("history_rewritten")``): an episode is trained only as one
-  exact sequence, never silently on tokens the model did not see.
-- ``add(completion, ...)``: the policy's tokens (``loss_mask`` 1, the
-  engine's logprobs and versions) and a ``TurnRecord``.
-- ``room()``: completion tokens the budgets (``limits.max_tokens`` and the
-  context) still allow; ``calls`` counts the model calls.
+- ``Transcript(limits, decode, text)`` records the calls of one episode that a client (an agent)
+  makes through the OpenAI-compatible endpoint: each call's rendered request must continue the
+  recorded sequence (``match_prefix``); only the new suffix is appended, loss-masked, and the
+  engine continues the recorded ids themselves.
+- A call that does not continue the record is a rewrite: counted, still served, and the episode
+  is refused for training (``EnvFailure("history_rewritten")``): an episode is trained only as
+  one exact sequence, never silently on tokens the model did not see.
 
 It knows no HTTP, no engine and no agent: token ids in, a ``Trajectory`` out.
 """
@@ -67,7 +47,7 @@ class _Segment:
 def match_prefix(recorded: Sequence[int], spans: Sequence[Span], new: Sequence[int],
                  decode: Callable[[Sequence[int]], str]) -> int | None:
     """How many tokens of ``new`` the ``recorded`` sequence covers, or None if ``new`` does not
-    continue it (see the module docstring for the rules)."""
+    continue it (``Transcript`` gives the rules)."""
     i = j = 0
     for span in list(spans) + [Span(len(recorded), len(recorded))]:
         fixed = recorded[i:span.start]  # tokens the policy did not produce: equal, token by token
@@ -104,6 +84,34 @@ def _same_text(body: list[int], new: Sequence[int], j: int, decode: Callable[[Se
 
 
 class Transcript:
+    """Contract: ``Transcript(limits, decode, text)`` records the calls of one episode
+    that a client (an agent) makes through the OpenAI-compatible endpoint.
+    - ``covered(rendered)`` then ``extend(rendered, covered)``: the call's request
+      rendered by the chat template and tokenised (two steps, so a caller can
+      refuse the call on a budget before anything is recorded). The first
+      call's ids are the prompt (``loss_mask`` 0). A later call must continue
+      the recorded sequence (prompt + every completion and suffix so far):
+      ``match_prefix`` walks the recorded tokens against ``rendered``; the
+      part past them, the new messages (tool results, user turns, the next
+      generation prompt), is appended with ``loss_mask`` 0, logprob 0.0,
+      version -1. The engine then continues the recorded ids
+      themselves, so the history's tokens are the ones the model sampled.
+    - Matching rules: tokens the policy did not produce must be equal; a
+      completion may end with a stop token (EOS) that the template does not
+      write back (then it is skipped there, as the template writes its own end
+      of turn); a completion whose text the tokenizer splits differently now
+      matches by its text (the sampled ids are kept).
+    - A call that does not continue the record (the client rewrote, dropped or
+      reordered earlier messages) is a rewrite: it is counted (``rewrites``)
+      and starts a new segment whose prompt is the whole rendered request, so
+      the client is still served; ``trajectory`` then refuses the episode
+      (``EnvFailure("history_rewritten")``): an episode is trained only as one
+      exact sequence, never silently on tokens the model did not see.
+    - ``add(completion, ...)``: the policy's tokens (``loss_mask`` 1, the
+      engine's logprobs and versions) and a ``TurnRecord``.
+    - ``room()``: completion tokens the budgets (``limits.max_tokens`` and the
+      context) still allow; ``calls`` counts the model calls.
+    """
     def __init__(self, limits: EpisodeLimits, decode: Callable[[Sequence[int]], str],
                  text: Callable[[Sequence[int]], str]):
         # decode: ids -> text with special tokens (matching); text: what a reward reads (without them)

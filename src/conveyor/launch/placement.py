@@ -1,26 +1,11 @@
 """Which device each trainer rank and engine gets, and how weights reach each engine.
 
-Contract
-- ``plan(cfg, visible_gpus=None) -> Placement``: ``trainer_devices[r]`` and
-  ``engine_devices[i]`` ("cuda:k" or "cpu") and the weight sync kind:
-  * colocated, one rank and one engine: both in the controller ("inprocess").
-  * colocated, N ranks: engine i beside rank i on GPU i ("ipc"), or on CPU ("shm").
-  * disaggregated on GPUs: ranks on GPUs 0..N-1, engines on GPUs N..N+M-1,
-    weights by NCCL "broadcast"; with a single visible GPU every role shares
-    it and weights go by "ipc". On CPU: "shm", or "broadcast" (gloo) if asked.
-  A placement that does not fit the visible GPUs raises ``PlacementError``
-  naming the counts and the fix. Nothing assumes a particular count.
-- ``make_routes(cfg, placement, path, ctx) -> Routes``: the transports,
-  allocated once by the controller and handed to the processes:
-  ``writers[r]`` are what trainer rank r publishes to (rank 0 feeds shm and
-  broadcast; rank r feeds the IPC staging on its GPU), ``readers[i]`` is what
-  engine i polls, ``controller`` is where the controller publishes the
-  warm-start weights (every engine reads it), ``group`` the broadcast group
-  (re-formed when an engine is restarted) or None.
-- ``reward_device(cfg, visible_gpus=None)``: where a reward model (``reward.fn:
-  rm``) runs: ``reward.device`` as given, or for ``auto`` / ``trainer`` the
-  device of trainer rank 0 (so on one GPU it shares the device, and its
-  memory, with the trainer and the colocated engine).
+- ``plan(cfg, visible_gpus=None) -> Placement``: each role's device and the weight sync kind; a
+  placement that does not fit the visible GPUs raises ``PlacementError`` naming the counts and
+  the fix. Nothing assumes a particular count.
+- ``make_routes(cfg, placement, path, ctx) -> Routes``: the transports, allocated once by the
+  controller and handed to the processes.
+- ``reward_device(cfg, visible_gpus=None)``: where a reward model runs.
 
 It knows nothing of training, generation or the loop.
 """
@@ -74,6 +59,16 @@ def _wants_gpu(cfg: RunConfig) -> bool:
 
 
 def plan(cfg: RunConfig, visible_gpus: int | None = None) -> Placement:
+    """``plan(cfg, visible_gpus=None) -> Placement``: ``trainer_devices[r]`` and
+    ``engine_devices[i]`` ("cuda:k" or "cpu") and the weight sync kind:
+    * colocated, one rank and one engine: both in the controller ("inprocess").
+    * colocated, N ranks: engine i beside rank i on GPU i ("ipc"), or on CPU ("shm").
+    * disaggregated on GPUs: ranks on GPUs 0..N-1, engines on GPUs N..N+M-1,
+      weights by NCCL "broadcast"; with a single visible GPU every role shares
+      it and weights go by "ipc". On CPU: "shm", or "broadcast" (gloo) if asked.
+    A placement that does not fit the visible GPUs raises ``PlacementError``
+    naming the counts and the fix. Nothing assumes a particular count.
+    """
     la = cfg.launch
     n, m = la.trainer_ranks, la.engines
     if visible_gpus is None:
@@ -105,6 +100,11 @@ def plan(cfg: RunConfig, visible_gpus: int | None = None) -> Placement:
 
 
 def reward_device(cfg: RunConfig, visible_gpus: int | None = None) -> str:
+    """``reward_device(cfg, visible_gpus=None)``: where a reward model (``reward.fn:
+    rm``) runs: ``reward.device`` as given, or for ``auto`` / ``trainer`` the
+    device of trainer rank 0 (so on one GPU it shares the device, and its
+    memory, with the trainer and the colocated engine).
+    """
     d = cfg.reward.device
     if d in ("auto", "trainer"):
         return plan(cfg, visible_gpus).trainer_devices[0]
@@ -144,6 +144,14 @@ def engine_dtype(cfg: RunConfig, path: str, device: str):
 
 
 def make_routes(cfg: RunConfig, p: Placement, path: str, ctx) -> Routes:
+    """``make_routes(cfg, placement, path, ctx) -> Routes``: the transports,
+    allocated once by the controller and handed to the processes:
+    ``writers[r]`` are what trainer rank r publishes to (rank 0 feeds shm and
+    broadcast; rank r feeds the IPC staging on its GPU), ``readers[i]`` is what
+    engine i polls, ``controller`` is where the controller publishes the
+    warm-start weights (every engine reads it), ``group`` the broadcast group
+    (re-formed when an engine is restarted) or None.
+    """
     from conveyor.transport.weights import Fanin, StagedWeights, weight_specs
     # vLLM keeps its own lm_head copy after a reload: send it every name.
     specs = weight_specs(path, cfg.model.trust_remote_code, dedupe_tied=cfg.rollout.engine == "native")

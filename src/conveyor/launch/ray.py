@@ -1,39 +1,14 @@
 """The Ray launcher: trainer ranks and engines as Ray actors in one placement group.
 
-Contract: ``launchers(cfg)`` (``run.ray.run_ray`` runs a run in it) connects
-to the cluster at ``launch.ray_address`` (empty: ``ray.init()`` starts a local
-Ray instance for the run, stopped after it) and yields the factory of
-``RayLauncher``s the run builds in this process (the driver: the controller
-never leaves it); at the end it closes every launcher made (their placement
-groups removed) and disconnects. ``RayLauncher`` provides the
-``launch.api.Launcher`` calls:
-- one placement group (``launch.ray_strategy``) with a bundle per trainer
-  rank and per engine (disaggregated) or per (rank i, engine i) pair
-  (colocated); a bundle asks for the role's CPU threads, one GPU when the
-  roles run on GPUs, and the extra resources ``launch.ray_trainer_resources``
-  / ``ray_engine_resources`` name (custom node resources pin roles to nodes).
-  A group the cluster cannot place within ``launch.timeout_s`` is a
-  ``SetupError`` naming the bundles and the cluster's resources.
-- weights always by ``BroadcastWeights`` from trainer rank 0 (gloo on CPU,
-  NCCL on GPU; shm staging cannot cross nodes), its rendezvous on rank 0's
-  node and its counters in a TCPStore served by the driver
-  (``transport.store_state``). The same deadline/version transaction as in
-  the local launch.
-- engines: ``ray_roles.EngineActor`` / ``RayWorker``; a dead one (while
-  the engines start too) is replaced by a new actor in its bundle
-  (``launch.max_restarts``; no standby actors) and the
-  weight broadcast group re-forms with it (``BroadcastWeights.regroup``);
-  trainer: ``ray_roles.TrainerRankActor`` / ``RayTrainerProxy`` (several
-  ranks train with FSDP2 over gloo or NCCL across actors).
-- where every role ran (``ray_roles.Place``: node address, Ray node id,
-  host, pid; with its bundle and the node's custom resources) is written to
-  ``run_dir/ray_placement.json`` as the roles start (``places``).
-- warm-start weights (``sft.steps > 0``; the controller is outside the
-  broadcast group) go to the engine actors through the object store
-  (``ray_roles.WarmWeights``). The trainer ranks read ``run_dir/warmstart``:
-  the nodes must share the run directory's filesystem.
-Not supported (``SetupError`` before anything starts): colocated placement on
-GPUs (it needs a same-GPU IPC route).
+- ``launchers(cfg)`` (``run.ray.run_ray`` runs a run in it) connects to the cluster at
+  ``launch.ray_address`` (empty: a local Ray for the run) and yields the factory of
+  ``RayLauncher``s; at the end it closes every launcher made and disconnects. The controller
+  never leaves the driver process.
+- ``RayLauncher`` provides the ``launch.api.Launcher`` calls: one placement group with a bundle
+  per role; weights by ``BroadcastWeights`` from trainer rank 0; a dead engine replaced in its
+  bundle; where every role ran written to ``run_dir/ray_placement.json``.
+- A group the cluster cannot place within ``launch.timeout_s`` is a ``SetupError``; colocated
+  placement on GPUs is not supported (``SetupError`` before anything starts).
 
 It knows nothing of the loop, the schedule or the formulas.
 """
@@ -93,6 +68,35 @@ def _rendezvous() -> tuple[str, int, int]:
 
 
 class RayLauncher:
+    """The ``launch.api.Launcher`` calls on a Ray cluster:
+    - one placement group (``launch.ray_strategy``) with a bundle per trainer
+      rank and per engine (disaggregated) or per (rank i, engine i) pair
+      (colocated); a bundle asks for the role's CPU threads, one GPU when the
+      roles run on GPUs, and the extra resources ``launch.ray_trainer_resources``
+      / ``ray_engine_resources`` name (custom node resources pin roles to nodes).
+      A group the cluster cannot place within ``launch.timeout_s`` is a
+      ``SetupError`` naming the bundles and the cluster's resources.
+    - weights always by ``BroadcastWeights`` from trainer rank 0 (gloo on CPU,
+      NCCL on GPU; shm staging cannot cross nodes), its rendezvous on rank 0's
+      node and its counters in a TCPStore served by the driver
+      (``transport.store_state``). The same deadline/version transaction as in
+      the local launch.
+    - engines: ``ray_roles.EngineActor`` / ``RayWorker``; a dead one (while
+      the engines start too) is replaced by a new actor in its bundle
+      (``launch.max_restarts``; no standby actors) and the
+      weight broadcast group re-forms with it (``BroadcastWeights.regroup``);
+      trainer: ``ray_roles.TrainerRankActor`` / ``RayTrainerProxy`` (several
+      ranks train with FSDP2 over gloo or NCCL across actors).
+    - where every role ran (``ray_roles.Place``: node address, Ray node id,
+      host, pid; with its bundle and the node's custom resources) is written to
+      ``run_dir/ray_placement.json`` as the roles start (``places``).
+    - warm-start weights (``sft.steps > 0``; the controller is outside the
+      broadcast group) go to the engine actors through the object store
+      (``ray_roles.WarmWeights``). The trainer ranks read ``run_dir/warmstart``:
+      the nodes must share the run directory's filesystem.
+    Not supported (``SetupError`` before anything starts): colocated placement on
+    GPUs (it needs a same-GPU IPC route).
+    """
     def __init__(self, cfg: RunConfig, run_dir: Path):
         self.cfg, self.run_dir = cfg, run_dir
         la = cfg.launch
@@ -325,7 +329,16 @@ def cpus_needed(cfg: RunConfig) -> int:
 
 @contextlib.contextmanager
 def launchers(cfg: RunConfig) -> Iterator[Callable[[RunConfig, Path], RayLauncher]]:
-    """Connected to the cluster, the factory of the run's ``RayLauncher``s (see the module docstring)."""
+    """Connected to the cluster, the factory of the run's ``RayLauncher``s.
+
+    Contract: ``launchers(cfg)`` (``run.ray.run_ray`` runs a run in it) connects
+    to the cluster at ``launch.ray_address`` (empty: ``ray.init()`` starts a local
+    Ray instance for the run, stopped after it) and yields the factory of
+    ``RayLauncher``s the run builds in this process (the driver: the controller
+    never leaves it); at the end it closes every launcher made (their placement
+    groups removed) and disconnects. ``RayLauncher`` provides the
+    ``launch.api.Launcher`` calls:
+    """
     connected = connect(cfg)
     made: list[RayLauncher] = []
 

@@ -1,19 +1,10 @@
 """A direct TCP channel between the Ray driver and one actor: pickled messages, in order, both ways.
 
-Contract: in the actor, ``serve(inbox, outbox, authkey)`` listens on the
-actor's node address (a port the system picks), returns that ``(host,
-port)`` at once and, in threads of its own, accepts ONE connection (with
-``authkey``: only the driver that asked can connect), then puts every
-message received into ``inbox`` and sends everything put into ``outbox``
-(also what was put before the driver connected), until the connection
-closes. In the driver, ``connect(address, authkey)`` returns
-a ``Channel``: ``send(message)`` (thread-safe), ``recv()`` (blocks; raises
-``EOFError`` / ``OSError`` when the actor's end is gone, which is how the
-driver learns of its death within the socket's close), ``close()``.
-Messages are pickled with the standard pickler (protocol 5), never with
-torch's shared-memory reductions (which cannot cross nodes); Nagle's delay
-is off. Measured against actor calls in ``benchmarks/ray_channels.py``
-(docs/cluster.md, "Data over Ray").
+Contract: in the actor, ``serve(inbox, outbox, authkey)`` listens and accepts ONE connection
+(only the driver that asked can connect); in the driver, ``connect(address, authkey)`` returns a
+``Channel`` whose ``recv()`` raises once the actor's end is gone. Messages are pickled with
+the standard pickler, never with torch's shared-memory reductions (which cannot cross nodes).
+Measured against actor calls in ``benchmarks/ray_channels.py`` (docs/cluster.md, "Data over Ray").
 
 It knows nothing of what the messages mean.
 """
@@ -38,7 +29,17 @@ def _nodelay(conn: Connection) -> Connection:
 
 
 class Channel:
-    """The driver's end (see the module docstring)."""
+    """The driver's end.
+
+    ``connect(address, authkey)`` returns
+    a ``Channel``: ``send(message)`` (thread-safe), ``recv()`` (blocks; raises
+    ``EOFError`` / ``OSError`` when the actor's end is gone, which is how the
+    driver learns of its death within the socket's close), ``close()``.
+    Messages are pickled with the standard pickler (protocol 5), never with
+    torch's shared-memory reductions (which cannot cross nodes); Nagle's delay
+    is off (measured against actor calls in ``benchmarks/ray_channels.py``,
+    docs/cluster.md, "Data over Ray").
+    """
 
     def __init__(self, conn: Connection):
         self._conn = _nodelay(conn)
@@ -63,7 +64,16 @@ def connect(address: tuple[str, int], authkey: bytes) -> Channel:
 
 
 def serve(inbox: queue.Queue, outbox: queue.Queue, authkey: bytes, host: str) -> tuple[str, int]:
-    """In the actor: listen on ``host``, serve one connection in threads (see the module docstring)."""
+    """In the actor: listen on ``host``, serve one connection in threads.
+
+    Contract: in the actor, ``serve(inbox, outbox, authkey)`` listens on the
+    actor's node address (a port the system picks), returns that ``(host,
+    port)`` at once and, in threads of its own, accepts ONE connection (with
+    ``authkey``: only the driver that asked can connect), then puts every
+    message received into ``inbox`` and sends everything put into ``outbox``
+    (also what was put before the driver connected), until the connection
+    closes.
+    """
     listener = Listener((host, 0), authkey=authkey)
 
     def run() -> None:

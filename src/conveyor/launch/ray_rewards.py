@@ -3,40 +3,12 @@
 A piece of the Ray launcher: the reward role's process service (``reward/processes.py``) with
 its workers placed on the cluster; the run (``run/session.py``) starts it where
 ``reward.executor=ray``, through ``ray_reward_service``.
-
-Contract
-- ``ray_reward_service(cfg, spec, launch)``: the service of ``reward.executor=ray`` for the
-  run's ``reward`` section ``cfg`` and ``launch`` section (None: the defaults): a
-  ``RayRewardService`` placed by ``launch.ray_reward_resources`` / ``ray_reward_strategy``
-  within ``launch.timeout_s``, with the section's deadline, fallback, workers, restarts and
-  batch wait (``reward.factory.reward_service`` starts the other executors).
-- ``RayRewardService(spec, placement, **process_service_kwargs)`` is a
-  ``processes.ProcessRewardService`` whose workers are Ray actors instead of
-  local processes: the same ``api.RewardHandle``, the same results, counters,
-  deadlines and restart rule (a call past ``timeout_s``: the actor is killed
-  and replaced, its trajectories get the fallback, counted ``timeouts``; a
-  dead actor is replaced and its trajectories are scored once more; more than
-  ``max_restarts`` deaths in a row stop the run naming the reward), because
-  only the worker changes: the pool's supervisor is the process service's.
-- ``RewardPlacement(resources, strategy, timeout_s)``: the workers' own
-  placement group, one bundle per worker (``{"CPU": 1, **resources}``, e.g.
-  ``{node_b: 0.1}`` to put them on a node, ``{GPU: 1}`` for a reward model on
-  a GPU of its own), placed with ``strategy`` (``SPREAD``: over the nodes).
-  A replacement goes back into its predecessor's bundle. A group the cluster
-  cannot hold within ``timeout_s`` is a ``PluginError`` before the run. The
-  group is removed by ``close()``.
-- ``RewardActor(spec, fallback)`` loads the reward (``load()``: a
-  ``RewardLoaded``) and scores ``ScoreRequest``s (``score(request)``: a
-  ``ScoreReply``) on its main thread (a Ray actor of concurrency 1), with the
-  process worker's own functions (``worker.load`` / ``worker.answer``).
-- ``RayRewardWorker`` is that actor behind a ``worker.WorkerProcess``'s face
-  (``conn``, ``sentinel``, ``ask_to_exit``, ``join``, ``end``): a driver
-  thread relays requests from a local pipe to the actor and its replies
-  back; when the actor dies (a kill at a deadline, its process or node gone)
-  the pipe closes, which the supervisor sees as a worker's death, and
-  ``end()`` says how it ended in words (Ray's error, with the actor's node
-  and pid), where a process worker's gives its exit code.
-- ``places()``: where each worker runs now (``launch.ray_roles.Place``).
+- ``RayRewardService`` is a ``processes.ProcessRewardService`` whose workers are Ray actors:
+  the same handle, results, counters, deadlines and restart rule; only the worker changes.
+- ``RewardPlacement``: the workers' own placement group, one bundle per worker; one the
+  cluster cannot hold is a ``PluginError`` before the run.
+- ``RewardActor`` scores on its main thread; ``RayRewardWorker`` is it behind a
+  ``worker.WorkerProcess``'s face.
 
 It knows nothing of what a reward computes.
 """
@@ -68,6 +40,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @ray.remote(max_restarts=0, max_concurrency=1)
 class RewardActor:
+    """``RewardActor(spec, fallback)`` loads the reward (``load()``: a
+    ``RewardLoaded``) and scores ``ScoreRequest``s (``score(request)``: a
+    ``ScoreReply``) on its main thread (a Ray actor of concurrency 1), with the
+    process worker's own functions (``worker.load`` / ``worker.answer``).
+    """
     def __init__(self, spec: RewardSpec, fallback: float):
         import sys
         if "torch" in sys.modules:  # one intra-op thread per worker, as the process workers
@@ -96,7 +73,16 @@ class RewardActor:
 
 @dataclass(frozen=True)
 class RewardPlacement:
-    """Where the reward actors go (see the module docstring)."""
+    """Where the reward actors go.
+
+    ``RewardPlacement(resources, strategy, timeout_s)``: the workers' own
+    placement group, one bundle per worker (``{"CPU": 1, **resources}``, e.g.
+    ``{node_b: 0.1}`` to put them on a node, ``{GPU: 1}`` for a reward model on
+    a GPU of its own), placed with ``strategy`` (``SPREAD``: over the nodes).
+    A replacement goes back into its predecessor's bundle. A group the cluster
+    cannot hold within ``timeout_s`` is a ``PluginError`` before the run. The
+    group is removed by ``close()``.
+    """
     resources: dict[str, float] = field(default_factory=dict)
     strategy: str = "PACK"
     timeout_s: float = 120.0
@@ -106,7 +92,16 @@ class RewardPlacement:
 
 
 class RayRewardWorker:
-    """A ``RewardActor`` with a ``WorkerProcess``'s face (see the module docstring)."""
+    """A ``RewardActor`` with a ``WorkerProcess``'s face.
+
+    ``RayRewardWorker`` is that actor behind a ``worker.WorkerProcess``'s face
+    (``conn``, ``sentinel``, ``ask_to_exit``, ``join``, ``end``): a driver
+    thread relays requests from a local pipe to the actor and its replies
+    back; when the actor dies (a kill at a deadline, its process or node gone)
+    the pipe closes, which the supervisor sees as a worker's death, and
+    ``end()`` says how it ended in words (Ray's error, with the actor's node
+    and pid), where a process worker's gives its exit code.
+    """
 
     def __init__(self, actor, track: str) -> None:
         self.actor, self.track = actor, track
@@ -156,7 +151,18 @@ class RayRewardWorker:
 
 
 class RayRewardService(ProcessRewardService):
-    """``ProcessRewardService`` over Ray actors (see the module docstring)."""
+    """``ProcessRewardService`` over Ray actors.
+
+    ``RayRewardService(spec, placement, **process_service_kwargs)`` is a
+    ``processes.ProcessRewardService`` whose workers are Ray actors instead of
+    local processes: the same ``api.RewardHandle``, the same results, counters,
+    deadlines and restart rule (a call past ``timeout_s``: the actor is killed
+    and replaced, its trajectories get the fallback, counted ``timeouts``; a
+    dead actor is replaced and its trajectories are scored once more; more than
+    ``max_restarts`` deaths in a row stop the run naming the reward), because
+    only the worker changes: the pool's supervisor is the process service's.
+    ``places()``: where each worker runs now (``launch.ray_roles.Place``).
+    """
 
     def __init__(self, spec: RewardSpec, placement: RewardPlacement, workers: int = 2, **kwargs) -> None:
         bundles = [placement.bundle() for _ in range(workers)]
@@ -199,7 +205,14 @@ class RayRewardService(ProcessRewardService):
 
 
 def ray_reward_service(cfg: RewardConfig, spec: RewardSpec, launch: LaunchConfig | None = None) -> RayRewardService:
-    """``reward.executor=ray``: the reward workers as Ray actors (see the module docstring)."""
+    """``reward.executor=ray``: the reward workers as Ray actors.
+
+    ``ray_reward_service(cfg, spec, launch)``: the service of ``reward.executor=ray`` for the
+    run's ``reward`` section ``cfg`` and ``launch`` section (None: the defaults): a
+    ``RayRewardService`` placed by ``launch.ray_reward_resources`` / ``ray_reward_strategy``
+    within ``launch.timeout_s``, with the section's deadline, fallback, workers, restarts and
+    batch wait (``reward.factory.reward_service`` starts the other executors).
+    """
     from conveyor.config import LaunchConfig as _Launch
     la = launch or _Launch()
     return RayRewardService(spec, RewardPlacement(dict(la.ray_reward_resources), la.ray_reward_strategy,

@@ -1,35 +1,13 @@
 """Engine workers and trainer ranks as Ray actors, and the controller's handles on them.
 
-Contract
-- ``EngineActor(spec, reader, engine_id, partial)`` builds one engine (in a
-  thread, so the actor answers while it loads) and serves it with
-  ``rollout.serve.engine_loop`` over in-actor queues, which
-  ``channel(authkey)`` connects to the controller by a direct TCP channel
-  (``ray_channel``: ``Generate`` / ``Stop`` in, answers out, in order; a
-  message costs the driver a twentieth of an actor call's CPU, docs/cluster.md).
-- ``RayWorker`` is the ``EngineWorker`` (``rollout/api.py``) over one such
-  actor: ``locate`` opens the channel, a driver thread moves its answers into
-  the shared outbox; ``check`` raises ``RoleError`` naming the engine, its
-  node and pid and Ray's error once the actor is dead (its channel closes
-  when its process goes).
-  ``restart()`` (the producer's, for a dead actor) makes a new actor placed
-  like the dead one (``make``), after ``regroup`` (``BroadcastWeights.regroup``):
-  the weight broadcast group re-forms with it and the trainer sends it the
-  current version; ``placed`` records where it runs.
-- ``WarmWeights`` is where the controller publishes warm-start weights
-  (``Engines.warm``): ``publish(named_tensors, version)`` puts them in the
-  object store once and returns when every engine actor holds them; each
-  actor's ``ActorWarmReader`` (a ``WeightReader``, polled before the
-  broadcast through ``Fanin``) applies them at the engine's next poll.
-- ``TrainerRankActor(spec, writers)`` is one trainer rank: a ``LocalTrainer``
-  or, with several ranks, an ``FSDPTrainer`` in a torch.distributed group
-  (gloo on CPU, NCCL on GPU) rendezvousing at ``spec.rendezvous`` (a ``trainer.serve.RankSpec``), served by
-  a ``TrainerHost``. ``call(method, (args, kwargs))`` answers an ``Answer``
-  (the traceback when the method raised).
-- ``RayTrainerProxy`` is ``launch.roles.TrainerProxy`` over those actors:
-  every call goes to every rank, rank 0's answer is returned, and the first
-  rank that raises or dies ends the call with a ``RoleError`` naming the
-  rank, its node and pid and carrying the real traceback.
+- ``EngineActor`` builds one engine and serves it with ``rollout.serve.engine_loop``, connected
+  to the controller by a direct TCP channel (``ray_channel``); ``RayWorker`` is the
+  ``EngineWorker`` (``rollout/api.py``) over one such actor, restartable in place.
+- ``WarmWeights``: the controller's warm-start weights through the object store, applied by
+  each actor's ``ActorWarmReader``.
+- ``TrainerRankActor`` is one trainer rank; ``RayTrainerProxy`` is ``launch.roles.TrainerProxy``
+  over those actors.
+- A dead actor or a rank that raises is a ``RoleError`` naming it, its node and pid.
 
 It knows nothing of placement groups (``launch/ray.py`` places the actors)
 or of the loop.
@@ -94,6 +72,13 @@ def where() -> Place:
 
 @ray.remote(max_concurrency=4)
 class EngineActor:
+    """``EngineActor(spec, reader, engine_id, partial)`` builds one engine (in a
+    thread, so the actor answers while it loads) and serves it with
+    ``rollout.serve.engine_loop`` over in-actor queues, which
+    ``channel(authkey)`` connects to the controller by a direct TCP channel
+    (``ray_channel``: ``Generate`` / ``Stop`` in, answers out, in order; a
+    message costs the driver a twentieth of an actor call's CPU, docs/cluster.md).
+    """
     def __init__(self, spec: dict, reader, engine_id: int, partial: bool):
         import sys
 
@@ -147,7 +132,7 @@ class EngineActor:
 
 
 class ActorWarmReader:
-    """A ``WeightReader`` of the warm-start weights an engine actor was handed (see the module docstring)."""
+    """A ``WeightReader`` of the warm-start weights an engine actor was handed (see ``WarmWeights``)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -183,7 +168,14 @@ class ActorWarmReader:
 
 
 class WarmWeights:
-    """The controller's warm-start publish to every engine actor (see the module docstring)."""
+    """The controller's warm-start publish to every engine actor.
+
+    ``WarmWeights`` is where the controller publishes warm-start weights
+    (``Engines.warm``): ``publish(named_tensors, version)`` puts them in the
+    object store once and returns when every engine actor holds them; each
+    actor's ``ActorWarmReader`` (a ``WeightReader``, polled before the
+    broadcast through ``Fanin``) applies them at the engine's next poll.
+    """
 
     def __init__(self, actors: Callable[[], list], names: list[str], timeout_s: float):
         self._actors, self._names, self._timeout = actors, set(names), timeout_s  # actors(): the live ones
@@ -198,7 +190,18 @@ class WarmWeights:
 
 
 class RayWorker:
-    """The ``EngineWorker`` over an ``EngineActor`` (see the module docstring)."""
+    """The ``EngineWorker`` over an ``EngineActor``.
+
+    ``RayWorker`` is the ``EngineWorker`` (``rollout/api.py``) over one such
+    actor: ``locate`` opens the channel, a driver thread moves its answers into
+    the shared outbox; ``check`` raises ``RoleError`` naming the engine, its
+    node and pid and Ray's error once the actor is dead (its channel closes
+    when its process goes).
+    ``restart()`` (the producer's, for a dead actor) makes a new actor placed
+    like the dead one (``make``), after ``regroup`` (``BroadcastWeights.regroup``):
+    the weight broadcast group re-forms with it and the trainer sends it the
+    current version; ``placed`` records where it runs.
+    """
 
     restartable = True
 
@@ -284,6 +287,12 @@ class RayWorker:
 
 @ray.remote(max_concurrency=2)
 class TrainerRankActor:
+    """``TrainerRankActor(spec, writers)`` is one trainer rank: a ``LocalTrainer``
+    or, with several ranks, an ``FSDPTrainer`` in a torch.distributed group
+    (gloo on CPU, NCCL on GPU) rendezvousing at ``spec.rendezvous`` (a ``trainer.serve.RankSpec``), served by
+    a ``TrainerHost``. ``call(method, (args, kwargs))`` answers an ``Answer``
+    (the traceback when the method raised).
+    """
     def __init__(self, spec: RankSpec, writers: list):
         import torch
 
@@ -312,7 +321,13 @@ class TrainerRankActor:
 
 
 class RayTrainerProxy(TrainerProxy):
-    """``TrainerProxy``'s calls over trainer rank actors (see the module docstring)."""
+    """``TrainerProxy``'s calls over trainer rank actors.
+
+    ``RayTrainerProxy`` is ``launch.roles.TrainerProxy`` over those actors:
+    every call goes to every rank, rank 0's answer is returned, and the first
+    rank that raises or dies ends the call with a ``RoleError`` naming the
+    rank, its node and pid and carrying the real traceback.
+    """
 
     def __init__(self, actors: list, places: list[Place], timeout: float, collective_s: float = 0.0):
         super().__init__([], timeout, collective_s)

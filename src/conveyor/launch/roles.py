@@ -1,33 +1,13 @@
 """Start the trainer ranks and the engine workers where ``launch.placement`` says.
 
-Contract
-- ``start_engines(cfg, path, tokenizer, routes, placement, run_dir)`` returns
-  the ``EngineWorker`` handles (``rollout/api.py``), the outbox they all
-  answer on and the engines' context limit. In-process: one engine worker in
-  a thread of this process (``ThreadWorker``). Otherwise ``launch.engines``
-  child processes (``ProcessWorker``), engine i on
-  ``placement.engine_devices[i]`` with ``launch.engine_threads`` CPU threads,
-  reading ``routes.readers[i]``. Both run ``rollout.serve.engine_loop``.
-  A child that dies is restarted (``ProcessWorker.restart``) within the run's
-  budget ``restarts`` (``rollout.restarts.EngineRestarts``): by
-  ``await_ready`` while the engines start, by the producer afterwards; on a
-  weight broadcast group (``routes.group``) the group re-forms with it. With
-  ``launch.standby_engines`` each worker keeps a standby process, started
-  once the engines are ready, with the engine's imports done
-  (``rollout.serve.engine_standby``): a restart hands over to it instead of
-  spawning a process that imports torch and transformers first.
-- ``start_trainer(cfg, path, tokenizer, routes, placement, run_dir)`` returns
-  a ``TrainerHandle`` (``trainer/api.py``): the ``TrainerHost`` itself
-  (in-process) or a ``TrainerProxy`` that calls every trainer rank process
-  (``launch.trainer_ranks``; more than one form a torch.distributed group and
-  train with FSDP2) and returns rank 0's answer. A rank that raises or dies
-  stops the call at once with its name. ``rank_spec(cfg, path, tokenizer, rank,
-  device, rendezvous, publish_dtype)`` is the ``trainer.serve.RankSpec`` a rank is
-  built from, here and under Ray (``launch/ray.py``).
-Every start waits for the children to report ready, with the launch
-deadline; an engine that dies while starting is restarted like one that dies
-mid-run (past the budget the death stops the run with its log), a trainer
-rank that dies while starting is reported with its log.
+- ``start_engines(...)``: the ``EngineWorker`` handles (``rollout/api.py``), in a thread of this
+  process (``ThreadWorker``) or in child processes (``ProcessWorker``); a child that dies is
+  restarted within the run's budget, optionally from a standby process.
+- ``start_trainer(...)``: a ``TrainerHandle`` (``trainer/api.py``), the ``TrainerHost`` itself or
+  a ``TrainerProxy`` over trainer rank processes; ``rank_spec`` builds a rank's spec, here and
+  under Ray.
+- Every start waits for the children to report ready, with the launch deadline; a trainer rank
+  that dies or raises stops the call at once with its name.
 
 It knows nothing of the loop's schedule or of the formulas.
 """
@@ -305,6 +285,15 @@ def _relay(source, outbox: queue.Queue, stop: threading.Event) -> None:
 
 def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement, run_dir: Path,
                   failed=lambda: None):
+    """``start_trainer(cfg, path, tokenizer, routes, placement, run_dir)`` returns
+    a ``TrainerHandle`` (``trainer/api.py``): the ``TrainerHost`` itself
+    (in-process) or a ``TrainerProxy`` that calls every trainer rank process
+    (``launch.trainer_ranks``; more than one form a torch.distributed group and
+    train with FSDP2) and returns rank 0's answer. A rank that raises or dies
+    stops the call at once with its name. ``rank_spec(cfg, path, tokenizer, rank,
+    device, rendezvous, publish_dtype)`` is the ``trainer.serve.RankSpec`` a rank is
+    built from, here and under Ray (``launch/ray.py``).
+    """
     if placement.sync == "inprocess":
         if placement.gpu:
             # This process's torch threads only do the host side of the GPU's work (collation, packed
@@ -339,6 +328,27 @@ def start_trainer(cfg: RunConfig, path: str, tokenizer, routes, placement: Place
 
 def start_engines(cfg: RunConfig, path: str, tokenizer, routes, placement: Placement, run_dir: Path,
                   restarts: EngineRestarts) -> tuple[list[EngineWorker], object, int, str]:
+    """``start_engines(cfg, path, tokenizer, routes, placement, run_dir)`` returns
+    the ``EngineWorker`` handles (``rollout/api.py``), the outbox they all
+    answer on and the engines' context limit. In-process: one engine worker in
+    a thread of this process (``ThreadWorker``). Otherwise ``launch.engines``
+    child processes (``ProcessWorker``), engine i on
+    ``placement.engine_devices[i]`` with ``launch.engine_threads`` CPU threads,
+    reading ``routes.readers[i]``. Both run ``rollout.serve.engine_loop``.
+    A child that dies is restarted (``ProcessWorker.restart``) within the run's
+    budget ``restarts`` (``rollout.restarts.EngineRestarts``): by
+    ``await_ready`` while the engines start, by the producer afterwards; on a
+    weight broadcast group (``routes.group``) the group re-forms with it. With
+    ``launch.standby_engines`` each worker keeps a standby process, started
+    once the engines are ready, with the engine's imports done
+    (``rollout.serve.engine_standby``): a restart hands over to it instead of
+    spawning a process that imports torch and transformers first.
+
+    Every start waits for the children to report ready, with the launch
+    deadline; an engine that dies while starting is restarted like one that dies
+    mid-run (past the budget the death stops the run with its log), a trainer
+    rank that dies while starting is reported with its log.
+    """
     partial = cfg.loop.partial_rollouts
     if placement.sync == "inprocess":
         from conveyor.rollout.factory import make_engine

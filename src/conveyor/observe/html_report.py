@@ -1,26 +1,10 @@
 """One self-contained HTML page about a run: ``conveyor report RUN_DIR`` writes ``RUN_DIR/report.html``.
 
-Contract
-- ``write_report(run_dir, steps=None, out=None)`` reads the run directory's
-  files and writes the page (default ``run_dir/report.html``), returning its
-  path. The page holds: the held-out table, the reward and held-out curves,
-  the staleness histogram, completion lengths over the steps, throughput and
-  idle fractions per role, the role timeline (``timeline.json``: the whole
-  run, the last training steps up close, each track's busy share) and sample
-  completions (best, worst, random) of the traced ``steps`` (default: the
-  first, middle and last traced step).
-- ``collect(run_dir, steps)`` is the page's data as plain JSON; ``render(data)``
-  the HTML. A part the run did not record (no traces, no timeline, no
-  evaluation, no summary) becomes a note in its place, never an error.
-  ``ReportError``: ``run_dir`` is not a run directory (the message names it
-  and the fix).
-- The page needs no network: the data sits in the page as JSON, with every
-  ``<``, ``>`` and ``&`` escaped so no text (a completion) can end the script
-  element, and the inline script ``html_report.js`` (beside this module)
-  draws it as SVG, putting every text in through ``textContent``, never as
-  markup. Once everything is drawn the script sets ``data-rendered="1"`` on
-  ``<body>``; an error in a script is shown at the top of the page and
-  counted in ``data-errors`` on ``<body>``.
+- ``write_report(run_dir, steps=None, out=None)`` writes the page and returns its path;
+  ``collect`` is its data as plain JSON, ``render`` the HTML. A part the run did not record
+  becomes a note in its place, never an error; ``ReportError``: not a run directory.
+- The page needs no network, and no text of the run (a completion) can become markup: the data
+  is escaped JSON that the inline script ``html_report.js`` draws through ``textContent``.
 
 It knows the names of the metrics the loop logs (``reward``, ``response_len*``,
 ``staleness_hist/*``, ``*_idle_frac``, ``samples_per_s``, ``time/*``) and the
@@ -54,6 +38,15 @@ class ReportError(ValueError):
 
 
 def write_report(run_dir: str | Path, steps: list[int] | None = None, out: str | Path | None = None) -> Path:
+    """``write_report(run_dir, steps=None, out=None)`` reads the run directory's
+    files and writes the page (default ``run_dir/report.html``), returning its
+    path. The page holds: the held-out table, the reward and held-out curves,
+    the staleness histogram, completion lengths over the steps, throughput and
+    idle fractions per role, the role timeline (``timeline.json``: the whole
+    run, the last training steps up close, each track's busy share) and sample
+    completions (best, worst, random) of the traced ``steps`` (default: the
+    first, middle and last traced step).
+    """
     run_dir = Path(run_dir)
     check_run_dir(run_dir)
     path = Path(out) if out is not None else run_dir / REPORT_FILE
@@ -72,7 +65,14 @@ def check_run_dir(run_dir: Path) -> None:
 
 # ----- the page's data ---------------------------------------------------------------------
 def collect(run_dir: Path, steps: list[int] | None = None) -> dict[str, Any]:
-    """Everything the page shows, as plain JSON data (``notes``: what is missing and why)."""
+    """Everything the page shows, as plain JSON data (``notes``: what is missing and why).
+
+    ``collect(run_dir, steps)`` is the page's data as plain JSON; ``render(data)``
+    the HTML. A part the run did not record (no traces, no timeline, no
+    evaluation, no summary) becomes a note in its place, never an error.
+    ``ReportError``: ``run_dir`` is not a run directory (the message names it
+    and the fix).
+    """
     notes: dict[str, str] = {}
     try:
         records = read_metrics(run_dir)
@@ -351,6 +351,14 @@ def embed_json(data: Any) -> str:
 
 
 def render(data: dict[str, Any]) -> str:
+    """The page needs no network: the data sits in the page as JSON, with every
+    ``<``, ``>`` and ``&`` escaped so no text (a completion) can end the script
+    element, and the inline script ``html_report.js`` (beside this module)
+    draws it as SVG, putting every text in through ``textContent``, never as
+    markup. Once everything is drawn the script sets ``data-rendered="1"`` on
+    ``<body>``; an error in a script is shown at the top of the page and
+    counted in ``data-errors`` on ``<body>``.
+    """
     title = html.escape(f"conveyor report: {data['run']}")
     return PAGE.format(title=title, data=embed_json(data), script=SCRIPT.read_text(encoding="utf-8"),
                        style=STYLE)

@@ -1,20 +1,10 @@
 """What a person reads on the console: one bar per phase, eval lines, the final summary.
 
-Contract
-- ``PhaseProgress`` is the console sink of ``MetricsLogger`` for a run: on a
-  terminal one tqdm bar per phase, "warm-start" (``sft`` logs), "RL"
-  (``train`` logs) and "eval" (``phase("eval", n)`` around an evaluation), each
-  with ETA and the key metrics in its postfix; an eval's results are one line
-  above the bars. Not on a terminal, a compact line every ``every`` steps of a
-  phase (0: about 20 lines per phase) and one line per eval. Per-step numbers
-  never print otherwise; every one still reaches metrics.jsonl.
-- ``quiet_libraries()`` switches off other libraries' progress bars and info
-  logs (Hugging Face "Loading weights" bars, transformers' advisories), in this
-  process and, through the environment, in the role processes it starts.
-- ``summary_text(summary, run_dir, examples)`` renders the end of a run: a
-  table of greedy / sampled reward and exact-answer rate (initial, after the
-  warm-start, after RL), length-skipped prompts, the run directory's layout,
-  and the commands that try the model.
+- ``PhaseProgress`` is the console sink of ``MetricsLogger`` for a run: one bar per phase on a
+  terminal, a compact line every few steps otherwise; every number still reaches metrics.jsonl.
+- ``quiet_libraries()`` switches off other libraries' progress bars and info logs, in this
+  process and in the role processes it starts.
+- ``summary_text(summary, run_dir, examples)`` renders the end of a run.
 
 It knows the names of the metrics it shows and the run directory's layout; it
 does not know how they are computed.
@@ -49,7 +39,12 @@ def say(text: str, stream: TextIO | None = None) -> None:
 
 
 def quiet_libraries() -> None:
-    """No library progress bars or info chatter on the console (in child processes too)."""
+    """No library progress bars or info chatter on the console (in child processes too).
+
+    ``quiet_libraries()`` switches off other libraries' progress bars and info
+    logs (Hugging Face "Loading weights" bars, transformers' advisories), in this
+    process and, through the environment, in the role processes it starts.
+    """
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -76,7 +71,16 @@ def _isatty(stream: Any) -> bool:
 
 
 class PhaseProgress:
-    """The run's console (see the module docstring); a ``metrics.Sink`` plus ``phase`` and ``message``."""
+    """The run's console; a ``metrics.Sink`` plus ``phase`` and ``message``.
+
+    ``PhaseProgress`` is the console sink of ``MetricsLogger`` for a run: on a
+    terminal one tqdm bar per phase, "warm-start" (``sft`` logs), "RL"
+    (``train`` logs) and "eval" (``phase("eval", n)`` around an evaluation), each
+    with ETA and the key metrics in its postfix; an eval's results are one line
+    above the bars. Not on a terminal, a compact line every ``every`` steps of a
+    phase (0: about 20 lines per phase) and one line per eval. Per-step numbers
+    never print otherwise; every one still reaches metrics.jsonl.
+    """
 
     def __init__(self, rl_steps: int, sft_steps: int = 0, every: int = 0, stream: TextIO | None = None,
                  tty: bool | None = None) -> None:
@@ -204,8 +208,14 @@ LAYOUT = (
 
 
 def summary_text(summary: Mapping[str, Any], run_dir: Path, examples: Sequence[Any] = ()) -> str:
-    """The end of a run, for people (see the module docstring); the first of ``examples``
-    (held-out tasks) gives the prompt of the ``conveyor generate`` example."""
+    """The end of a run, for people; the first of ``examples``
+    (held-out tasks) gives the prompt of the ``conveyor generate`` example.
+
+    ``summary_text(summary, run_dir, examples)`` renders the end of a run: a
+    table of greedy / sampled reward and exact-answer rate (initial, after the
+    warm-start, after RL), length-skipped prompts, the run directory's layout,
+    and the commands that try the model.
+    """
     example = examples[0].info.get("raw_prompt", examples[0].prompt) if examples else "Hello"
     rows = [("greedy reward", "eval_reward"), ("sampled reward", "eval_sampled_reward"),
             ("exact answers", "eval_exact")]

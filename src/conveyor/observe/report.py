@@ -1,16 +1,10 @@
 """The run directory's JSON files: the metrics history and the final summary.
 
-Contract:
-- ``metrics.jsonl`` holds one JSON object per line, ``{"step": int, "kind":
-  str, "time": unix seconds, **metrics}``, written by ``metrics.JsonlSink``
-  and read back by ``read_metrics``.
-- ``write_summary(run_dir, summary)`` writes ``summary.json`` (indented,
-  replaced atomically so a reader never sees half a file); ``read_summary``
-  reads it back.
-- Everything written goes through ``json_safe``: NaN and infinities become
-  ``null`` (strict JSON has no spelling for them), numpy/torch scalars become
-  Python numbers, tuples become lists, other unknown objects become ``str``.
-  Reading therefore returns ``None`` where a non-finite number was written.
+- ``metrics.jsonl``: one JSON object per line, ``{"step", "kind", "time", **metrics}``, written
+  by ``metrics.JsonlSink`` and read back by ``read_metrics``.
+- ``write_summary`` / ``read_summary``: ``summary.json``, replaced atomically.
+- Everything written goes through ``json_safe``: non-finite numbers become ``null`` (read back
+  as ``None``).
 
 It deliberately does not know what the metrics mean or which ones a run
 produces; plotting and comparison live with their callers.
@@ -29,7 +23,13 @@ SUMMARY_FILE = "summary.json"
 
 
 def json_safe(value: Any) -> Any:
-    """Return ``value`` as plain JSON data: non-finite floats -> None, scalars unwrapped."""
+    """Return ``value`` as plain JSON data: non-finite floats -> None, scalars unwrapped.
+
+    Everything written goes through ``json_safe``: NaN and infinities become
+    ``null`` (strict JSON has no spelling for them), numpy/torch scalars become
+    Python numbers, tuples become lists, other unknown objects become ``str``.
+    Reading therefore returns ``None`` where a non-finite number was written.
+    """
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -49,7 +49,12 @@ def json_safe(value: Any) -> Any:
 
 
 def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:
-    """Write ``summary`` to ``run_dir/summary.json`` and return that path."""
+    """Write ``summary`` to ``run_dir/summary.json`` and return that path.
+
+    ``write_summary(run_dir, summary)`` writes ``summary.json`` (indented,
+    replaced atomically so a reader never sees half a file); ``read_summary``
+    reads it back.
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / SUMMARY_FILE

@@ -1,42 +1,16 @@
 """The role timeline: what every role did when, as a Chrome / Perfetto trace in ``timeline.json``.
 
-Contract
-- ``Timeline(run_dir, max_mb)`` writes ``run_dir/timeline.json`` in the Trace
-  Event Format's JSON array form, which ui.perfetto.dev and chrome://tracing
-  open: one *process* per role (``controller``, ``trainer``, ``rollout``,
-  ``reward``, ``environment``; another name gets a process of its own), one
-  *thread* per track inside it (an engine, a trainer rank, a reward worker,
-  an environment slot, the loop). ``span(role, track, name, start, end,
-  args)`` is a complete ("X") event, ``counter(role, name, values, at)`` a
-  counter ("C") event; times are wall-clock seconds (``time.time()``),
-  written as whole microseconds (both ends rounded down, so spans that nest
-  or follow each other still do). ``close()`` writes what waits and ends
-  the array.
-- One recorder is *active* per process (``activate`` / ``deactivate``; the
-  metrics logger of a run does both). The module functions ``record``,
-  ``record_spans``, ``count``, ``measure`` and ``phase_span`` forward to it
-  and do nothing when none is active, so the places that report spans need
-  no handle and cost one global read in runs without a timeline.
-- ``read_timeline(run_dir)`` (or ``iter_timeline``, one event at a time)
-  parses the file back, also one whose writer was killed before ``close``.
-
-Design (why it is this simple): only the controller's process writes the
-file. Roles in other processes never open it: an engine worker attaches the
-spans of its generate calls to the ``Done`` messages it sends anyway, a
-trainer rank its train and publish spans to its ``Trained`` answer
-(``transport.messages.Span``), and weight swaps are drawn from the
-timestamps of the ``WeightSwap`` reports; the controller records them as
-they arrive. Every process of a run shares one machine and so one wall
-clock, so nothing needs merging or clock alignment. Memory stays bounded:
-events wait in a list until ``FLUSH_EVENTS`` of them or ``FLUSH_S`` seconds
-have gathered, then are appended to the file; past ``max_mb`` nothing more
-is written and the number dropped is recorded in the file's last event. A
-resumed run appends to the same file (a killed writer's torn tail is cut
-first); process and thread ids are derived from the names, so they agree
-across the two.
+- ``Timeline(run_dir, max_mb)`` writes ``run_dir/timeline.json`` (Trace Event Format, JSON
+  array form): one process per role, one thread per track; spans and counters in wall-clock
+  seconds. Only the controller's process writes the file: other processes send their spans.
+- One recorder is active per process (``activate`` / ``deactivate``); the module functions
+  ``record``, ``record_spans``, ``count``, ``measure`` and ``phase_span`` forward to it and do
+  nothing when none is active.
+- ``read_timeline(run_dir)`` / ``iter_timeline`` parse the file back, also a killed writer's.
+- Memory stays bounded; past ``max_mb`` nothing more is written (the drop is counted).
 
 It deliberately does not know what a span means or how steps are numbered:
-callers name them (the five role names above only fix the order of the
+callers name them (the five role names of ``Timeline`` only fix the order of the
 processes). A span costs a few microseconds while a timeline is active.
 """
 from __future__ import annotations
@@ -69,7 +43,35 @@ def _stable_id(name: str, base: int) -> int:
 
 
 class Timeline:
-    """Buffers trace events and appends them to ``timeline.json``; safe to call from any thread."""
+    """Buffers trace events and appends them to ``timeline.json``; safe to call from any thread.
+
+    ``Timeline(run_dir, max_mb)`` writes ``run_dir/timeline.json`` in the Trace
+    Event Format's JSON array form, which ui.perfetto.dev and chrome://tracing
+    open: one *process* per role (``controller``, ``trainer``, ``rollout``,
+    ``reward``, ``environment``; another name gets a process of its own), one
+    *thread* per track inside it (an engine, a trainer rank, a reward worker,
+    an environment slot, the loop). ``span(role, track, name, start, end,
+    args)`` is a complete ("X") event, ``counter(role, name, values, at)`` a
+    counter ("C") event; times are wall-clock seconds (``time.time()``),
+    written as whole microseconds (both ends rounded down, so spans that nest
+    or follow each other still do). ``close()`` writes what waits and ends
+    the array.
+
+    Design (why it is this simple): only the controller's process writes the
+    file. Roles in other processes never open it: an engine worker attaches the
+    spans of its generate calls to the ``Done`` messages it sends anyway, a
+    trainer rank its train and publish spans to its ``Trained`` answer
+    (``transport.messages.Span``), and weight swaps are drawn from the
+    timestamps of the ``WeightSwap`` reports; the controller records them as
+    they arrive. Every process of a run shares one machine and so one wall
+    clock, so nothing needs merging or clock alignment. Memory stays bounded:
+    events wait in a list until ``FLUSH_EVENTS`` of them or ``FLUSH_S`` seconds
+    have gathered, then are appended to the file; past ``max_mb`` nothing more
+    is written and the number dropped is recorded in the file's last event. A
+    resumed run appends to the same file (a killed writer's torn tail is cut
+    first); process and thread ids are derived from the names, so they agree
+    across the two.
+    """
 
     def __init__(self, run_dir: str | Path, max_mb: float = 64.0) -> None:
         self.path = Path(run_dir) / TIMELINE_FILE
@@ -210,7 +212,11 @@ def _reopen(path: Path) -> tuple[int, bool]:
 
 def read_timeline(run_dir: str | Path) -> list[dict[str, Any]]:
     """The events of ``run_dir/timeline.json``, in file order; a file whose writer was killed
-    (no closing bracket, a torn last line) yields the events it completed."""
+    (no closing bracket, a torn last line) yields the events it completed.
+
+    ``read_timeline(run_dir)`` (or ``iter_timeline``, one event at a time)
+    parses the file back, also one whose writer was killed before ``close``.
+    """
     return list(iter_timeline(run_dir))
 
 
@@ -240,7 +246,14 @@ _active: Timeline | None = None
 
 
 def activate(timeline: Timeline | None) -> None:
-    """Make ``timeline`` the one the module functions record to (None: record nothing)."""
+    """Make ``timeline`` the one the module functions record to (None: record nothing).
+
+    One recorder is *active* per process (``activate`` / ``deactivate``; the
+    metrics logger of a run does both). The module functions ``record``,
+    ``record_spans``, ``count``, ``measure`` and ``phase_span`` forward to it
+    and do nothing when none is active, so the places that report spans need
+    no handle and cost one global read in runs without a timeline.
+    """
     global _active
     _active = timeline
 

@@ -4,16 +4,8 @@ Contract: ``with timer.phase("generate"): ...`` adds the block's wall seconds
 (``time.perf_counter``) to that phase's total for the current step, also when
 the block raises. ``timer.lap()`` returns ``{"time/<phase>": seconds, ...,
 "time/step": seconds since the previous lap}`` and starts the next step.
-
-Names are flat. Nested phases each record their own full duration, so
-``train`` wrapping ``train/forward`` reports both, and phase totals may sum to
-more than ``time/step``. Re-entering a phase that is already open (the same
-name nested in itself) records nothing extra, so recursion never counts the
-same seconds twice. A phase still open at ``lap()`` is credited to the step in
-which it closes. ``with timer.outside():`` leaves a block (an evaluation
-between steps) out of the step's time altogether. ``on_span(name, seconds)``,
-when given, hears of every outermost phase as it closes (the run's timeline
-records them as spans).
+Names are flat; nested phases each record their own duration, recursion never counts the same
+seconds twice (``PhaseTimer`` says how phases nest and span laps).
 
 It deliberately does not know which phases exist, how steps are numbered, or
 where the numbers go; the caller passes ``lap()``'s dict to a metrics logger.
@@ -30,7 +22,18 @@ STEP_KEY = "time/step"
 
 
 class PhaseTimer:
-    """Accumulates seconds per phase between laps; safe to use from several threads."""
+    """Accumulates seconds per phase between laps; safe to use from several threads.
+
+    Names are flat. Nested phases each record their own full duration, so
+    ``train`` wrapping ``train/forward`` reports both, and phase totals may sum to
+    more than ``time/step``. Re-entering a phase that is already open (the same
+    name nested in itself) records nothing extra, so recursion never counts the
+    same seconds twice. A phase still open at ``lap()`` is credited to the step in
+    which it closes. ``with timer.outside():`` leaves a block (an evaluation
+    between steps) out of the step's time altogether. ``on_span(name, seconds)``,
+    when given, hears of every outermost phase as it closes (the run's timeline
+    records them as spans).
+    """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter,
                  on_span: Callable[[str, float], None] | None = None) -> None:

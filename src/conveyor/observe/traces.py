@@ -1,21 +1,10 @@
 """Trajectory traces: what the model actually wrote, step by step, in the run directory.
 
-Contract: ``TraceWriter(run_dir, tokenizer, per_step, max_mb, seed)``;
-``write(step, groups, places)`` appends up to ``per_step`` of the step's
-trajectories to ``run_dir/traces.jsonl`` as one JSON line each: the best and
-the worst by reward, then a seeded random choice of the rest. A line holds
-the step, the task id, its group's place in the rollout schedule when given
-(``place``: the step it was admitted for is ``place // loop.batch_size``), the prompt and the completion as text, token counts (prompt,
-completion, the policy's own), the policy versions of its tokens (min, max,
-distinct), the reward and its components, the finish reason, the turns of
-a multi-turn episode (span, reward, tool calls, environment seconds,
-failure class) and the timings. Past ``max_mb`` nothing more is written and
-``skipped`` counts what was left out; ``per_step = 0`` writes nothing.
-``read_traces(run_dir, step=None)`` reads them back (one step, or all).
-``write_trajectories(step, trajs, **extra)`` appends given trajectories as
-they are; with ``name=EVAL_SAMPLES_FILE`` the evaluator writes the first
-held-out tasks' completions of every evaluation (``read_traces(run_dir,
-name=EVAL_SAMPLES_FILE)``).
+- ``TraceWriter.write(step, groups, places)`` appends up to ``per_step`` of the step's
+  trajectories to ``run_dir/traces.jsonl`` (the best, the worst, a seeded random choice of the
+  rest), one JSON line each; past ``max_mb`` nothing more is written, and what is left out is
+  counted. ``write_trajectories`` appends given ones (the evaluator's samples).
+- ``read_traces(run_dir, step=None)`` reads them back.
 
 It knows nothing of the loop, engines or rewards beyond the wire types.
 """
@@ -33,6 +22,23 @@ EVAL_SAMPLES_FILE = "eval_samples.jsonl"  # the same writer, for held-out evalua
 
 
 class TraceWriter:
+    """Contract: ``TraceWriter(run_dir, tokenizer, per_step, max_mb, seed)``;
+    ``write(step, groups, places)`` appends up to ``per_step`` of the step's
+    trajectories to ``run_dir/traces.jsonl`` as one JSON line each: the best and
+    the worst by reward, then a seeded random choice of the rest. A line holds
+    the step, the task id, its group's place in the rollout schedule when given
+    (``place``: the step it was admitted for is ``place // loop.batch_size``), the prompt and the completion as text, token counts (prompt,
+    completion, the policy's own), the policy versions of its tokens (min, max,
+    distinct), the reward and its components, the finish reason, the turns of
+    a multi-turn episode (span, reward, tool calls, environment seconds,
+    failure class) and the timings. Past ``max_mb`` nothing more is written and
+    ``skipped`` counts what was left out; ``per_step = 0`` writes nothing.
+    ``read_traces(run_dir, step=None)`` reads them back (one step, or all).
+    ``write_trajectories(step, trajs, **extra)`` appends given trajectories as
+    they are; with ``name=EVAL_SAMPLES_FILE`` the evaluator writes the first
+    held-out tasks' completions of every evaluation (``read_traces(run_dir,
+    name=EVAL_SAMPLES_FILE)``).
+    """
     def __init__(self, run_dir: str | Path, tokenizer: Any, per_step: int = 8, max_mb: float = 64.0,
                  seed: int = 0, name: str = TRACES_FILE):
         self.path = Path(run_dir) / name

@@ -1,26 +1,11 @@
 """The reward contract and the one place a reward is looked up by name.
 
-Contract
-- A reward is ``RewardFn = Callable[[Trajectory], float | dict]``. A float is
-  the scalar reward. A dict must carry ``"reward"`` (a finite real number);
-  its other keys are kept in ``Trajectory.reward_info`` and the numeric ones
-  are logged as metrics by whoever reads them.
-- ``BatchReward`` is the batched form (reward models, judges, remote servers):
-  ``score_batch(trajs)`` returns one float or dict per trajectory.
-- ``load_reward(spec, kwargs)`` turns a builtin name (``BUILTIN_REWARDS``) or a
-  dotted path ``pkg.module:fn`` into a ``RewardFn``. Non-empty ``kwargs`` are
-  bound with ``functools.partial``, so the reward is called as
-  ``fn(traj, **kwargs)``; keywords the function does not accept are rejected
-  here, at load time, rather than on every call. A spec naming a CLASS (the
-  ``code`` reward) is constructed with ``kwargs`` and its instance is the
-  reward, so it can check what it needs before a run starts. A spec
-  ``http://host:port`` (or https) is a reward served by ``conveyor
-  serve-reward``: a ``remote.RemoteReward`` (a ``BatchReward``) built with
-  ``kwargs``, after a health check.
-- ``RewardError``: a reward that cannot be used as configured (raised before a
-  run starts); the message names the fix.
-- ``RewardHandle``: the reward service the controller holds, run by threads
-  or by worker processes (``reward.executor``).
+- A reward is ``RewardFn = Callable[[Trajectory], float | dict]``: a float, or a dict carrying a
+  finite real ``"reward"`` whose other keys are kept in ``Trajectory.reward_info``.
+- ``BatchReward`` is the batched form; ``RewardHandle`` the reward service the controller holds.
+- ``load_reward(spec, kwargs)``: a builtin name, a dotted path or an ``http://`` server as a
+  reward, its keywords checked at load time. ``RewardError``: a reward that cannot be used as
+  configured (raised before a run starts); the message names the fix.
 
 This module does not call rewards and knows nothing of threads, timeouts or
 failures: ``service.py`` owns all of that. It does not know which reward a
@@ -44,7 +29,15 @@ class BatchReward(Protocol):
     """A reward that scores many trajectories in one call: a reward model, a generative judge,
     a remote reward server. ``score_batch`` returns one float or dict (as a ``RewardFn`` does) per
     trajectory, in order; it may raise, and then the whole batch gets the fallback, counted.
-    ``max_batch`` bounds one call; ``close`` frees what the reward holds (a model, a process)."""
+    ``max_batch`` bounds one call; ``close`` frees what the reward holds (a model, a process).
+
+    - A reward is ``RewardFn = Callable[[Trajectory], float | dict]``. A float is
+      the scalar reward. A dict must carry ``"reward"`` (a finite real number);
+      its other keys are kept in ``Trajectory.reward_info`` and the numeric ones
+      are logged as metrics by whoever reads them.
+    - ``BatchReward`` is the batched form (reward models, judges, remote servers):
+      ``score_batch(trajs)`` returns one float or dict per trajectory.
+    """
 
     name: str
     max_batch: int
@@ -92,7 +85,19 @@ REMOTE_SCHEMES = ("http://", "https://")
 
 
 def load_reward(spec: str, kwargs: Mapping[str, Any] | None = None) -> RewardFn:
-    """Resolve ``spec`` and bind ``kwargs``; raises ``PluginError`` on a bad spec or keyword."""
+    """Resolve ``spec`` and bind ``kwargs``; raises ``PluginError`` on a bad spec or keyword.
+
+    ``load_reward(spec, kwargs)`` turns a builtin name (``BUILTIN_REWARDS``) or a
+    dotted path ``pkg.module:fn`` into a ``RewardFn``. Non-empty ``kwargs`` are
+    bound with ``functools.partial``, so the reward is called as
+    ``fn(traj, **kwargs)``; keywords the function does not accept are rejected
+    here, at load time, rather than on every call. A spec naming a CLASS (the
+    ``code`` reward) is constructed with ``kwargs`` and its instance is the
+    reward, so it can check what it needs before a run starts. A spec
+    ``http://host:port`` (or https) is a reward served by ``conveyor
+    serve-reward``: a ``remote.RemoteReward`` (a ``BatchReward``) built with
+    ``kwargs``, after a health check.
+    """
     kwargs = dict(kwargs or {})
     if spec.startswith(REMOTE_SCHEMES):
         from conveyor.reward.remote import RemoteReward

@@ -1,32 +1,11 @@
 """One reward call checked, and what a reward service counts and logs of its calls.
 
-Contract
-- ``check_result(out, traj, name, fallback) -> Outcome``: a ``RewardFn``'s
-  result (a float, or a dict with a finite real ``"reward"``, its other keys
-  kept for ``reward_info``) as the reward to give; a wrong type or NaN/inf is
-  ``fallback`` with ``reward_error`` "wrong type" / "nonfinite" and the
-  counter it falls under (``failures`` / ``nonfinite``).
-  ``call_reward(fn, traj, name, fallback)`` runs ``fn(traj)`` once and checks
-  the result; anything it raises (even ``SystemExit``) is ``raised(e, ...)``:
-  ``fallback`` with ``reward_error`` "raised <Type>", counted ``failures``.
-  None of these raise.
-- ``Outcome.problem`` is what to log once per kind of failure (``Problem``; both
-  are defined in ``conveyor/types.py``, as they cross to a worker's parent, and
-  re-exported here):
-  a formatted message and, for a raise, the traceback as text, so that it can
-  cross a process boundary (``Problem.exc``, the exception itself, stays in
-  the process that caught it).
-- ``reward_value(out)`` is the check alone: the value and the other keys, or
-  ``WrongType``; it does not look at NaN (a composite adds its parts first).
-- ``Ledger(logger, counters)``: one service's counters (``COUNTERS``, defined
-  in ``config/reward_rules.py`` beside the names a composite's parts may not
-  take, plus
-  whatever the service adds) and its log-once set; ``count`` adds a
-  trajectory returned (``scored``) and the counter of its failure,
-  ``report``/``log_once`` log the first of each kind. Thread safe.
-- ``rewarded(traj, reward, info, elapsed)``: the trajectory a Future resolves
-  to; ``settle(futures, timeout_s, name)``: their results in order under one
-  deadline; ``check_settings``: the arguments both services validate.
+- ``check_result`` / ``call_reward`` / ``raised``: a ``RewardFn``'s result, call or exception as
+  the ``Outcome`` to give: a wrong type, NaN/inf or a raise is the fallback, counted. None of
+  these raise. ``reward_value(out)`` is the type check alone.
+- ``Outcome`` and ``Problem`` are defined in ``conveyor/types.py`` and re-exported here.
+- ``Ledger``: one service's counters and its log-once set; thread safe.
+- ``rewarded``, ``settle`` and ``check_settings``: what both services share.
 
 This module starts no thread or process and knows no deadline: the
 services (``service.py``, ``processes.py``) own those.
@@ -59,7 +38,11 @@ class WrongType(TypeError):
 
 
 def reward_value(out: Any) -> tuple[float, dict[str, Any]]:
-    """The reward of a ``RewardFn`` result and its other keys; raises ``WrongType``."""
+    """The reward of a ``RewardFn`` result and its other keys; raises ``WrongType``.
+
+    ``reward_value(out)`` is the check alone: the value and the other keys, or
+    ``WrongType``; it does not look at NaN (a composite adds its parts first).
+    """
     info: dict[str, Any] = {}
     value = out
     if isinstance(out, Mapping):
@@ -73,6 +56,22 @@ def reward_value(out: Any) -> tuple[float, dict[str, Any]]:
 
 
 def check_result(out: Any, traj: Trajectory, name: str, fallback: float) -> Outcome:
+    """``check_result(out, traj, name, fallback) -> Outcome``: a ``RewardFn``'s
+    result (a float, or a dict with a finite real ``"reward"``, its other keys
+    kept for ``reward_info``) as the reward to give; a wrong type or NaN/inf is
+    ``fallback`` with ``reward_error`` "wrong type" / "nonfinite" and the
+    counter it falls under (``failures`` / ``nonfinite``).
+    ``call_reward(fn, traj, name, fallback)`` runs ``fn(traj)`` once and checks
+    the result; anything it raises (even ``SystemExit``) is ``raised(e, ...)``:
+    ``fallback`` with ``reward_error`` "raised <Type>", counted ``failures``.
+    None of these raise.
+    ``Outcome.problem`` is what to log once per kind of failure (``Problem``; both
+    are defined in ``conveyor/types.py``, as they cross to a worker's parent, and
+    re-exported here):
+    a formatted message and, for a raise, the traceback as text, so that it can
+    cross a process boundary (``Problem.exc``, the exception itself, stays in
+    the process that caught it).
+    """
     try:
         value, info = reward_value(out)
     except WrongType as e:
@@ -104,7 +103,15 @@ def call_reward(fn: Callable[[Trajectory], Any], traj: Trajectory, name: str, fa
 
 
 class Ledger:
-    """A service's counters and the kinds of failure it has logged already."""
+    """A service's counters and the kinds of failure it has logged already.
+
+    ``Ledger(logger, counters)``: one service's counters (``COUNTERS``, defined
+    in ``config/reward_rules.py`` beside the names a composite's parts may not
+    take, plus
+    whatever the service adds) and its log-once set; ``count`` adds a
+    trajectory returned (``scored``) and the counter of its failure,
+    ``report``/``log_once`` log the first of each kind. Thread safe.
+    """
 
     def __init__(self, logger: logging.Logger, counters: Sequence[str] = COUNTERS) -> None:
         self.logger = logger
@@ -147,7 +154,12 @@ class Ledger:
 
 
 def rewarded(traj: Trajectory, reward: float, info: Mapping[str, Any], elapsed: float) -> Trajectory:
-    """``traj`` with its reward, ``reward_info`` and ``timings["reward_s"]``."""
+    """``traj`` with its reward, ``reward_info`` and ``timings["reward_s"]``.
+
+    ``rewarded(traj, reward, info, elapsed)``: the trajectory a Future resolves
+    to; ``settle(futures, timeout_s, name)``: their results in order under one
+    deadline; ``check_settings``: the arguments both services validate.
+    """
     out = traj.with_reward(reward, info)
     return dataclasses.replace(out, timings={**out.timings, "reward_s": elapsed})
 

@@ -1,32 +1,12 @@
 """The ``code`` reward: run a task's unit tests against the program in a completion, sandboxed.
 
-Contract
-- ``CodeReward(all_pass=False, test_timeout_s=1.0, wall_s=4.0, memory_mb=256, unsafe=False)``
-  (``reward.fn: code``, the keywords are ``reward.kwargs``) is a ``RewardFn``. Constructing it
-  builds the bubblewrap sandbox (``conveyor.sandbox``) and runs one trial program through the
-  harness: no ``bwrap``, or limits too tight for the interpreter, raise ``RewardError`` naming
-  the fix before a run starts. ``unsafe=True`` runs programs without the sandbox (rlimits and
-  the deadline only) and warns.
-- The program is ``extract_program(traj.text)``: the first fenced block tagged ``python`` /
-  ``py`` / ``python3`` (else the first untagged one); a block left open (the completion was
-  cut at ``max_new_tokens``) runs to the end of the text; a completion without any fence is
-  the program as a whole. Whitespace only: no program (``no_code``).
-- The tests are ``traj.task.info["tests"]``: a list of Python snippets (usually one
-  ``assert`` each). A task without them raises ``MissingTests`` (the reward service counts it
-  and gives the fallback).
-- ONE sandbox run per trajectory runs every test (``reward/code_harness.py``): each test in a
-  forked child with the program's top level, at most ``test_timeout_s`` each; the whole run at
-  most ``wall_s`` (keep it below ``reward.timeout_s``), all its processes together at most
-  ``memory_mb`` (and each at most ``memory_mb`` of address space). A program that loops or eats
-  memory fails that test (``T`` / ``M``); tests the sandbox cut off (its deadline, or its
-  whole-run memory / CPU limit) get the letter of its violation.
-- Returns ``{"reward", "tests_passed", "tests_total", "all_passed", "tests_timeout",
-  "tests_memory", "syntax_error", "no_code"}`` (numbers; none is named like the reward
-  service's own counters, which are logged beside them as ``reward_<name>``) and ``"results"``: one letter per test (``P`` pass,
-  ``F`` failed assert, ``E`` error, ``T`` timeout, ``M`` memory, ``X`` ended without a verdict,
-  ``S`` syntax error, ``B`` the test does not compile, ``N`` not run: no program), plus ``"error"`` (the first failure's
-  detail) and ``"stopped"`` (the sandbox's violation) when there are any. ``reward`` is
-  ``tests_passed / tests_total``, or with ``all_pass=True`` 1.0 only when every test passed.
+- ``CodeReward`` (``reward.fn: code``) is a ``RewardFn``; constructing it builds the bubblewrap
+  sandbox (``conveyor.sandbox``) and runs one trial program: no ``bwrap``, or limits too tight
+  for the interpreter, raise ``RewardError`` naming the fix before a run starts.
+- The program is ``extract_program(traj.text)``; the tests are ``traj.task.info["tests"]`` (none:
+  ``MissingTests``). ONE sandbox run per trajectory runs every test, each under its own limits.
+- The reward is the fraction of tests passed (or, with ``all_pass``, 1.0 only when all pass),
+  with one letter per test in ``"results"``.
 
 It knows nothing of where tasks come from or how a run uses the number; the sandbox's
 guarantees (and what it does not guarantee) are in ``sandbox.py``.
@@ -54,7 +34,13 @@ class MissingTests(ValueError):
 
 
 def extract_program(text: str) -> str:
-    """The program in a completion (see the module docstring for the rule)."""
+    """The program in a completion.
+
+    The program is ``extract_program(traj.text)``: the first fenced block tagged ``python`` /
+    ``py`` / ``python3`` (else the first untagged one); a block left open (the completion was
+    cut at ``max_new_tokens``) runs to the end of the text; a completion without any fence is
+    the program as a whole. Whitespace only: no program (``no_code``).
+    """
     blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(text)]
     if not blocks:
         return text
@@ -76,7 +62,31 @@ def task_tests(traj: Trajectory) -> list[str]:
 
 
 class CodeReward:
-    """Fraction of a task's unit tests that the completion's program passes (module docstring)."""
+    """Fraction of a task's unit tests that the completion's program passes.
+
+    ``CodeReward(all_pass=False, test_timeout_s=1.0, wall_s=4.0, memory_mb=256, unsafe=False)``
+    (``reward.fn: code``, the keywords are ``reward.kwargs``) is a ``RewardFn``. Constructing it
+    builds the bubblewrap sandbox (``conveyor.sandbox``) and runs one trial program through the
+    harness: no ``bwrap``, or limits too tight for the interpreter, raise ``RewardError`` naming
+    the fix before a run starts. ``unsafe=True`` runs programs without the sandbox (rlimits and
+    the deadline only) and warns.
+    - The tests are ``traj.task.info["tests"]``: a list of Python snippets (usually one
+      ``assert`` each). A task without them raises ``MissingTests`` (the reward service counts it
+      and gives the fallback).
+    - ONE sandbox run per trajectory runs every test (``reward/code_harness.py``): each test in a
+      forked child with the program's top level, at most ``test_timeout_s`` each; the whole run at
+      most ``wall_s`` (keep it below ``reward.timeout_s``), all its processes together at most
+      ``memory_mb`` (and each at most ``memory_mb`` of address space). A program that loops or eats
+      memory fails that test (``T`` / ``M``); tests the sandbox cut off (its deadline, or its
+      whole-run memory / CPU limit) get the letter of its violation.
+    - Returns ``{"reward", "tests_passed", "tests_total", "all_passed", "tests_timeout",
+      "tests_memory", "syntax_error", "no_code"}`` (numbers; none is named like the reward
+      service's own counters, which are logged beside them as ``reward_<name>``) and ``"results"``: one letter per test (``P`` pass,
+      ``F`` failed assert, ``E`` error, ``T`` timeout, ``M`` memory, ``X`` ended without a verdict,
+      ``S`` syntax error, ``B`` the test does not compile, ``N`` not run: no program), plus ``"error"`` (the first failure's
+      detail) and ``"stopped"`` (the sandbox's violation) when there are any. ``reward`` is
+      ``tests_passed / tests_total``, or with ``all_pass=True`` 1.0 only when every test passed.
+    """
 
     def __init__(self, all_pass: bool = False, test_timeout_s: float = 1.0, wall_s: float = 4.0,
                  memory_mb: int = 256, unsafe: bool = False) -> None:
@@ -110,7 +120,7 @@ class CodeReward:
         return self.run_tests(program, tests)
 
     def run_tests(self, program: str, tests: Sequence[str]) -> dict[str, Any]:
-        """Run ``tests`` against ``program`` in one sandbox run; the reward dict of the module docstring."""
+        """Run ``tests`` against ``program`` in one sandbox run; the reward dict of ``CodeReward``."""
         job = json.dumps({"program": program, "tests": list(tests), "test_timeout_s": self.test_timeout_s})
         r = self.sandbox.run(_HARNESS, stdin=job)
         verdicts, done = _read_verdicts(r.stdout, len(tests))

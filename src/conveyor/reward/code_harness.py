@@ -1,22 +1,9 @@
 """The test harness that ``reward/code.py`` runs INSIDE the sandbox (standard library only).
 
-Contract
-- Run as a script (its source is the sandboxed ``/tmp/main.py``); reads one JSON object from
-  stdin: ``{"program": str, "tests": [str, ...], "test_timeout_s": float}``.
-- Compiles the program once: a ``SyntaxError`` makes every test ``S`` and nothing runs.
-- Each test runs in a forked child of its own: the program's top level, then the test snippet,
-  in a fresh namespace (``__name__ == "solution"``, so a ``__main__`` block of the program does
-  not run), stdin/stdout/stderr on /dev/null, in a process group of its own. The parent runs no
-  code of the program; it waits for the child's verdict at most ``test_timeout_s`` and then
-  kills the group, so a loop in C code or a child that forks is stopped too.
-- Verdicts (one letter): ``P`` pass, ``F`` fail (``AssertionError``), ``E`` error (any other
-  exception, in the program's top level or in the test; ``SystemExit`` included), ``T`` timeout,
-  ``M`` memory (``MemoryError``), ``X`` the child ended without a verdict (``os._exit``, killed by
-  a signal, a CPU-time limit), ``B`` the test itself does not compile (a bad task, not the
-  program's fault), ``S`` the program does not compile.
-- Writes one JSON line per test, as soon as it is known, to stdout:
-  ``{"i": index, "v": letter, "d": detail (at most 200 characters)}``, then ``{"done": true}``.
-  Lines already written survive the sandbox's own deadline, so the host keeps them.
+- Run as a script (``main``): one JSON object on stdin, one JSON line per test on stdout, as soon
+  as it is known, so lines already written survive the sandbox's own deadline.
+- Each test runs in a forked child of its own under ``test_timeout_s``; the parent runs no code
+  of the program. One letter per test is its verdict.
 
 Not guaranteed: the child runs the harness's code in the same process as the program, so a
 program written to attack the harness (writing its own verdict to the result pipe) can forge a
@@ -108,6 +95,25 @@ def _emit(record: dict) -> None:
 
 
 def main() -> None:
+    """Run the tests of the program on stdin, one verdict line each.
+
+    - Run as a script (its source is the sandboxed ``/tmp/main.py``); reads one JSON object from
+      stdin: ``{"program": str, "tests": [str, ...], "test_timeout_s": float}``.
+    - Compiles the program once: a ``SyntaxError`` makes every test ``S`` and nothing runs.
+    - Each test runs in a forked child of its own: the program's top level, then the test snippet,
+      in a fresh namespace (``__name__ == "solution"``, so a ``__main__`` block of the program does
+      not run), stdin/stdout/stderr on /dev/null, in a process group of its own. The parent runs no
+      code of the program; it waits for the child's verdict at most ``test_timeout_s`` and then
+      kills the group, so a loop in C code or a child that forks is stopped too.
+    - Verdicts (one letter): ``P`` pass, ``F`` fail (``AssertionError``), ``E`` error (any other
+      exception, in the program's top level or in the test; ``SystemExit`` included), ``T`` timeout,
+      ``M`` memory (``MemoryError``), ``X`` the child ended without a verdict (``os._exit``, killed by
+      a signal, a CPU-time limit), ``B`` the test itself does not compile (a bad task, not the
+      program's fault), ``S`` the program does not compile.
+    - Writes one JSON line per test, as soon as it is known, to stdout:
+      ``{"i": index, "v": letter, "d": detail (at most 200 characters)}``, then ``{"done": true}``.
+      Lines already written survive the sandbox's own deadline, so the host keeps them.
+    """
     job = json.loads(sys.stdin.read())
     tests, timeout_s = job["tests"], float(job["test_timeout_s"])
     try:

@@ -1,34 +1,12 @@
 """Several rewards as one: weighted components, gates, each component's value reported.
 
-Contract
-- ``Part(name, fn, kwargs, weight, gate)`` says how to load one component
-  (``fn`` and ``kwargs`` as ``api.load_reward`` takes them) and how it counts.
-  ``Composite(parts)`` loads every part and is a ``RewardFn`` returning
-  ``{"reward": total, "<name>": value, "<name>/<key>": ..., "gated": 0 | 1}``:
-  the service keeps every key but ``"reward"`` in ``reward_info``, so each
-  component's value is logged as a metric (``reward/<name>`` for training
-  steps, ``eval_<name>`` for evaluations).
-- Order and gates: parts run in the order given. A part's value is its
-  result's reward (a float, or a dict's ``"reward"``; the dict's other keys
-  are kept as ``"<name>/<key>"``). ``total`` is the sum of ``weight * value``
-  over the parts that ran. A part with a ``gate`` must reach it (value >=
-  gate): if it does not, the parts after it are not run (absent from the
-  result, so their metrics average over the trajectories that reached them)
-  and the total is what the parts so far gave — "format before correctness":
-  ``[format (weight 0, gate 1), math]`` is 0 for a badly formatted answer
-  without ever calling the math verifier. ``"gated"`` (1 when a gate stopped
-  the parts, else 0) is present when any part has a gate.
-- Failures: a part that raises, or returns something that is not a reward
-  (``calls.WrongType``), fails the whole composite: the exception goes up
-  with a note naming the part, and the service counts one failure and gives
-  the trajectory ``reward.fallback``. A NaN or infinite value makes the total
-  non-finite: counted ``nonfinite``, fallback likewise.
-- ``part_name(fn)`` is a part's default name: a builtin's name, else the last
-  part of the dotted path (``pkg.mod:partial_credit`` -> ``partial_credit``).
-  ``Part``, ``part_name``, ``parts_of``, ``check_parts``, ``composite_name`` and
-  ``RESERVED`` (the names a part may not take) are defined in
-  ``config/reward_rules.py`` (the config checks ``reward.components`` by them
-  when it loads) and re-exported here.
+- ``Composite(parts)`` loads every ``Part`` and is a ``RewardFn`` returning the weighted total
+  and each part's value (logged as metrics). Parts run in order; a part with a ``gate`` that
+  it does not reach stops the parts after it ("format before correctness").
+- A part that raises or returns no reward fails the whole composite (the exception names the
+  part); a non-finite value makes the total non-finite.
+- ``Part``, ``part_name``, ``parts_of``, ``check_parts``, ``composite_name`` and ``RESERVED``
+  are defined in ``config/reward_rules.py`` and re-exported here.
 
 It knows nothing of threads, processes or deadlines: the whole composite is
 one reward call under the service's ``reward.timeout_s``.
@@ -48,7 +26,37 @@ __all__ = ["RESERVED", "Composite", "Part", "check_parts", "composite_name", "pa
 
 
 class Composite:
-    """The ``RewardFn`` of several parts (see the module docstring)."""
+    """The ``RewardFn`` of several parts.
+
+    - ``Part(name, fn, kwargs, weight, gate)`` says how to load one component
+      (``fn`` and ``kwargs`` as ``api.load_reward`` takes them) and how it counts.
+      ``Composite(parts)`` loads every part and is a ``RewardFn`` returning
+      ``{"reward": total, "<name>": value, "<name>/<key>": ..., "gated": 0 | 1}``:
+      the service keeps every key but ``"reward"`` in ``reward_info``, so each
+      component's value is logged as a metric (``reward/<name>`` for training
+      steps, ``eval_<name>`` for evaluations).
+    - Order and gates: parts run in the order given. A part's value is its
+      result's reward (a float, or a dict's ``"reward"``; the dict's other keys
+      are kept as ``"<name>/<key>"``). ``total`` is the sum of ``weight * value``
+      over the parts that ran. A part with a ``gate`` must reach it (value >=
+      gate): if it does not, the parts after it are not run (absent from the
+      result, so their metrics average over the trajectories that reached them)
+      and the total is what the parts so far gave — "format before correctness":
+      ``[format (weight 0, gate 1), math]`` is 0 for a badly formatted answer
+      without ever calling the math verifier. ``"gated"`` (1 when a gate stopped
+      the parts, else 0) is present when any part has a gate.
+    - Failures: a part that raises, or returns something that is not a reward
+      (``calls.WrongType``), fails the whole composite: the exception goes up
+      with a note naming the part, and the service counts one failure and gives
+      the trajectory ``reward.fallback``. A NaN or infinite value makes the total
+      non-finite: counted ``nonfinite``, fallback likewise.
+    - ``part_name(fn)`` is a part's default name: a builtin's name, else the last
+      part of the dotted path (``pkg.mod:partial_credit`` -> ``partial_credit``).
+      ``Part``, ``part_name``, ``parts_of``, ``check_parts``, ``composite_name`` and
+      ``RESERVED`` (the names a part may not take) are defined in
+      ``config/reward_rules.py`` (the config checks ``reward.components`` by them
+      when it loads) and re-exported here.
+    """
 
     def __init__(self, parts: Sequence[Part]) -> None:
         check_parts(parts)

@@ -1,39 +1,13 @@
 """A generative judge as a reward: a frozen language model reads each completion and writes a
 critique ending in a score, which becomes the reward (an ``api.BatchReward``).
 
-Contract
-- ``JudgeReward(engine, tokenizer, cfg, max_batch, fallback_value, seed, wait_s)`` judges with any
-  ``runtime.handles.Generator``, such as every ``rollout.api.RolloutEngine`` (the native engine on
-  a device of its own, vLLM, a remote server), and the judge's tokenizer; ``cfg`` is the run's ``reward.judge`` section
-  (``config.JudgeConfig``). ``score_batch(trajs)`` renders every judge prompt of the batch
-  (template fields cut in the middle to fit the judge's context; ``{prompt}`` is the task
-  before the policy's templates, ``task.info["raw_prompt"]``, where the data layer kept it),
-  sends them ALL to the engine in one ``generate`` call with ``n = cfg.samples``, reads the
-  last score of each judgement (``judge_text.ScoreParser``: the declared range mapped onto
-  [0, 1]) and returns one dict per trajectory, in order.
-- Pointwise: one judge prompt per trajectory; its reward is the ``cfg.aggregate`` of its
-  parsed samples (``mean``, or ``vote``: the majority score).
-- Pairwise: trajectories of the SAME CALL with the same task and prompt form a group; each
-  ordered pair (a, b) of it is one prompt whose score s says how much better A is (the range's
-  middle: equal), so P(A better) = normalised s. A pair is judged in both orders, which cancels
-  a judge's preference for a position. A trajectory's reward is its mean win probability over
-  its comparisons (``vote``: each comparison's majority winner counts 1, a tie 0.5): a group of
-  m costs m(m-1) prompts x samples, against m x samples pointwise. A trajectory alone in its
-  call (evaluation's one sample per task, or a group the reward service split over two calls)
-  is compared with its task's reference answer in both orders; without one it gets the
-  fallback (``reward_error`` "no pair").
-- A trajectory none of whose judgements parse gets the fallback: ``reward.fallback``, or with
-  ``cfg.fallback = "hash"`` a seeded hash of its completion text in [0, 1); its ``reward_error``
-  says why ("unparseable", "too long" when its prompt cannot fit the judge's context even cut).
-  Every such case and every unparseable sample is counted (``stats()``).
-- ``reward_info`` of each trajectory: ``judge_parsed`` (share of its judgements that parsed),
-  ``judge_fallback`` (1 when it got the fallback), ``judge_tokens`` (mean tokens per judgement)
-  and ``judge_tokens_per_s`` (the call's generation rate), numbers only.
-- One ``generate`` runs at a time (engines are not reentrant): a call waits at most ``wait_s``
-  for the engine and then raises ``TimeoutError``; the reward service turns that into the
-  fallback for the batch. It runs with the engine's GPU (``engine.cuda_device``) as the calling
-  thread's current CUDA device, so a judge on a GPU of its own computes there whichever thread
-  calls it. ``close()`` closes the engine.
+- ``JudgeReward(engine, tokenizer, cfg, ...)`` judges with any ``runtime.handles.Generator``;
+  ``score_batch(trajs)`` sends every judge prompt of the batch in one ``generate`` call and
+  returns one dict per trajectory, in order.
+- Pointwise (one prompt per trajectory) or pairwise (each ordered pair of a group, judged in
+  both orders); a trajectory none of whose judgements parse gets the fallback, counted.
+- One ``generate`` runs at a time; a call waits at most ``wait_s`` for the engine, then raises
+  ``TimeoutError``.
 
 It knows nothing of threads that call it, deadlines of the service, or how its engine was built
 (``run/judge_setup.py`` builds it from the config).
@@ -87,6 +61,42 @@ class _Item:
 
 
 class JudgeReward:
+    """A frozen language model's judgement of each completion as its reward.
+
+    Contract
+    - ``JudgeReward(engine, tokenizer, cfg, max_batch, fallback_value, seed, wait_s)`` judges with any
+      ``runtime.handles.Generator``, such as every ``rollout.api.RolloutEngine`` (the native engine on
+      a device of its own, vLLM, a remote server), and the judge's tokenizer; ``cfg`` is the run's ``reward.judge`` section
+      (``config.JudgeConfig``). ``score_batch(trajs)`` renders every judge prompt of the batch
+      (template fields cut in the middle to fit the judge's context; ``{prompt}`` is the task
+      before the policy's templates, ``task.info["raw_prompt"]``, where the data layer kept it),
+      sends them ALL to the engine in one ``generate`` call with ``n = cfg.samples``, reads the
+      last score of each judgement (``judge_text.ScoreParser``: the declared range mapped onto
+      [0, 1]) and returns one dict per trajectory, in order.
+    - Pointwise: one judge prompt per trajectory; its reward is the ``cfg.aggregate`` of its
+      parsed samples (``mean``, or ``vote``: the majority score).
+    - Pairwise: trajectories of the SAME CALL with the same task and prompt form a group; each
+      ordered pair (a, b) of it is one prompt whose score s says how much better A is (the range's
+      middle: equal), so P(A better) = normalised s. A pair is judged in both orders, which cancels
+      a judge's preference for a position. A trajectory's reward is its mean win probability over
+      its comparisons (``vote``: each comparison's majority winner counts 1, a tie 0.5): a group of
+      m costs m(m-1) prompts x samples, against m x samples pointwise. A trajectory alone in its
+      call (evaluation's one sample per task, or a group the reward service split over two calls)
+      is compared with its task's reference answer in both orders; without one it gets the
+      fallback (``reward_error`` "no pair").
+    - A trajectory none of whose judgements parse gets the fallback: ``reward.fallback``, or with
+      ``cfg.fallback = "hash"`` a seeded hash of its completion text in [0, 1); its ``reward_error``
+      says why ("unparseable", "too long" when its prompt cannot fit the judge's context even cut).
+      Every such case and every unparseable sample is counted (``stats()``).
+    - ``reward_info`` of each trajectory: ``judge_parsed`` (share of its judgements that parsed),
+      ``judge_fallback`` (1 when it got the fallback), ``judge_tokens`` (mean tokens per judgement)
+      and ``judge_tokens_per_s`` (the call's generation rate), numbers only.
+    - One ``generate`` runs at a time (engines are not reentrant): a call waits at most ``wait_s``
+      for the engine and then raises ``TimeoutError``; the reward service turns that into the
+      fallback for the batch. It runs with the engine's GPU (``engine.cuda_device``) as the calling
+      thread's current CUDA device, so a judge on a GPU of its own computes there whichever thread
+      calls it. ``close()`` closes the engine.
+    """
     name = "judge"
 
     def __init__(self, engine: Generator, tokenizer: Any, cfg: JudgeConfig, *, max_batch: int = 64,

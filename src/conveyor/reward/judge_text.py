@@ -1,25 +1,12 @@
 """The text side of a generative judge: its prompt templates, the score it writes, and how
 several judgements of one item become one number.
 
-Contract
-- Templates are ``str.format`` strings. A pointwise template may use ``{prompt}``,
-  ``{completion}`` and ``{answer}`` and must show ``{completion}``; a pairwise one may use
-  ``{prompt}``, ``{answer}``, ``{completion_a}`` and ``{completion_b}`` and must show both
-  completions. ``template_problem(template, mode)`` names what is wrong (unknown or missing
-  field, positional field, bad braces) or returns None; ``DEFAULT_TEMPLATES`` holds one
-  template per mode that asks for a short critique ending in a line ``Score: N``. These, with
-  ``pattern_problem``, are defined in ``config/reward_rules.py`` (the config checks
-  ``reward.judge`` by them when it loads) and re-exported here.
-- ``fit_fields(render, fields, shrinkable, budget)`` renders a prompt and, when it has more
-  than ``budget`` tokens, cuts the middle out of the longest shrinkable field (its head and
-  tail stay, joined by ``" [...] "``) until it fits; None when even empty fields do not fit.
-- ``ScoreParser(pattern, low, high).parse(text)`` reads the LAST match of ``pattern`` (its
-  first group) and maps the declared range ``[low, high]`` linearly onto ``[0, 1]``. It
-  returns a ``Parsed`` whose ``value`` is None when there is no match, the group is not a
-  number, or the number is outside the range (``reason`` says which).
-- ``aggregate(values, how)``: ``mean``, or ``vote`` (the most frequent value; a tie is the
-  mean of the tied values). ``hash_score(text, seed)``: a deterministic pseudo-random number
-  in ``[0, 1)`` from a completion's text and a seed (the fallback ``hash``).
+- Templates are ``str.format`` strings checked by ``template_problem``; ``DEFAULT_TEMPLATES``
+  ask for a critique ending in ``Score: N``. These, with ``pattern_problem``, are defined in
+  ``config/reward_rules.py`` and re-exported here.
+- ``fit_fields`` cuts the middle out of the longest fields until a prompt fits its budget.
+- ``ScoreParser(pattern, low, high).parse(text)``: the LAST score, mapped onto ``[0, 1]``.
+- ``aggregate(values, how)`` (``mean`` / ``vote``); ``hash_score``: the ``hash`` fallback.
 
 Pure Python: it knows nothing of models, engines, trajectories or threads.
 """
@@ -55,7 +42,22 @@ def fit_fields(render: Callable[[Mapping[str, str]], list[int]], fields: Mapping
                shrinkable: Sequence[str], budget: int, encode: Callable[[str], list[int]],
                decode: Callable[[list[int]], str]) -> list[int] | None:
     """``render(fields)`` as token ids, with the longest ``shrinkable`` fields cut in the middle
-    until the ids number at most ``budget``; None when even empty fields do not fit."""
+    until the ids number at most ``budget``; None when even empty fields do not fit.
+
+    Templates: 
+    Templates are ``str.format`` strings. A pointwise template may use ``{prompt}``,
+    ``{completion}`` and ``{answer}`` and must show ``{completion}``; a pairwise one may use
+    ``{prompt}``, ``{answer}``, ``{completion_a}`` and ``{completion_b}`` and must show both
+    completions. ``template_problem(template, mode)`` names what is wrong (unknown or missing
+    field, positional field, bad braces) or returns None; ``DEFAULT_TEMPLATES`` holds one
+    template per mode that asks for a short critique ending in a line ``Score: N``. These, with
+    ``pattern_problem``, are defined in ``config/reward_rules.py`` (the config checks
+    ``reward.judge`` by them when it loads) and re-exported here.
+
+    ``fit_fields(render, fields, shrinkable, budget)`` renders a prompt and, when it has more
+    than ``budget`` tokens, cuts the middle out of the longest shrinkable field (its head and
+    tail stay, joined by ``" [...] "``) until it fits; None when even empty fields do not fit.
+    """
     fields = dict(fields)
     ids = render(fields)
     for _ in range(4 * len(shrinkable) + 4):  # each round removes at least one token, or gives up
@@ -89,6 +91,11 @@ class Parsed:
 
 
 class ScoreParser:
+    """``ScoreParser(pattern, low, high).parse(text)`` reads the LAST match of ``pattern`` (its
+    first group) and maps the declared range ``[low, high]`` linearly onto ``[0, 1]``. It
+    returns a ``Parsed`` whose ``value`` is None when there is no match, the group is not a
+    number, or the number is outside the range (``reason`` says which).
+    """
     def __init__(self, pattern: str = DEFAULT_SCORE_PATTERN, low: float = 0.0, high: float = 10.0) -> None:
         problem = pattern_problem(pattern)
         if problem:
@@ -114,7 +121,12 @@ class ScoreParser:
 
 
 def aggregate(values: Sequence[float], how: str) -> float:
-    """``mean`` of ``values``, or ``vote``: the most frequent value (a tie: the tied values' mean)."""
+    """``mean`` of ``values``, or ``vote``: the most frequent value (a tie: the tied values' mean).
+
+    ``aggregate(values, how)``: ``mean``, or ``vote`` (the most frequent value; a tie is the
+    mean of the tied values). ``hash_score(text, seed)``: a deterministic pseudo-random number
+    in ``[0, 1)`` from a completion's text and a seed (the fallback ``hash``).
+    """
     if not values:
         raise ValueError("aggregate of no values")
     if how == "mean":

@@ -1,27 +1,11 @@
 """A reward model: a Hugging Face sequence-classification checkpoint with one output, as a
 batched reward (``reward.fn: rm``).
 
-Contract
-- ``RewardModel(path, device, max_batch, normalize)`` is an ``api.BatchReward``.
-  ``score_batch(trajs)`` scores each trajectory's prompt (``task.prompt``: the text the policy
-  saw, the data section's templates already applied) followed by its completion text, through
-  the reward model's own tokenizer, ``encode``'s way (the same encoding ``train_rm`` trains
-  on), in padded batches of up to ``max_batch``, and returns the scalar head's output:
-  ``normalize`` "none" as is (a float); "sigmoid" in (0, 1); "standard" ``(score - mean) / std``
-  with the mean and std of scores ``train_rm`` measured on its held-out completions (read from
-  ``STATS_FILE`` in the checkpoint). Normalised results are dicts that keep the raw score as
-  ``rm_score`` (logged as a metric).
-- ``encode(tokenizer, prompt, completion, max_length)``: prompt tokens (the tokenizer's special
-  tokens added unless the prompt already starts with its BOS text), completion tokens and EOS;
-  a sequence longer than ``max_length`` loses tokens from its left end, so the completion and
-  the EOS that the head reads are kept.
+- ``RewardModel(path, device, max_batch, normalize)`` is an ``api.BatchReward`` scoring each
+  trajectory's prompt and completion as ``encode`` does (the encoding ``train_rm`` trains on).
 - ``check_checkpoint(path)`` refuses, with a ``RewardModelError`` naming the checkpoint and the
-  fix, a directory without a config, a model that is not a sequence classifier (a causal LM
-  would get a randomly initialised head) and a head of more than one output (``num_labels``
-  != 1). ``RewardModel`` runs it before loading anything.
-- Forward passes run one at a time (a lock): a model on one device is no faster with two
-  batches at once, and one batch's activations bound the memory it takes beside the trainer.
-  ``close()`` drops the model (and, on a GPU, its cached memory).
+  fix, what is not a one-output sequence classifier; ``RewardModel`` runs it first.
+- Forward passes run one at a time.
 
 It knows nothing of the service's threads and deadlines (``service.py``), of where the
 trainer runs (the controller passes the device) or of how a model was trained.
@@ -46,7 +30,13 @@ class RewardModelError(ValueError):
 
 
 def check_checkpoint(path: str | Path, what: str = "reward.model") -> Any:
-    """The checkpoint's HF config, if it is a sequence classifier with one output."""
+    """The checkpoint's HF config, if it is a sequence classifier with one output.
+
+    ``check_checkpoint(path)`` refuses, with a ``RewardModelError`` naming the checkpoint and the
+    fix, a directory without a config, a model that is not a sequence classifier (a causal LM
+    would get a randomly initialised head) and a head of more than one output (``num_labels``
+    != 1). ``RewardModel`` runs it before loading anything.
+    """
     from transformers import AutoConfig
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
@@ -70,7 +60,13 @@ def check_checkpoint(path: str | Path, what: str = "reward.model") -> Any:
 
 
 def encode(tokenizer: Any, prompt: str, completion: str, max_length: int) -> list[int]:
-    """The token ids a reward model scores for ``prompt`` + ``completion`` (see the contract)."""
+    """The token ids a reward model scores for ``prompt`` + ``completion``.
+
+    ``encode(tokenizer, prompt, completion, max_length)``: prompt tokens (the tokenizer's special
+    tokens added unless the prompt already starts with its BOS text), completion tokens and EOS;
+    a sequence longer than ``max_length`` loses tokens from its left end, so the completion and
+    the EOS that the head reads are kept.
+    """
     special = not (tokenizer.bos_token and prompt.startswith(tokenizer.bos_token))
     ids = tokenizer(prompt, add_special_tokens=special)["input_ids"]
     ids = ids + tokenizer(completion, add_special_tokens=False)["input_ids"]
@@ -117,7 +113,21 @@ def read_stats(path: str | Path) -> dict[str, Any]:
 
 
 class RewardModel:
-    """``reward.fn: rm``: see the module's contract."""
+    """``reward.fn: rm``: a sequence classifier's score of each trajectory.
+
+    ``RewardModel(path, device, max_batch, normalize)`` is an ``api.BatchReward``.
+    ``score_batch(trajs)`` scores each trajectory's prompt (``task.prompt``: the text the policy
+    saw, the data section's templates already applied) followed by its completion text, through
+    the reward model's own tokenizer, ``encode``'s way (the same encoding ``train_rm`` trains
+    on), in padded batches of up to ``max_batch``, and returns the scalar head's output:
+    ``normalize`` "none" as is (a float); "sigmoid" in (0, 1); "standard" ``(score - mean) / std``
+    with the mean and std of scores ``train_rm`` measured on its held-out completions (read from
+    ``STATS_FILE`` in the checkpoint). Normalised results are dicts that keep the raw score as
+    ``rm_score`` (logged as a metric).
+    - Forward passes run one at a time (a lock): a model on one device is no faster with two
+      batches at once, and one batch's activations bound the memory it takes beside the trainer.
+      ``close()`` drops the model (and, on a GPU, its cached memory).
+    """
 
     def __init__(self, path: str | Path, device: str = "cpu", max_batch: int = 32, normalize: str = "none") -> None:
         import torch

@@ -1,17 +1,9 @@
 """The trajectories a ``processes.ProcessRewardService`` holds, and which of them form its next call.
 
-Contract
-- ``Job(traj)``: one submitted trajectory, its Future (which always resolves), whether the Future
-  is marked running (it left the queue once) and how many worker processes died scoring it.
-- ``JobQueue(gathering)`` is thread safe (the callers' ``submit`` and the service's supervisor
-  thread): ``put(job)`` queues it (or returns the error that stopped the service; raises
-  ``RuntimeError`` once closed); ``take(now)`` is the next call's jobs, gathered as the thread
-  service gathers them (``batching.Gathering``: up to ``max_batch``, or fewer once the oldest
-  has waited ``wait_s``), cancelled ones dropped, or how long to wait before asking again;
-  ``requeue(jobs)`` puts the jobs of a call whose worker died back at the front, in order;
-  ``drain(close=..., broken=...)`` marks the queue closed or broken and returns what waited
-  (None when it already was). ``gathering`` may be replaced before the first ``take`` (a worker
-  reports its reward's ``max_batch`` once loaded).
+- ``Job(traj)``: one submitted trajectory and its Future, which always resolves.
+- ``JobQueue(gathering)`` is thread safe: ``put``, ``take`` (the next call's jobs, gathered as
+  the thread service gathers them), ``requeue`` (a dead worker's call back at the front, in
+  order) and ``drain``.
 
 It starts nothing and knows nothing of workers, deadlines or counters.
 """
@@ -29,6 +21,9 @@ from conveyor.types import Trajectory
 
 
 class Job:
+    """``Job(traj)``: one submitted trajectory, its Future (which always resolves), whether the Future
+    is marked running (it left the queue once) and how many worker processes died scoring it.
+    """
     __slots__ = ("deaths", "future", "queued_at", "running", "traj")
 
     def __init__(self, traj: Trajectory) -> None:
@@ -40,6 +35,16 @@ class Job:
 
 
 class JobQueue:
+    """``JobQueue(gathering)`` is thread safe (the callers' ``submit`` and the service's supervisor
+    thread): ``put(job)`` queues it (or returns the error that stopped the service; raises
+    ``RuntimeError`` once closed); ``take(now)`` is the next call's jobs, gathered as the thread
+    service gathers them (``batching.Gathering``: up to ``max_batch``, or fewer once the oldest
+    has waited ``wait_s``), cancelled ones dropped, or how long to wait before asking again;
+    ``requeue(jobs)`` puts the jobs of a call whose worker died back at the front, in order;
+    ``drain(close=..., broken=...)`` marks the queue closed or broken and returns what waited
+    (None when it already was). ``gathering`` may be replaced before the first ``take`` (a worker
+    reports its reward's ``max_batch`` once loaded).
+    """
     def __init__(self, gathering: Gathering) -> None:
         self.gathering = gathering
         self._lock = threading.Lock()  # guards every field below

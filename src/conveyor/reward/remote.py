@@ -1,33 +1,13 @@
 """Rewards scored by another process over HTTP: the wire types and the client (``reward.fn: http://host:port``).
 
-Contract
-- Wire (version ``WIRE_VERSION``): ``POST /v1/score`` with ``{"version", "items": [WireTrajectory]}``
-  answers ``{"version", "results": [{"reward": float, "info": {...}} | {"error": str}]}``, one
-  result per item in order; ``GET /health`` answers ``{"status": "ok", "version", "reward",
-  "max_batch"}``. A ``WireTrajectory`` is what a reward reads of a trajectory: the task (id,
-  prompt, answer, info), the completion text, its finish reason, the prompt's and completion's
-  token COUNTS (not the ids), the turn records and the numbers an episode gave beside its
-  reward. The server rebuilds a ``Trajectory`` whose ids, logprobs and versions are
-  placeholders of the right lengths: rewards that read token ids or logprobs are not served.
-- ``RemoteReward(url, timeout_s=4.0, retries=2, backoff_s=0.1, max_batch=64,
-  breaker_failures=5, breaker_cooldown_s=10.0, health_timeout_s=10.0)`` is an
-  ``api.BatchReward`` (and a ``RewardFn`` through ``__call__``). Constructing it checks
-  ``GET /health`` until ``health_timeout_s``: no answer, or another wire version, raises
-  ``RewardError`` before a run starts. ``max_batch`` is the smaller of its own and the server's.
-- ``score_batch(trajs)``: one POST per ``max_batch`` trajectories, each under a deadline of
-  ``timeout_s`` (retries included; keep it below ``reward.timeout_s``). A refused or broken
-  connection and an HTTP 5xx are retried up to ``retries`` times with exponential backoff
-  and full jitter (``resilience.backoff_delay``) while the deadline allows; a timeout, an
-  HTTP 4xx or a garbled answer is not. What still fails raises a ``RemoteRewardFailure``
-  subclass (``RemoteTimeout``, ``RemoteUnreachable``, ``RemoteServerError``,
-  ``RemoteRejected``, ``RemoteBadResponse``, ``RemoteBreakerOpen``): the reward service then gives the batch
-  its fallback, counted. An item the server could not score comes back as
-  ``{"reward": None, "remote_error": why}``, which the service counts as that trajectory's
-  failure.
-- Circuit breaker (``resilience.Breaker``): after ``breaker_failures`` failed calls in a row
-  the server is open for ``breaker_cooldown_s``: calls raise ``RemoteBreakerOpen`` at once
-  (no network); then one trial call decides. ``stats()`` counts requests, items, retries and
-  failures by kind.
+- Wire (version ``WIRE_VERSION``): ``POST /v1/score`` and ``GET /health``; a ``WireTrajectory``
+  is what a reward reads of a trajectory (token counts, not ids: rewards that read token ids or
+  logprobs are not served).
+- ``RemoteReward(url, ...)`` is an ``api.BatchReward``; constructing it checks the server's
+  health and wire version, raising ``RewardError`` before a run starts.
+- ``score_batch`` retries only what may succeed when repeated, within its deadline; what still
+  fails raises a ``RemoteRewardFailure`` subclass naming the cause. A circuit breaker stops calls
+  to a server that keeps failing.
 
 It knows nothing of how the server scores (``remote_server.py``) or of run configs.
 """
@@ -63,6 +43,15 @@ class WireError(ValueError):
 
 @dataclass(frozen=True)
 class WireTrajectory:
+    """Wire (version ``WIRE_VERSION``): ``POST /v1/score`` with ``{"version", "items": [WireTrajectory]}``
+    answers ``{"version", "results": [{"reward": float, "info": {...}} | {"error": str}]}``, one
+    result per item in order; ``GET /health`` answers ``{"status": "ok", "version", "reward",
+    "max_batch"}``. A ``WireTrajectory`` is what a reward reads of a trajectory: the task (id,
+    prompt, answer, info), the completion text, its finish reason, the prompt's and completion's
+    token COUNTS (not the ids), the turn records and the numbers an episode gave beside its
+    reward. The server rebuilds a ``Trajectory`` whose ids, logprobs and versions are
+    placeholders of the right lengths: rewards that read token ids or logprobs are not served.
+    """
     task_id: str
     prompt: str
     answer: str | None
@@ -154,7 +143,28 @@ class _Retryable(Exception):
 
 
 class RemoteReward:
-    """A reward served by ``conveyor serve-reward`` (see the module docstring)."""
+    """A reward served by ``conveyor serve-reward``.
+
+    - ``RemoteReward(url, timeout_s=4.0, retries=2, backoff_s=0.1, max_batch=64,
+      breaker_failures=5, breaker_cooldown_s=10.0, health_timeout_s=10.0)`` is an
+      ``api.BatchReward`` (and a ``RewardFn`` through ``__call__``). Constructing it checks
+      ``GET /health`` until ``health_timeout_s``: no answer, or another wire version, raises
+      ``RewardError`` before a run starts. ``max_batch`` is the smaller of its own and the server's.
+    - ``score_batch(trajs)``: one POST per ``max_batch`` trajectories, each under a deadline of
+      ``timeout_s`` (retries included; keep it below ``reward.timeout_s``). A refused or broken
+      connection and an HTTP 5xx are retried up to ``retries`` times with exponential backoff
+      and full jitter (``resilience.backoff_delay``) while the deadline allows; a timeout, an
+      HTTP 4xx or a garbled answer is not. What still fails raises a ``RemoteRewardFailure``
+      subclass (``RemoteTimeout``, ``RemoteUnreachable``, ``RemoteServerError``,
+      ``RemoteRejected``, ``RemoteBadResponse``, ``RemoteBreakerOpen``): the reward service then gives the batch
+      its fallback, counted. An item the server could not score comes back as
+      ``{"reward": None, "remote_error": why}``, which the service counts as that trajectory's
+      failure.
+    - Circuit breaker (``resilience.Breaker``): after ``breaker_failures`` failed calls in a row
+      the server is open for ``breaker_cooldown_s``: calls raise ``RemoteBreakerOpen`` at once
+      (no network); then one trial call decides. ``stats()`` counts requests, items, retries and
+      failures by kind.
+    """
 
     def __init__(self, url: str, timeout_s: float = 4.0, retries: int = 2, backoff_s: float = 0.1,
                  max_batch: int = 64, breaker_failures: int = 5, breaker_cooldown_s: float = 10.0,

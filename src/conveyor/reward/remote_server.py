@@ -1,26 +1,10 @@
 """Serve any reward over HTTP with batching (``conveyor serve-reward``); the wire is ``remote.py``'s.
 
-Contract
-- ``RewardServer(reward, settings, name)``: ``reward`` is a ``RewardFn`` or an
-  ``api.BatchReward``. ``await start()`` listens on ``settings.host:settings.port`` (port 0: a
-  free one; ``url`` says which) on the CALLING event loop (starlette + uvicorn); ``await
-  stop()`` ends it. ``serve(spec, kwargs, settings)`` is the blocking command: it loads the
-  reward (``api.load_reward``), prints one line naming the URL, and serves until SIGINT or
-  SIGTERM, then closes a ``BatchReward``.
-- Batching: every item of every ``POST /v1/score`` joins one queue; a batch starts once
-  ``max_batch`` items wait or the oldest has waited ``batch_wait_ms``, once a worker is free
-  (so under load batches fill by themselves). A ``BatchReward`` scores a batch in one
-  ``score_batch`` call (at most its own ``max_batch`` items per call), up to ``workers`` calls
-  at once; a ``RewardFn`` scores one batch at a time, each item a call on one of ``workers``
-  threads. Each batch has a deadline of
-  ``timeout_s``: items past it answer ``{"error": "timeout ..."}`` (the thread is abandoned,
-  counted ``stuck``); a reward that raises or returns something other than a finite number
-  or a dict with one gives its items ``{"error": ...}``. Every request is answered.
-- Refusals (HTTP 400, ``{"error": ...}``): a body that is not JSON, another wire version, a
-  malformed item (the message names its index and field), more than ``max_request_items``.
-- ``GET /health``: ``{"status": "ok", "version", "reward", "max_batch", "batch_wait_ms"}``;
-  ``GET /stats``: counters (``requests``, ``items``, ``batches``, ``calls`` (reward calls),
-  ``largest_batch``, ``errors``, ``timeouts``, ``stuck``, ``bad_requests``).
+- ``RewardServer(reward, settings, name)`` serves a ``RewardFn`` or an ``api.BatchReward`` on
+  the CALLING event loop; ``serve(spec, kwargs, settings)`` is the blocking command.
+- Items of every request join one queue and are scored in batches, each under a deadline;
+  every request is answered, a failed item with ``{"error": ...}``.
+- Bad requests are HTTP 400 naming the problem; ``GET /health`` and ``GET /stats`` report.
 
 It knows nothing of runs, trainers or the client's retries and fallbacks.
 """
@@ -72,6 +56,27 @@ class _Item:
 
 
 class RewardServer:
+    """- ``RewardServer(reward, settings, name)``: ``reward`` is a ``RewardFn`` or an
+      ``api.BatchReward``. ``await start()`` listens on ``settings.host:settings.port`` (port 0: a
+      free one; ``url`` says which) on the CALLING event loop (starlette + uvicorn); ``await
+      stop()`` ends it. ``serve(spec, kwargs, settings)`` is the blocking command: it loads the
+      reward (``api.load_reward``), prints one line naming the URL, and serves until SIGINT or
+      SIGTERM, then closes a ``BatchReward``.
+    - Batching: every item of every ``POST /v1/score`` joins one queue; a batch starts once
+      ``max_batch`` items wait or the oldest has waited ``batch_wait_ms``, once a worker is free
+      (so under load batches fill by themselves). A ``BatchReward`` scores a batch in one
+      ``score_batch`` call (at most its own ``max_batch`` items per call), up to ``workers`` calls
+      at once; a ``RewardFn`` scores one batch at a time, each item a call on one of ``workers``
+      threads. Each batch has a deadline of
+      ``timeout_s``: items past it answer ``{"error": "timeout ..."}`` (the thread is abandoned,
+      counted ``stuck``); a reward that raises or returns something other than a finite number
+      or a dict with one gives its items ``{"error": ...}``. Every request is answered.
+    - Refusals (HTTP 400, ``{"error": ...}``): a body that is not JSON, another wire version, a
+      malformed item (the message names its index and field), more than ``max_request_items``.
+    - ``GET /health``: ``{"status": "ok", "version", "reward", "max_batch", "batch_wait_ms"}``;
+      ``GET /stats``: counters (``requests``, ``items``, ``batches``, ``calls`` (reward calls),
+      ``largest_batch``, ``errors``, ``timeouts``, ``stuck``, ``bad_requests``).
+    """
     def __init__(self, reward: Any, settings: ServeSettings = ServeSettings(), name: str | None = None) -> None:
         self.reward, self.settings = reward, settings
         self.batched = isinstance(reward, BatchReward)

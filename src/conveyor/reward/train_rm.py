@@ -1,23 +1,10 @@
 """Train a reward model on preference pairs with the Bradley-Terry loss (``conveyor train-rm``).
 
-Contract
-- ``train_reward_model(cfg: RMTrainConfig, log) -> RMTrainResult`` reads and checks every pair
-  first (``data.preferences.read_pairs``: a broken row is a ``DataError`` naming its line, and
-  nothing is trained), loads ``cfg.model`` as a sequence classifier with one output (a causal
-  LM gets a new scalar head; an existing reward model keeps its head; anything else is a
-  ``RewardModelError``), and minimises ``-log sigmoid(r(chosen) - r(rejected))`` with AdamW on
-  float32 weights (bf16 autocast on a GPU), ``batch_size`` pairs per optimizer step.
-- Held out: the pairs of ``cfg.eval_data``, or else a seeded ``eval_fraction`` of the prompts
-  with all their pairs (so held-out accuracy is measured on prompts never trained on).
-  Held-out loss and pair accuracy (the share of pairs whose chosen completion scores strictly
-  higher) are measured before training, every ``eval_every`` steps and at the end, and passed
-  to ``log`` as one line each.
-- Output: ``cfg.out`` (a new or empty directory) holds an HF checkpoint (weights, config with
-  ``num_labels`` 1 and the pad id, tokenizer with a pad token) that ``reward.fn: rm`` loads,
-  and ``model.STATS_FILE``: the final held-out numbers, the mean and std of the held-out
-  completions' scores (``reward.normalize: standard``) and every evaluation.
-- Sequences are encoded by ``model.encode``, exactly as ``reward.fn: rm`` encodes a prompt and
-  its completion during RL.
+- ``train_reward_model(cfg: RMTrainConfig, log) -> RMTrainResult`` checks every pair first
+  (a broken row is a ``DataError``, nothing is trained), then minimises
+  ``-log sigmoid(r(chosen) - r(rejected))``, evaluating on held-out prompts never trained on.
+- Its output is a checkpoint ``reward.fn: rm`` loads, with ``model.STATS_FILE``; sequences are
+  encoded by ``model.encode``, exactly as during RL.
 
 It knows nothing of the RL loop, of rollouts or of where the pairs came from.
 """
@@ -182,6 +169,24 @@ def _check_out(out: Path) -> None:
 
 
 def train_reward_model(cfg: RMTrainConfig, log: Callable[[str], None] = print) -> RMTrainResult:
+    """- ``train_reward_model(cfg: RMTrainConfig, log) -> RMTrainResult`` reads and checks every pair
+      first (``data.preferences.read_pairs``: a broken row is a ``DataError`` naming its line, and
+      nothing is trained), loads ``cfg.model`` as a sequence classifier with one output (a causal
+      LM gets a new scalar head; an existing reward model keeps its head; anything else is a
+      ``RewardModelError``), and minimises ``-log sigmoid(r(chosen) - r(rejected))`` with AdamW on
+      float32 weights (bf16 autocast on a GPU), ``batch_size`` pairs per optimizer step.
+    - Held out: the pairs of ``cfg.eval_data``, or else a seeded ``eval_fraction`` of the prompts
+      with all their pairs (so held-out accuracy is measured on prompts never trained on).
+      Held-out loss and pair accuracy (the share of pairs whose chosen completion scores strictly
+      higher) are measured before training, every ``eval_every`` steps and at the end, and passed
+      to ``log`` as one line each.
+    - Output: ``cfg.out`` (a new or empty directory) holds an HF checkpoint (weights, config with
+      ``num_labels`` 1 and the pad id, tokenizer with a pad token) that ``reward.fn: rm`` loads,
+      and ``model.STATS_FILE``: the final held-out numbers, the mean and std of the held-out
+      completions' scores (``reward.normalize: standard``) and every evaluation.
+    - Sequences are encoded by ``model.encode``, exactly as ``reward.fn: rm`` encodes a prompt and
+      its completion during RL.
+    """
     import torch
     import torch.nn.functional as F
     out = Path(cfg.out)

@@ -1,26 +1,12 @@
 """A reward worker process: loads its reward, scores on its main thread, dies with its parent.
 
-Contract: ``WorkerProcess(ctx, spec, fallback, name)`` starts one (its
-parent's handle: ``conn``, ``sentinel``, ``ask_to_exit``, ``join``, ``end``
-to kill it with its process group and reap it, returning its exit code;
-``exit_text(code)`` says it in words). ``worker_main(spec, conn, parent_pid,
-fallback)`` is the main of that process. It loads the reward
-from ``spec`` (``factory.RewardSpec.load``) and answers ``RewardLoaded``
-(with a one-line ``error`` if it cannot; with its ``max_batch`` if it is a
-``BatchReward``, such as a reward model the worker builds on its own device);
-then, for each ``ScoreRequest`` received on ``conn``, it calls the reward on
-its main thread (``calls.call_reward`` on the one trajectory, or
-``batching.call_checked`` on the batch: checked, never raising) and answers
-``ScoreReply``, until it receives ``None`` or the pipe closes; then it closes
-a batched reward. It leads a process group of
-its own (a kill at a deadline takes what the reward started with it),
-ignores SIGINT (its parent decides when it stops), and exits when its parent
-process is gone: the kernel's parent-death signal (Linux) and a thread that
-watches its parent's pid.
-
-``load(spec)``, ``answer(fn, batched, name, request, fallback)`` and
-``unpicklable(reply, name, fallback, error)`` are that loading and scoring,
-shared with the reward workers that run as Ray actors (``launch/ray_rewards.py``).
+- ``WorkerProcess(ctx, spec, fallback, name)`` starts one and is its parent's handle;
+  ``worker_main`` is that process's main: load the reward, then answer each ``ScoreRequest``
+  checked, never raising, until ``None`` or the pipe closes.
+- The worker leads a process group of its own (a kill takes what the reward started with it),
+  ignores SIGINT and exits when its parent is gone.
+- ``load``, ``answer`` and ``unpicklable``: that loading and scoring, shared with the reward
+  workers that run as Ray actors (``launch/ray_rewards.py``).
 
 It knows nothing of deadlines, queues or counters: ``processes.py`` owns them.
 """
@@ -49,7 +35,26 @@ _PARENT_POLL_S = 0.2  # how often the watcher looks for its parent
 
 
 class WorkerProcess:
-    """The parent's handle of one worker process (see the module docstring)."""
+    """The parent's handle of one worker process.
+
+    Contract: ``WorkerProcess(ctx, spec, fallback, name)`` starts one (its
+    parent's handle: ``conn``, ``sentinel``, ``ask_to_exit``, ``join``, ``end``
+    to kill it with its process group and reap it, returning its exit code;
+    ``exit_text(code)`` says it in words). ``worker_main(spec, conn, parent_pid,
+    fallback)`` is the main of that process. It loads the reward
+    from ``spec`` (``factory.RewardSpec.load``) and answers ``RewardLoaded``
+    (with a one-line ``error`` if it cannot; with its ``max_batch`` if it is a
+    ``BatchReward``, such as a reward model the worker builds on its own device);
+    then, for each ``ScoreRequest`` received on ``conn``, it calls the reward on
+    its main thread (``calls.call_reward`` on the one trajectory, or
+    ``batching.call_checked`` on the batch: checked, never raising) and answers
+    ``ScoreReply``, until it receives ``None`` or the pipe closes; then it closes
+    a batched reward. It leads a process group of
+    its own (a kill at a deadline takes what the reward started with it),
+    ignores SIGINT (its parent decides when it stops), and exits when its parent
+    process is gone: the kernel's parent-death signal (Linux) and a thread that
+    watches its parent's pid.
+    """
 
     def __init__(self, ctx, spec: RewardSpec, fallback: float, name: str) -> None:
         self.conn, child_conn = ctx.Pipe(duplex=True)

@@ -1,19 +1,9 @@
 """Engine selection: one function from the rollout config to a RolloutEngine.
 
-Contract: ``make_engine(cfg_rollout, model_path, tokenizer)`` returns
-- ``"native"``: ``NativeEngine`` loaded from ``model_path`` (device, dtype, max_batch);
-- ``"vllm"``: ``VLLMEngine`` on ``model_path`` in this process (``vllm_kwargs``,
-  ``vllm_weight_sync`` when the config has those fields);
-- ``"remote"``: ``RemoteEngine`` for the server at ``remote_url`` (``remote_model``,
-  ``remote_weight_sync``, ``remote_timeout_s``); ``model_path`` is only used for
-  EOS ids and the config files that SGLang's disk reload needs.
-The optional config fields are read with ``getattr`` so this module works with a
-``RolloutConfig`` that does not define them yet (they then take their defaults).
-An unknown engine name raises ``ValueError`` naming the choices.
-``prepare_engine(cfg_rollout, model_path)`` imports what ``make_engine`` will
-(the engine's module; for the native engine the model's classes, resolved by
-an empty model on the ``meta`` device, and its tokenizer) and builds nothing
-on a device: what a standby engine process does ahead of need.
+- ``make_engine(cfg_rollout, model_path, tokenizer)``: ``native``, ``vllm`` or ``remote``; an
+  unknown engine name raises ``ValueError`` naming the choices.
+- ``prepare_engine(cfg_rollout, model_path)`` imports what ``make_engine`` will and builds
+  nothing on a device: what a standby engine process does ahead of need.
 
 It does not know how engines generate or load weights, and imports each engine
 (and vLLM) only when that engine is chosen.
@@ -30,7 +20,19 @@ ENGINES = ("native", "vllm", "remote")
 
 
 def make_engine(cfg_rollout: "RolloutConfig", model_path: str, tokenizer: Any = None) -> "RolloutEngine":
-    """The engine named by ``cfg_rollout.engine``, built for ``model_path`` and ``tokenizer``."""
+    """The engine named by ``cfg_rollout.engine``, built for ``model_path`` and ``tokenizer``.
+
+    Contract: ``make_engine(cfg_rollout, model_path, tokenizer)`` returns
+    - ``"native"``: ``NativeEngine`` loaded from ``model_path`` (device, dtype, max_batch);
+    - ``"vllm"``: ``VLLMEngine`` on ``model_path`` in this process (``vllm_kwargs``,
+      ``vllm_weight_sync`` when the config has those fields);
+    - ``"remote"``: ``RemoteEngine`` for the server at ``remote_url`` (``remote_model``,
+      ``remote_weight_sync``, ``remote_timeout_s``); ``model_path`` is only used for
+      EOS ids and the config files that SGLang's disk reload needs.
+    The optional config fields are read with ``getattr`` so this module works with a
+    ``RolloutConfig`` that does not define them yet (they then take their defaults).
+    An unknown engine name raises ``ValueError`` naming the choices.
+    """
     name = cfg_rollout.engine
     if name == "native":
         from conveyor.rollout.native.engine import NativeEngine
@@ -52,7 +54,13 @@ def make_engine(cfg_rollout: "RolloutConfig", model_path: str, tokenizer: Any = 
 
 
 def prepare_engine(cfg_rollout: "RolloutConfig", model_path: str) -> None:
-    """Import what ``make_engine(cfg_rollout, model_path)`` needs, allocating nothing on a device."""
+    """Import what ``make_engine(cfg_rollout, model_path)`` needs, allocating nothing on a device.
+
+    ``prepare_engine(cfg_rollout, model_path)`` imports what ``make_engine`` will
+    (the engine's module; for the native engine the model's classes, resolved by
+    an empty model on the ``meta`` device, and its tokenizer) and builds nothing
+    on a device: what a standby engine process does ahead of need.
+    """
     name = cfg_rollout.engine
     if name == "native":
         import torch

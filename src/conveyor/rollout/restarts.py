@@ -1,16 +1,9 @@
 """The run's engine restart budget: one count for every engine death, however it was noticed.
 
-Contract: ``EngineRestarts(limit)`` (``launch.max_restarts``) is made by the
-launcher with the engines (``launch.api.Engines.restarts``) and spent by
-whoever notices a death: the launcher while the engines start
-(``launch.roles.await_ready``) and the producer mid-run. ``replace(worker,
-dead)`` restarts a dead ``EngineWorker`` (``rollout/api.py``) if it is
-restartable and the budget has room, counting it, logging
-``<why>; restarting it (k of launch.max_restarts=N)`` and putting
-``engine N restarted`` on the controller's ``restarts`` row of the
-timeline; otherwise it raises the death as a ``RoleError`` saying how much of
-the budget was used. ``used`` is the count so far (the ``engine_restarts``
-metric).
+Contract: ``EngineRestarts(limit)`` (``launch.max_restarts``) is made by the launcher with the
+engines and spent by whoever notices a death (the launcher while the engines start, the
+producer mid-run); past the budget a death is raised as a ``RoleError`` saying how much of
+the budget was used. ``used`` is the ``engine_restarts`` metric.
 
 It knows nothing of work in flight (the producer sends it again) or of how
 workers start.
@@ -28,6 +21,18 @@ logger = logging.getLogger(__name__)
 
 
 class EngineRestarts:
+    """Contract: ``EngineRestarts(limit)`` (``launch.max_restarts``) is made by the
+    launcher with the engines (``launch.api.Engines.restarts``) and spent by
+    whoever notices a death: the launcher while the engines start
+    (``launch.roles.await_ready``) and the producer mid-run. ``replace(worker,
+    dead)`` restarts a dead ``EngineWorker`` (``rollout/api.py``) if it is
+    restartable and the budget has room, counting it, logging
+    ``<why>; restarting it (k of launch.max_restarts=N)`` and putting
+    ``engine N restarted`` on the controller's ``restarts`` row of the
+    timeline; otherwise it raises the death as a ``RoleError`` saying how much of
+    the budget was used. ``used`` is the count so far (the ``engine_restarts``
+    metric).
+    """
     def __init__(self, limit: int):
         self.limit, self.used = int(limit), 0
 

@@ -1,22 +1,11 @@
 """A run's checkpoints: what they carry beyond the trainer's state, which are kept, how a resume reads them.
 
-Contract
-- ``Totals``: what a run has done so far, saved in every checkpoint so that a
-  resumed run reports the whole run: wall and RL seconds, the steps trained,
-  and the running counters of the metrics (reward failures and timeouts,
-  environment failures, skipped prompts, engine restarts: what the loop
-  names as counters). ``since(...)`` adds what this part of the run did;
-  ``offset(counters)`` adds the counters of the earlier parts.
-- ``latest(run_dir)`` is the newest complete checkpoint (a checkpoint being
-  written lives under a hidden name until it is complete).
-- ``prune(run_dir, keep_last, keep_best)`` keeps the newest ``keep_last`` and,
-  with ``keep_best``, the one of the highest held-out reward
-  (``extra.json``'s ``eval_reward``, present where an evaluation ran at that
-  step); the rest are deleted.
-- ``rewind(run_dir, step)``: before a resume from ``step``, the run's logs
-  (``metrics.jsonl``, ``traces.jsonl``, ``eval_samples.jsonl``) lose their
-  records of later steps, which the resumed run writes again, so they read as
-  one run; TensorBoard's are purged by the writer (``purge_step``).
+- ``Totals``: what a run has done so far, saved in every checkpoint so that a resumed run
+  reports the whole run.
+- ``latest(run_dir)``: the newest complete checkpoint; ``prune`` keeps the newest ``keep_last``
+  and, with ``keep_best``, the best by held-out reward.
+- ``rewind(run_dir, step)``: before a resume, the run's logs lose their records of later steps,
+  so they read as one run.
 
 It knows nothing of trainers or of the loop's schedule.
 """
@@ -34,6 +23,13 @@ _REWOUND = ("metrics.jsonl", "traces.jsonl", "eval_samples.jsonl")
 
 @dataclass
 class Totals:
+    """``Totals``: what a run has done so far, saved in every checkpoint so that a
+    resumed run reports the whole run: wall and RL seconds, the steps trained,
+    and the running counters of the metrics (reward failures and timeouts,
+    environment failures, skipped prompts, engine restarts: what the loop
+    names as counters). ``since(...)`` adds what this part of the run did;
+    ``offset(counters)`` adds the counters of the earlier parts.
+    """
     wall_seconds: float = 0.0
     rl_seconds: float = 0.0
     steps: int = 0
@@ -59,6 +55,9 @@ class Totals:
 
 
 def latest(run_dir: Path) -> Path | None:
+    """``latest(run_dir)`` is the newest complete checkpoint (a checkpoint being
+    written lives under a hidden name until it is complete).
+    """
     ckpts = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / "extra.json").is_file())
     return ckpts[-1] if ckpts else None
 
@@ -68,7 +67,13 @@ def read_extra(ckpt: Path) -> dict[str, Any]:
 
 
 def prune(run_dir: Path, keep_last: int | None, keep_best: bool) -> list[Path]:
-    """Delete the checkpoints not kept; returns those deleted."""
+    """Delete the checkpoints not kept; returns those deleted.
+
+    ``prune(run_dir, keep_last, keep_best)`` keeps the newest ``keep_last`` and,
+    with ``keep_best``, the one of the highest held-out reward
+    (``extra.json``'s ``eval_reward``, present where an evaluation ran at that
+    step); the rest are deleted.
+    """
     ckpts = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
     if keep_last is None or len(ckpts) <= keep_last:
         return []
@@ -105,7 +110,13 @@ class Rewound:
 
 
 def rewind(run_dir: Path, step: int) -> Rewound:
-    """Drop the records of steps after ``step`` from the run's line logs."""
+    """Drop the records of steps after ``step`` from the run's line logs.
+
+    ``rewind(run_dir, step)``: before a resume from ``step``, the run's logs
+    (``metrics.jsonl``, ``traces.jsonl``, ``eval_samples.jsonl``) lose their
+    records of later steps, which the resumed run writes again, so they read as
+    one run; TensorBoard's are purged by the writer (``purge_step``).
+    """
     dropped: dict[str, int] = {}
     last_time = None
     for name in _REWOUND:

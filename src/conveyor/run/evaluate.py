@@ -1,21 +1,11 @@
 """Held-out evaluation: the policy's reward on tasks it does not train on.
 
-Contract: ``Evaluator(cfg, tasks, prompting, rollouts, rewards, logger)``;
-``evaluate(step)`` generates one sample per held-out task at
-``loop.eval_temperature`` (greedy by default) and, with
-``loop.eval_sampled``, also at the rollout temperature (the policy's
-expected reward), scores them, logs the means as ``eval_*`` /
-``eval_sampled_*`` metrics at ``step`` and returns them (a span on the run's
-timeline); a second call for the same step after step 0 (the final
-evaluation right after a mid-run one) returns the first call's result
-without generating again: the weights of a step do not change. The completions of
-the first ``observe.eval_samples`` tasks go to ``eval_samples.jsonl``. ``on(tasks,
-temperature, prefix)`` does one such pass over any tasks (the warm start's
-early-stop check). Requests go through the producer outside the training
-schedule, with a fixed seed, and wait with the launch deadline; before the
-first, PROBE of its generations are timed and a whole predicted to run past
-that deadline is said at once. It knows
-nothing of training or of how the engines run.
+Contract: ``Evaluator(cfg, tasks, prompting, rollouts, rewards, logger)``; ``evaluate(step)``
+generates one sample per held-out task (greedy by default, and with ``loop.eval_sampled`` also
+at the rollout temperature), scores them and logs the means as ``eval_*`` metrics; the weights
+of a step do not change, so a second call for the same step returns the first's result.
+Requests go through the producer outside the training schedule, with a fixed seed, and wait
+with the launch deadline. It knows nothing of training or of how the engines run.
 """
 from __future__ import annotations
 
@@ -35,6 +25,22 @@ PROBE = 8  # generations timed before the first evaluation, to predict its time
 
 
 class Evaluator:
+    """Contract: ``Evaluator(cfg, tasks, prompting, rollouts, rewards, logger)``;
+    ``evaluate(step)`` generates one sample per held-out task at
+    ``loop.eval_temperature`` (greedy by default) and, with
+    ``loop.eval_sampled``, also at the rollout temperature (the policy's
+    expected reward), scores them, logs the means as ``eval_*`` /
+    ``eval_sampled_*`` metrics at ``step`` and returns them (a span on the run's
+    timeline); a second call for the same step after step 0 (the final
+    evaluation right after a mid-run one) returns the first call's result
+    without generating again: the weights of a step do not change. The completions of
+    the first ``observe.eval_samples`` tasks go to ``eval_samples.jsonl``. ``on(tasks,
+    temperature, prefix)`` does one such pass over any tasks (the warm start's
+    early-stop check). Requests go through the producer outside the training
+    schedule, with a fixed seed, and wait with the launch deadline; before the
+    first, PROBE of its generations are timed and a whole predicted to run past
+    that deadline is said at once.
+    """
     def __init__(self, cfg: RunConfig, tasks: list[Task], prompting: Prompting, rollouts: Producer, rewards,
                  logger, episodes=None):
         self.cfg, self.tasks, self.prompting = cfg, tasks, prompting

@@ -2,20 +2,9 @@
 starts.
 
 Contract: ``build_judge(cfg, base_path)`` returns a ``reward.judge.JudgeReward`` over a second
-rollout engine with frozen weights: ``reward.judge.model`` (a checkpoint directory, a hub id, a
-``.gguf`` file or ``pkg:<package>`` as for ``model.path``), or when empty ``base_path`` (the
-policy's base checkpoint, so a resumed run judges with the same model), loaded by
-``rollout.factory.make_engine`` as ``reward.judge.engine`` on ``reward.judge.device``. The
-judge's native engine is built with ``cuda:N`` as the current device (its KV pool and CUDA
-graphs belong to that GPU). The judge scores ``reward.max_batch`` trajectories per call, waits
-at most ``reward.timeout_s`` for its engine, uses ``reward.fallback`` and ``loop.seed``. A
-judge that cannot work raises ``JudgeSetupError`` (a ``ValueError``), one line naming the
-field and the fix: a model directory without ``config.json``, a checkpoint that is not a
-causal language model, a tokenizer that cannot load or has no chat template when
-``reward.judge.chat_template`` asks for one, a model the engine cannot load,
-``max_new_tokens`` that leave no room for a prompt, and in pairwise mode a
-``reward.max_batch`` that is not a multiple of ``rollout.n`` (a group's samples are compared
-within one call).
+rollout engine with frozen weights (``reward.judge.model``, or the policy's base checkpoint). A
+judge that cannot work raises ``JudgeSetupError`` (a ``ValueError``), one line naming the field
+and the fix, before the run starts.
 
 It knows which config fields make a judge; how the judge scores is ``reward/judge.py``'s.
 """
@@ -37,6 +26,22 @@ class JudgeSetupError(ValueError):
 
 
 def build_judge(cfg: RunConfig, base_path: str) -> JudgeReward:
+    """Contract: ``build_judge(cfg, base_path)`` returns a ``reward.judge.JudgeReward`` over a second
+    rollout engine with frozen weights: ``reward.judge.model`` (a checkpoint directory, a hub id, a
+    ``.gguf`` file or ``pkg:<package>`` as for ``model.path``), or when empty ``base_path`` (the
+    policy's base checkpoint, so a resumed run judges with the same model), loaded by
+    ``rollout.factory.make_engine`` as ``reward.judge.engine`` on ``reward.judge.device``. The
+    judge's native engine is built with ``cuda:N`` as the current device (its KV pool and CUDA
+    graphs belong to that GPU). The judge scores ``reward.max_batch`` trajectories per call, waits
+    at most ``reward.timeout_s`` for its engine, uses ``reward.fallback`` and ``loop.seed``. A
+    judge that cannot work raises ``JudgeSetupError`` (a ``ValueError``), one line naming the
+    field and the fix: a model directory without ``config.json``, a checkpoint that is not a
+    causal language model, a tokenizer that cannot load or has no chat template when
+    ``reward.judge.chat_template`` asks for one, a model the engine cannot load,
+    ``max_new_tokens`` that leave no room for a prompt, and in pairwise mode a
+    ``reward.max_batch`` that is not a multiple of ``rollout.n`` (a group's samples are compared
+    within one call).
+    """
     jc = cfg.reward.judge
     path = jc.model or base_path
     what = f"reward.judge.model {path!r}" if jc.model else f"the judge (the policy's base checkpoint {path!r})"

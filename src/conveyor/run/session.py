@@ -1,20 +1,10 @@
 """One training run from start to finish, over the role handles a launcher provides.
 
-Contract: ``run(cfg, run_dir, resume, launcher)`` saves the resolved config,
-builds the controller's parts (tokenizer, task sources, reward service,
-cursor, buffer, metrics), has the ``launcher(cfg, run_dir)`` it builds
-start the engines, evaluates the
-initial policy, runs the supervised warm start when ``sft.steps > 0`` (its
-result saved as ``run_dir/warmstart``, so a resumed run rebuilds the same RL
-starting point and reference model), has the launcher start the trainer,
-runs ``loop.rl_loop``, evaluates again and writes a final HF checkpoint and
-``summary.json``. With ``resume`` it restores the newest
-``run_dir/checkpoints/step_N`` (weights, optimizer, RNG, data cursor) and
-continues. ``Session`` holds one run's parts, each typed; ``SetupError``
-(``runtime.errors``) is a run that cannot start, with the fix in its message.
-The reward service is ``reward.factory.reward_service``'s, or with
-``reward.executor=ray`` the Ray launcher's (``launch.ray_rewards``). It knows
-which parts a config asks for, and nothing of where roles run or of the
+Contract: ``run(cfg, run_dir, resume, launcher)`` runs the whole run (initial evaluation,
+warm start, RL, final evaluation, final checkpoint and ``summary.json``); with ``resume`` it
+continues from the newest checkpoint. ``Session`` holds one run's parts, each typed;
+``SetupError`` (``runtime.errors``) is a run that cannot start, with the fix in its message.
+It knows which parts a config asks for, and nothing of where roles run or of the
 formulas: the launcher it is given starts them (``run/local.py``,
 ``run/ray.py`` give it one).
 """
@@ -312,6 +302,21 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def run(cfg: RunConfig, run_dir: Path, resume: bool, launcher: Callable[[RunConfig, Path], Launcher]) -> dict:
+    """Contract: ``run(cfg, run_dir, resume, launcher)`` saves the resolved config,
+    builds the controller's parts (tokenizer, task sources, reward service,
+    cursor, buffer, metrics), has the ``launcher(cfg, run_dir)`` it builds
+    start the engines, evaluates the
+    initial policy, runs the supervised warm start when ``sft.steps > 0`` (its
+    result saved as ``run_dir/warmstart``, so a resumed run rebuilds the same RL
+    starting point and reference model), has the launcher start the trainer,
+    runs ``loop.rl_loop``, evaluates again and writes a final HF checkpoint and
+    ``summary.json``. With ``resume`` it restores the newest
+    ``run_dir/checkpoints/step_N`` (weights, optimizer, RNG, data cursor) and
+    continues. ``Session`` holds one run's parts, each typed; ``SetupError``
+    (``runtime.errors``) is a run that cannot start, with the fix in its message.
+    The reward service is ``reward.factory.reward_service``'s, or with
+    ``reward.executor=ray`` the Ray launcher's (``launch.ray_rewards``).
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.trainer.profile_steps and not cfg.trainer.profile_dir:
         trainer = cfg.trainer.model_copy(update={"profile_dir": str(run_dir / "profile")})

@@ -1,38 +1,14 @@
 """Child processes for roles: start, call with deadlines, notice death, stop.
 
-Contract
-- ``RoleProcess(role, target, args, log_dir, ctx, threads)`` starts
-  ``target(*args)`` in a spawned process named after the role, with its
-  stdout/stderr going to ``log_dir/<role>.log`` and torch limited to
-  ``threads`` threads. With ``prepare`` it is a standby: the child runs
-  ``prepare(*args)`` (imports, nothing that holds a device or a shared
-  resource), logging to ``log_dir/<role>.standby.log``, then waits until
-  ``take_over()``; from then on it logs to ``<role>.log`` like any other
-  start (its ``started pid=`` line) and runs ``target(*args)``. A standby
-  never needed is ended by ``stop()``.
-- ``check()`` raises ``RoleError`` if the process has died, naming the role,
-  its exit code and the last lines of its log; the controller calls it
-  whenever it waits, so a dead child is noticed within a poll interval.
-- ``RpcClient(conn, proc)`` calls methods of an object served by
-  ``serve_rpc(obj, conn)`` in the child: every call has a deadline, and an
-  exception in the child comes back as ``RoleError`` carrying the child's
-  traceback. ``stop()`` asks politely, then terminates, then kills.
-- ``call_all(clients, method, args, kwargs, timeout)`` calls the same method
-  on several children at once (ranks that run a collective together) and
-  returns their answers in order; the first child that raises or dies ends
-  the call with its error, without waiting for the others (which may be
-  blocked in a collective with it). A call past its deadline dumps every
-  role's stacks (``watchdog.dump_stacks``) and its error says where each
-  role was. With ``failed`` (a probe of the run's other roles: their first
-  error, or None) the call also stops as soon as another role has failed,
-  with that role's error (``stop_for``): a trainer waiting on a dead
-  engine's weight receipt would otherwise run out later and hide it.
-- Calls and answers (``Call`` / ``Answer``, defined here and listed with every
-  other message in ``transport.messages``) travel as ``dumps``/``loads`` bytes
-  in which CPU tensors are their raw bytes, not a shared-memory file per
-  tensor as torch's default reduction would make.
+- ``RoleProcess`` starts ``target(*args)`` in a spawned process named after the role, logging to
+  ``log_dir/<role>.log`` (or as a standby until ``take_over()``); ``check()`` raises
+  ``RoleError`` (``runtime.errors.RoleError``) if it died, naming the role, its exit code and
+  its log's last lines.
+- ``RpcClient`` calls methods of an object ``serve_rpc`` serves in the child; every call has a
+  deadline, and the child's exception comes back as ``RoleError`` with its traceback.
+- ``call_all`` calls several children at once; the first that raises or dies ends the call.
+- ``Call`` / ``Answer`` travel as ``dumps``/``loads`` bytes, CPU tensors as their raw bytes.
 - ``bind_device(device)``: the first thing a role's child main does.
-- ``RoleError`` is ``runtime.errors.RoleError``.
 
 It knows nothing of what the roles do.
 """
@@ -85,6 +61,11 @@ class _Pickler(pickle.Pickler):
 
 
 def dumps(obj: Any) -> bytes:
+    """Calls and answers (``Call`` / ``Answer``, defined here and listed with every
+    other message in ``transport.messages``) travel as ``dumps``/``loads`` bytes
+    in which CPU tensors are their raw bytes, not a shared-memory file per
+    tensor as torch's default reduction would make.
+    """
     buf = io.BytesIO()
     _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
@@ -141,6 +122,19 @@ def _bootstrap(role: str, log_path: str, threads: int, target: Callable, args: t
 
 
 class RoleProcess:
+    """- ``RoleProcess(role, target, args, log_dir, ctx, threads)`` starts
+      ``target(*args)`` in a spawned process named after the role, with its
+      stdout/stderr going to ``log_dir/<role>.log`` and torch limited to
+      ``threads`` threads. With ``prepare`` it is a standby: the child runs
+      ``prepare(*args)`` (imports, nothing that holds a device or a shared
+      resource), logging to ``log_dir/<role>.standby.log``, then waits until
+      ``take_over()``; from then on it logs to ``<role>.log`` like any other
+      start (its ``started pid=`` line) and runs ``target(*args)``. A standby
+      never needed is ended by ``stop()``.
+    - ``check()`` raises ``RoleError`` if the process has died, naming the role,
+      its exit code and the last lines of its log; the controller calls it
+      whenever it waits, so a dead child is noticed within a poll interval.
+    """
     def __init__(self, role: str, target: Callable, args: tuple, log_dir: Path, ctx, threads: int = 1,
                  prepare: Callable | None = None):
         self.role = role
@@ -155,7 +149,7 @@ class RoleProcess:
         watchdog.register(self)
 
     def take_over(self) -> None:
-        """A standby starts ``target`` (see the module docstring); nothing for a process that runs it."""
+        """A standby starts ``target`` (see ``RoleProcess``); nothing for a process that runs it."""
         if self._go is not None:
             self._go.release()
             self._go, self.log_path = None, self._log
@@ -205,6 +199,11 @@ def serve_rpc(obj: Any, conn) -> None:
 
 
 class RpcClient:
+    """``RpcClient(conn, proc)`` calls methods of an object served by
+    ``serve_rpc(obj, conn)`` in the child: every call has a deadline, and an
+    exception in the child comes back as ``RoleError`` carrying the child's
+    traceback. ``stop()`` asks politely, then terminates, then kills.
+    """
     def __init__(self, conn, proc: RoleProcess, poll_s: float = 0.2):
         self.conn, self.proc, self.poll_s = conn, proc, poll_s
 
@@ -222,6 +221,17 @@ class RpcClient:
 
 def call_all(clients: list[RpcClient], method: str, args: tuple, kwargs: dict, timeout: float,
              failed: Callable[[], BaseException | None] | None = None) -> list[Any]:
+    """``call_all(clients, method, args, kwargs, timeout)`` calls the same method
+    on several children at once (ranks that run a collective together) and
+    returns their answers in order; the first child that raises or dies ends
+    the call with its error, without waiting for the others (which may be
+    blocked in a collective with it). A call past its deadline dumps every
+    role's stacks (``watchdog.dump_stacks``) and its error says where each
+    role was. With ``failed`` (a probe of the run's other roles: their first
+    error, or None) the call also stops as soon as another role has failed,
+    with that role's error (``stop_for``): a trainer waiting on a dead
+    engine's weight receipt would otherwise run out later and hide it.
+    """
     message = dumps(Call(method, tuple(args), dict(kwargs)))
     for c in clients:
         c.proc.check()

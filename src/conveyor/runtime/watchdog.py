@@ -1,33 +1,12 @@
 """Where was everyone when a wait ran out: stack dumps of every role, and deadlines that adapt.
 
-Contract
-- Every role process (``procs.RoleProcess``) registers here when it starts and
-  installs ``faulthandler`` on ``SIGUSR1`` in the child, writing every
-  thread's stack to its own log. ``dump_stacks(what)`` asks every live role
-  process for that dump, writes this process's threads to
-  ``<log dir>/controller.log`` and returns one line per role saying where its
-  main work was (the innermost frame of each thread that is not idle), for the
-  error of the wait that ran out. The controller calls it before it raises a
-  deadline error, so the error names the wait and the other side's place.
-- A role in a process the controller cannot signal (a Ray actor) registers
-  with ``register_remote(role, fetch)``: ``fetch(timeout_s)`` returns that
-  process's dump (``own_stacks()`` run there); ``dump_stacks`` appends it to
-  ``<log dir>/<role>.stacks.log`` and reports it like the others.
-  ``unregister_remote(role)`` when the role is stopped.
-- ``child_guard()`` runs in a role's child: the stack-dump signal, and a thread
-  that ends the child when its parent is gone (a controller killed with
-  SIGKILL leaves no role process behind; the child notices within
-  ``PARENT_POLL_S``).
-- ``result(future, timeout_s, what)``: ``future.result(timeout_s)`` for a wait of
-  one role on another (an evaluation, a batch of episodes, an agent server's
-  start); one that runs out is a ``RoleError`` saying what did not finish in
-  how long, with every role's stacks dumped and where each was (a raw
-  ``TimeoutError`` named nothing). tests/unit/runtime/test_watchdog.py lists
-  every other ``.result(timeout=...)`` in the code and why it may wait alone.
-- ``Deadlines(base_s)``: the deadline of a wait of some kind is the larger of
-  ``base_s`` (``launch.timeout_s``) and ``GROWTH`` times the longest wait of
-  that kind that completed, so a stuck run stops within minutes while a
-  model whose steps legitimately take long is not cut.
+- ``dump_stacks(what)``: every role's stacks into its log and one line per role saying where
+  its main work was, for the error of the wait that ran out. Roles register when they start
+  (``register``; ``register_remote`` for a process the controller cannot signal).
+- ``child_guard()`` in a role's child: the stack-dump signal, and an exit once the parent is gone.
+- ``result(future, timeout_s, what)``: a wait of one role on another; running out is a
+  ``RoleError`` naming the wait, with every role's stacks dumped.
+- ``Deadlines(base_s)``: a deadline per kind of wait that grows with the longest one seen.
 
 It knows nothing of what the roles do.
 """
@@ -69,7 +48,14 @@ def register(role) -> None:
 
 
 def register_remote(role: str, fetch: Callable[[float], str]) -> None:
-    """A role whose stacks come back from ``fetch(timeout_s)`` (see the module contract)."""
+    """A role whose stacks come back from ``fetch(timeout_s)``.
+
+    A role in a process the controller cannot signal (a Ray actor) registers
+    with ``register_remote(role, fetch)``: ``fetch(timeout_s)`` returns that
+    process's dump (``own_stacks()`` run there); ``dump_stacks`` appends it to
+    ``<log dir>/<role>.stacks.log`` and reports it like the others.
+    ``unregister_remote(role)`` when the role is stopped.
+    """
     _remote[role] = fetch
 
 
@@ -87,7 +73,13 @@ def own_stacks() -> str:
 
 
 def child_guard() -> None:
-    """In a role's child process: dump stacks on SIGUSR1, exit when the parent is gone."""
+    """In a role's child process: dump stacks on SIGUSR1, exit when the parent is gone.
+
+    ``child_guard()`` runs in a role's child: the stack-dump signal, and a thread
+    that ends the child when its parent is gone (a controller killed with
+    SIGKILL leaves no role process behind; the child notices within
+    ``PARENT_POLL_S``).
+    """
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
     parent = os.getppid()
 
@@ -101,7 +93,17 @@ def child_guard() -> None:
 
 
 def dump_stacks(what: str) -> str:
-    """Dump every role's and this process's stacks; return where each role was, one line each."""
+    """Dump every role's and this process's stacks; return where each role was, one line each.
+
+    Every role process (``procs.RoleProcess``) registers here when it starts and
+    installs ``faulthandler`` on ``SIGUSR1`` in the child, writing every
+    thread's stack to its own log. ``dump_stacks(what)`` asks every live role
+    process for that dump, writes this process's threads to
+    ``<log dir>/controller.log`` and returns one line per role saying where its
+    main work was (the innermost frame of each thread that is not idle), for the
+    error of the wait that ran out. The controller calls it before it raises a
+    deadline error, so the error names the wait and the other side's place.
+    """
     live = [r for r in list(_roles) if r.proc.is_alive() and r.proc.pid]
     sizes = {}
     for r in live:
@@ -129,7 +131,15 @@ def dump_stacks(what: str) -> str:
 
 
 def result(future, timeout_s: float, what: str):
-    """``future.result(timeout_s)``; running out is a ``RoleError`` with every role's stacks."""
+    """``future.result(timeout_s)``; running out is a ``RoleError`` with every role's stacks.
+
+    ``result(future, timeout_s, what)``: ``future.result(timeout_s)`` for a wait of
+    one role on another (an evaluation, a batch of episodes, an agent server's
+    start); one that runs out is a ``RoleError`` saying what did not finish in
+    how long, with every role's stacks dumped and where each was (a raw
+    ``TimeoutError`` named nothing). tests/unit/runtime/test_watchdog.py lists
+    every other ``.result(timeout=...)`` in the code and why it may wait alone.
+    """
     from conveyor.runtime.errors import RoleError
     try:
         return future.result(timeout=timeout_s)
@@ -185,7 +195,13 @@ def _where(dump: str) -> str:
 
 
 class Deadlines:
-    """Per-kind deadlines that grow with what was seen (see the module contract)."""
+    """Per-kind deadlines that grow with what was seen.
+
+    ``Deadlines(base_s)``: the deadline of a wait of some kind is the larger of
+    ``base_s`` (``launch.timeout_s``) and ``GROWTH`` times the longest wait of
+    that kind that completed, so a stuck run stops within minutes while a
+    model whose steps legitimately take long is not cut.
+    """
 
     def __init__(self, base_s: float, growth: float = GROWTH):
         self.base_s, self.growth = float(base_s), growth

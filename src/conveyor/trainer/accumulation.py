@@ -1,23 +1,11 @@
 """A step's gradient accumulated part by part, as the step's groups arrive.
 
-Contract
-- With one optimizer step per batch the weights do not change until the step
-  ends, so each part of a step's batch can run forward and backward as soon
-  as it exists (``LocalTrainer.accumulate``), and the step is taken once the
-  last part is in (``train_accumulated``). The parts' losses are computed
-  with both denominators at 1 (``num_tokens = num_seqs = 1``: sums), and
-  ``Accumulation.normalise`` divides the summed gradients, and the summed
-  loss, by the whole batch's total once it is known: loss tokens when the loss
-  function's ``needs.normaliser`` is ``"tokens"`` (token-mean), sequences when it is
-  ``"seqs"`` (the sequence means, Dr. GRPO's constant length). The result is
-  the gradient of the loss over the whole batch, as ``train`` computes it, up
-  to the rounding of a different summation order.
-- A loss function that declares no ``normaliser`` (``LossNeeds``) cannot be accumulated
-  this way (nothing says which total it divides by): ``begin`` refuses it by name.
-- ``AccumulatingTrainer`` is the trainer side (``accumulate`` and
-  ``train_accumulated``), a mixin of ``LocalTrainer``; its docstring lists
-  what the host class provides. A failed part ends the accumulation and
-  drops its gradients; ``train_accumulated`` with no part raises.
+- The weights do not change until the step ends, so each part of a step's batch runs forward
+  and backward as soon as it exists; ``Accumulation.normalise`` divides the summed gradients by
+  the whole batch's total once it is known. The result is ``train``'s gradient, up to the
+  rounding of a different summation order.
+- A loss function that declares no ``normaliser`` cannot be accumulated: ``begin`` refuses it.
+- ``AccumulatingTrainer`` is the trainer side, a mixin of ``LocalTrainer``.
 
 It knows nothing of where the parts come from or when the step is taken.
 """
@@ -41,7 +29,22 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class Accumulation:
-    """The parts taken so far: their totals, metrics and summed (unnormalised) losses."""
+    """The parts taken so far: their totals, metrics and summed (unnormalised) losses.
+
+    - With one optimizer step per batch the weights do not change until the step
+      ends, so each part of a step's batch can run forward and backward as soon
+      as it exists (``LocalTrainer.accumulate``), and the step is taken once the
+      last part is in (``train_accumulated``). The parts' losses are computed
+      with both denominators at 1 (``num_tokens = num_seqs = 1``: sums), and
+      ``Accumulation.normalise`` divides the summed gradients, and the summed
+      loss, by the whole batch's total once it is known: loss tokens when the loss
+      function's ``needs.normaliser`` is ``"tokens"`` (token-mean), sequences when it is
+      ``"seqs"`` (the sequence means, Dr. GRPO's constant length). The result is
+      the gradient of the loss over the whole batch, as ``train`` computes it, up
+      to the rounding of a different summation order.
+    - A loss function that declares no ``normaliser`` (``LossNeeds``) cannot be accumulated
+      this way (nothing says which total it divides by): ``begin`` refuses it by name.
+    """
     normaliser: str
     lr: float
     start: float
@@ -91,7 +94,13 @@ class AccumulatingTrainer:
     ``_declared(loss_fn, batch)`` (the loss as a ``LossFn``, checked against what it needs),
     ``_zero_grad()``, ``_backward(batch, loss_fn, num_tokens, num_seqs, budget, means, totals,
     where)`` (gradients summed in place), ``_step_optimizers(totals, where)`` and ``_end_step(start,
-    lr, means, totals, updates, num_tokens, num_seqs)`` (schedulers, step count, metrics)."""
+    lr, means, totals, updates, num_tokens, num_seqs)`` (schedulers, step count, metrics).
+
+    ``AccumulatingTrainer`` is the trainer side (``accumulate`` and
+    ``train_accumulated``), a mixin of ``LocalTrainer``; its docstring lists
+    what the host class provides. A failed part ends the accumulation and
+    drops its gradients; ``train_accumulated`` with no part raises.
+    """
 
     def accumulate(self, part: Batch, loss_fn: LossFn, micro_batch_tokens: int | None = None,
                    sms: int | None = None) -> None:

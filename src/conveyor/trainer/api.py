@@ -1,47 +1,11 @@
 """The trainer role's contract: a Batch and a loss function in, new weights out.
 
-Contract
-- ``LossFn`` is a callable ``loss_fn(out, mb, num_tokens, num_seqs) -> (loss,
-  metrics)`` that declares what it reads (``needs``, a ``LossNeeds``; the trainer checks
-  the batch and its own models against it before a step) and which samples it gives
-  no term (``inert``). A metric is a float or a 0-d tensor (tensors are read in one
-  transfer per mini-batch, sparing the GPU a wait per micro-batch; they are averaged
-  over micro-batches weighted by loss tokens). The trainer calls it once per micro-batch and sums the
-  gradients of the returned losses, then takes one optimizer step per
-  mini-batch. Because ``num_tokens`` / ``num_seqs`` are totals over the whole
-  mini-batch, a loss that divides by them gives the same gradient however the
-  mini-batch is cut into micro-batches. A plain callable works too (``as_loss_fn``: what
-  its optional attributes ``needs_entropy``, ``normaliser`` and ``inert`` say, and nothing else).
-- ``out`` is a ``LossOutputs`` (all ``[b, L]``, aligned with ``mb.input_ids``):
-    * ``logprobs``: ``logprobs[i, t] = log p(x_t | x_<t)``, i.e.
-      ``log_softmax(logits[i, t-1] / temperature)[x_t]``; position 0 and
-      padding are 0.0. Carries gradient. Positions before the micro-batch's
-      first loss token (the prompt every row shares) are 0.0 too: their
-      logits are never computed; packed (``trainer.pack_sequences``), every
-      position that is not a loss token is 0.0.
-    * ``entropy``: entropy of the same predictive distribution (the one that
-      scored token t), only when ``needs.entropy``; 0.0 where ``logprobs`` is.
-    * ``values``: critic value for position t, i.e. the critic's output at
-      position t-1 (the state before token t was emitted), whenever the
-      trainer has a critic; 0.0 at position 0 and padding.
-- ``mb`` is a ``LossInputs``: ``input_ids`` (long, right-padded), ``attention_mask``
-  (1 on real tokens), ``loss_mask`` (float), each field of the ``Batch`` under its own
-  name (``BATCH_FIELDS``; None where the batch has none) and its custom ones in
-  ``custom``, padded with 0, and ``routes`` (routing replay), on the trainer's device.
-  Both read by name as mappings too (``out["logprobs"]``, ``mb["advantages"]``, a custom
-  field ``mb["adv"]``): what a loss written against the earlier dicts reads.
-- ``Trainer`` is one trainer (one rank of it). Per-sample results are 1-D
-  CPU float32 tensors aligned with ``batch.input_ids[i]`` (same convention
-  as ``out.logprobs``) and computed without gradient. ``streams_publish``
-  declares that ``train`` takes ``publish`` / ``publish_dtype`` and runs its
-  last optimizer step while the weights leave; ``step_ended`` is when the
-  last ``train`` call's optimizer work was done (``time.time()``).
-- ``TrainerHandle`` is the trainer role as a launcher provides it, in two surfaces:
-  ``TrainerSteps``, what the loop and a step's batch building call, and
-  ``TrainerLifecycle``, what only ``run/`` calls around the loop (start-up checks,
-  resume, checkpoints, export, close). ``trainer.serve.TrainerHost`` (one process),
-  ``launch.roles.TrainerProxy`` (trainer rank processes) and ``launch.ray_roles.RayTrainerProxy``
-  provide it; ``tests/unit/launch/test_handles_conform.py`` checks them against both.
+- ``LossFn``: ``loss_fn(out, mb, num_tokens, num_seqs) -> (loss, metrics)``, called once per
+  micro-batch; it declares what it reads (``needs``) and which samples it gives no term
+  (``inert``). ``out`` is a ``LossOutputs``, ``mb`` a ``LossInputs``, both ``[b, L]``.
+- ``Trainer``: one trainer (one rank of it). ``TrainerHandle``: the trainer role as a launcher
+  provides it, in two surfaces, ``TrainerSteps`` (the loop) and ``TrainerLifecycle`` (``run/``).
+- Per-sample results are 1-D CPU float32 tensors aligned with ``batch.input_ids[i]``.
 
 The trainer knows nothing about RL: advantages, clipping, KL and staleness
 live in the loss function and the loop. This module holds the protocols and the
@@ -123,7 +87,21 @@ class _ByName(Mapping):
 
 @dataclass(frozen=True, eq=False)
 class LossOutputs(_ByName):
-    """The trained models' outputs on one micro-batch (see the module docstring)."""
+    """The trained models' outputs on one micro-batch.
+
+    - ``out`` is a ``LossOutputs`` (all ``[b, L]``, aligned with ``mb.input_ids``):
+        * ``logprobs``: ``logprobs[i, t] = log p(x_t | x_<t)``, i.e.
+          ``log_softmax(logits[i, t-1] / temperature)[x_t]``; position 0 and
+          padding are 0.0. Carries gradient. Positions before the micro-batch's
+          first loss token (the prompt every row shares) are 0.0 too: their
+          logits are never computed; packed (``trainer.pack_sequences``), every
+          position that is not a loss token is 0.0.
+        * ``entropy``: entropy of the same predictive distribution (the one that
+          scored token t), only when ``needs.entropy``; 0.0 where ``logprobs`` is.
+        * ``values``: critic value for position t, i.e. the critic's output at
+          position t-1 (the state before token t was emitted), whenever the
+          trainer has a critic; 0.0 at position 0 and padding.
+    """
 
     logprobs: "torch.Tensor"
     entropy: "torch.Tensor | None" = None
@@ -137,8 +115,16 @@ class LossOutputs(_ByName):
 
 @dataclass(frozen=True, eq=False, kw_only=True)
 class LossInputs(_ByName):
-    """One micro-batch of a ``Batch``, padded to ``[b, L]`` (see the module docstring). The trainer
-    always sets ``input_ids`` and ``attention_mask``; a LossInputs made ``of`` a mapping may lack them."""
+    """One micro-batch of a ``Batch``, padded to ``[b, L]``. The trainer
+    always sets ``input_ids`` and ``attention_mask``; a LossInputs made ``of`` a mapping may lack them.
+
+    - ``mb`` is a ``LossInputs``: ``input_ids`` (long, right-padded), ``attention_mask``
+      (1 on real tokens), ``loss_mask`` (float), each field of the ``Batch`` under its own
+      name (``BATCH_FIELDS``; None where the batch has none) and its custom ones in
+      ``custom``, padded with 0, and ``routes`` (routing replay), on the trainer's device.
+      Both read by name as mappings too (``out["logprobs"]``, ``mb["advantages"]``, a custom
+      field ``mb["adv"]``): what a loss written against the earlier dicts reads.
+    """
 
     loss_mask: "torch.Tensor"
     input_ids: "torch.Tensor | None" = None
@@ -182,6 +168,18 @@ class LossFn(Protocol):
     marks samples whose loss terms are zero whatever the policy (a zero advantage
     everywhere); a trainer may leave them out of forward and backward, passing the same
     ``num_tokens`` / ``num_seqs`` (the whole mini-batch's), so the gradient is the same.
+
+    - ``LossFn`` is a callable ``loss_fn(out, mb, num_tokens, num_seqs) -> (loss,
+      metrics)`` that declares what it reads (``needs``, a ``LossNeeds``; the trainer checks
+      the batch and its own models against it before a step) and which samples it gives
+      no term (``inert``). A metric is a float or a 0-d tensor (tensors are read in one
+      transfer per mini-batch, sparing the GPU a wait per micro-batch; they are averaged
+      over micro-batches weighted by loss tokens). The trainer calls it once per micro-batch and sums the
+      gradients of the returned losses, then takes one optimizer step per
+      mini-batch. Because ``num_tokens`` / ``num_seqs`` are totals over the whole
+      mini-batch, a loss that divides by them gives the same gradient however the
+      mini-batch is cut into micro-batches. A plain callable works too (``as_loss_fn``: what
+      its optional attributes ``needs_entropy``, ``normaliser`` and ``inert`` say, and nothing else).
     """
 
     needs: LossNeeds
@@ -234,7 +232,15 @@ def loss_name(loss_fn: LossFn) -> str:
 
 @runtime_checkable
 class Trainer(Protocol):
-    """Policy (plus optional frozen reference and critic) and its optimizer."""
+    """Policy (plus optional frozen reference and critic) and its optimizer.
+
+    - ``Trainer`` is one trainer (one rank of it). Per-sample results are 1-D
+      CPU float32 tensors aligned with ``batch.input_ids[i]`` (same convention
+      as ``out.logprobs``) and computed without gradient. ``streams_publish``
+      declares that ``train`` takes ``publish`` / ``publish_dtype`` and runs its
+      last optimizer step while the weights leave; ``step_ended`` is when the
+      last ``train`` call's optimizer work was done (``time.time()``).
+    """
 
     streams_publish: bool
     step_ended: float
@@ -372,4 +378,12 @@ class TrainerLifecycle(Protocol):
 
 @runtime_checkable
 class TrainerHandle(TrainerSteps, TrainerLifecycle, Protocol):
-    """The trainer role as a launcher provides it, wherever its ranks run: both surfaces."""
+    """The trainer role as a launcher provides it, wherever its ranks run: both surfaces.
+
+    - ``TrainerHandle`` is the trainer role as a launcher provides it, in two surfaces:
+      ``TrainerSteps``, what the loop and a step's batch building call, and
+      ``TrainerLifecycle``, what only ``run/`` calls around the loop (start-up checks,
+      resume, checkpoints, export, close). ``trainer.serve.TrainerHost`` (one process),
+      ``launch.roles.TrainerProxy`` (trainer rank processes) and ``launch.ray_roles.RayTrainerProxy``
+      provide it; ``tests/unit/launch/test_handles_conform.py`` checks them against both.
+    """

@@ -1,26 +1,11 @@
 """Whether the trainer's micro-batches fit the GPU memory they will get, checked before the first step.
 
-Contract: ``check_micro_batches(trainer, cfg, length, memory)`` runs one forward and backward
-of a micro-batch of ``trainer.micro_batch_tokens`` tokens (rows of ``length`` tokens, the
-longest a sample can be) through ``trainer.fits`` with the colocated engine's KV pool
-released (``memory``, launch.time_share), as the steps will, and, with
-``loop.accumulate_groups``, one of ``trainer.micro_batch_tokens_shared`` beside the held pool.
-A budget the recipe or the overrides set that runs out of memory is refused with ``ConfigError``:
-one line naming the field, the memory situation, and the largest halving of the budget that did
-fit (or that none did). A budget left at its default is halved until it fits instead (every rank
-told through ``trainer.set_micro_batch_tokens``), and the returned lines say so for the run's log;
-only when no halving fits is it refused too. ``default`` (``own_gpu_default``) replaces the
-field's default as the budget the search starts from.
-Nothing changes in the model: the probe's gradients are dropped. On CPU nothing is checked
-(``fits`` is always true there). ``largest_fitting(budget, fits)`` is the search.
-``needs_time_share(trainer, cfg, length)`` resolves ``launch.time_share=auto`` on a GPU: the
-pools are released while training only where the micro-batch does not fit beside them.
-``own_gpu_default(cfg, alone)`` is that starting budget for a trainer whose GPUs hold no
-engine (``alone``: ``Launcher.trainer_gpus_alone()``, launch.placement=disaggregated on GPUs):
-``OWN_GPU_MICRO_BATCH_TOKENS``, or None (the field's default stands) where the trainer shares
-its GPU, runs on CPU, or the field was set.
-``MemoryProbe`` is the trainer side, a mixin of ``LocalTrainer``: ``fits(tokens, length)``
-runs the probe (one forward and backward of random ids) and says whether it ran out of memory.
+- ``check_micro_batches(trainer, cfg, length, memory)`` runs one forward and backward of a
+  micro-batch as the steps will: a budget the recipe set that runs out of memory is a
+  ``ConfigError`` naming the field and the largest halving that fit; a default budget is halved
+  until it fits. Nothing changes in the model; on CPU nothing is checked.
+- ``needs_time_share``, ``own_gpu_default`` and ``largest_fitting``: the choices it rests on.
+- ``MemoryProbe``: the trainer side, a mixin of ``LocalTrainer``.
 """
 from __future__ import annotations
 
@@ -47,7 +32,13 @@ OWN_GPU_MICRO_BATCH_TOKENS = 32768
 
 def own_gpu_default(cfg: RunConfig, alone: bool) -> int | None:
     """The default micro-batch budget of a trainer whose GPUs no engine uses (``alone``); None: the
-    field's default (or the value set) stands."""
+    field's default (or the value set) stands.
+
+    ``own_gpu_default(cfg, alone)`` is that starting budget for a trainer whose GPUs hold no
+    engine (``alone``: ``Launcher.trainer_gpus_alone()``, launch.placement=disaggregated on GPUs):
+    ``OWN_GPU_MICRO_BATCH_TOKENS``, or None (the field's default stands) where the trainer shares
+    its GPU, runs on CPU, or the field was set.
+    """
     if not alone or "micro_batch_tokens" in cfg.trainer.model_fields_set:
         return None
     return OWN_GPU_MICRO_BATCH_TOKENS
@@ -56,7 +47,11 @@ def own_gpu_default(cfg: RunConfig, alone: bool) -> int | None:
 def needs_time_share(trainer: TrainerLifecycle, cfg: RunConfig, length: int) -> bool:
     """``launch.time_share=auto``: release the engines' KV pools only if ``trainer.micro_batch_tokens``
     does not fit beside them (one probe, the pools held). Each switch costs tens of milliseconds a
-    step, which a model whose steps take a fraction of a second pays for nothing."""
+    step, which a model whose steps take a fraction of a second pays for nothing.
+
+    ``needs_time_share(trainer, cfg, length)`` resolves ``launch.time_share=auto`` on a GPU: the
+    pools are released while training only where the micro-batch does not fit beside them.
+    """
     return not trainer.fits(cfg.trainer.micro_batch_tokens, length)
 
 
@@ -73,6 +68,20 @@ def largest_fitting(budget: int, fits: Callable[[int], bool], floor: int = 256) 
 
 def check_micro_batches(trainer: TrainerLifecycle, cfg: RunConfig, length: int,
                         memory: EngineMemory | None, default: int | None = None) -> list[str]:
+    """Contract: ``check_micro_batches(trainer, cfg, length, memory)`` runs one forward and backward
+    of a micro-batch of ``trainer.micro_batch_tokens`` tokens (rows of ``length`` tokens, the
+    longest a sample can be) through ``trainer.fits`` with the colocated engine's KV pool
+    released (``memory``, launch.time_share), as the steps will, and, with
+    ``loop.accumulate_groups``, one of ``trainer.micro_batch_tokens_shared`` beside the held pool.
+    A budget the recipe or the overrides set that runs out of memory is refused with ``ConfigError``:
+    one line naming the field, the memory situation, and the largest halving of the budget that did
+    fit (or that none did). A budget left at its default is halved until it fits instead (every rank
+    told through ``trainer.set_micro_batch_tokens``), and the returned lines say so for the run's log;
+    only when no halving fits is it refused too. ``default`` (``own_gpu_default``) replaces the
+    field's default as the budget the search starts from.
+    Nothing changes in the model: the probe's gradients are dropped. On CPU nothing is checked
+    (``fits`` is always true there). ``largest_fitting(budget, fits)`` is the search.
+    """
     tc, notes = cfg.trainer, []
     if default is not None and "micro_batch_tokens" not in tc.model_fields_set:
         tc.micro_batch_tokens = default  # still the run's choice, not the user's: halved below if it must be
@@ -120,7 +129,11 @@ class MemoryProbe:
     ``critic_optimizer``, or None: their state still to come is held during the probe), ``critic``
     and ``_values_out(mb)`` (the value model, or None; the probe runs it as the step does), ``compute`` (the module
     forward and backward run on), ``_policy_out(model, mb, with_entropy, layout=...)`` (a ``LossOutputs``), ``_layout(cpu_mb, loss_only)`` (the packed layout, or None: padded),
-    ``_to_device(mb)`` and ``_zero_grad()``. The probe runs the path training runs, packed or padded."""
+    ``_to_device(mb)`` and ``_zero_grad()``. The probe runs the path training runs, packed or padded.
+
+    ``MemoryProbe`` is the trainer side, a mixin of ``LocalTrainer``: ``fits(tokens, length)``
+    runs the probe (one forward and backward of random ids) and says whether it ran out of memory.
+    """
 
     def fits(self, tokens: int, length: int) -> bool:
         """Whether one forward and backward of ``tokens`` tokens in rows of ``length`` fits the

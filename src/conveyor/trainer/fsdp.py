@@ -1,21 +1,10 @@
 """Data-parallel, fully sharded trainer: LocalTrainer's contract over N ranks with FSDP2.
 
-Contract (``trainer/api.py``, ``trainer/single.py``; only differences here)
-- ``FSDPTrainer(model_path_or_model, cfg, total_steps, temperature,
-  pad_token_id)`` needs ``torch.distributed`` initialised by the caller (the
-  default group is the trainer ranks) and the device set. Decoder layers, the
-  root, the reference and the critic are ``fully_shard``-ed; with bf16 the
-  layers' linear weights are gathered in bf16, embeddings and head in fp32,
-  norm weights kept whole on every rank, gradients reduced in fp32:
-  LocalTrainer's numbers (on CPU everything is fp32).
-- Every public method is COLLECTIVE: call it on every rank with the same
-  arguments (the full Batch); every rank returns the same result.
-- ``train``: samples dealt to ranks by tokens, dummy passes so every rank runs
-  as many forwards; gradients summed over ranks with the mini-batch's global
-  ``num_tokens`` / ``num_seqs``, so the update equals the single-device one. A
-  non-finite loss on any rank raises on every rank before backward.
-- ``save`` / ``load``: a sharded checkpoint directory (``checkpoint.py``) on a
-  filesystem the ranks share; ``export_hf`` writes plain HF from rank 0.
+- ``FSDPTrainer`` shards the decoder layers, the root, the reference and the critic; with bf16
+  its numbers are LocalTrainer's. Every public method is COLLECTIVE (the same arguments on every
+  rank, the same result on every rank), and the update equals the single-device one.
+- ``save`` / ``load``: a sharded checkpoint directory (``checkpoint.py``) on a filesystem the
+  ranks share; ``export_hf`` writes plain HF from rank 0.
 The class docstring has the details.
 
 It does not start processes, pick ranks or set devices: the launcher does.
@@ -160,6 +149,22 @@ def _shard(module: nn.Module, mesh, dtype: torch.dtype, device: torch.device, ke
 class FSDPTrainer(RankGroup, LocalTrainer):
     """Policy (+ optional reference and critic) sharded over the default process group.
 
+    Contract (``trainer/api.py``, ``trainer/single.py``; only differences here)
+    - ``FSDPTrainer(model_path_or_model, cfg, total_steps, temperature,
+      pad_token_id)`` needs ``torch.distributed`` initialised by the caller (the
+      default group is the trainer ranks) and the device set. Decoder layers, the
+      root, the reference and the critic are ``fully_shard``-ed; with bf16 the
+      layers' linear weights are gathered in bf16, embeddings and head in fp32,
+      norm weights kept whole on every rank, gradients reduced in fp32:
+      LocalTrainer's numbers (on CPU everything is fp32).
+    - Every public method is COLLECTIVE: call it on every rank with the same
+      arguments (the full Batch); every rank returns the same result.
+    - ``train``: samples dealt to ranks by tokens, dummy passes so every rank runs
+      as many forwards; gradients summed over ranks with the mini-batch's global
+      ``num_tokens`` / ``num_seqs``, so the update equals the single-device one. A
+      non-finite loss on any rank raises on every rank before backward.
+    - ``save`` / ``load``: a sharded checkpoint directory (``checkpoint.py``) on a
+      filesystem the ranks share; ``export_hf`` writes plain HF from rank 0.
     - Device: CUDA's current device (the caller ran ``torch.cuda.set_device``), or "cpu" (gloo)
       when ``cfg.device`` resolves to cpu. Every decoder layer (``_no_split_modules``), then the
       root, is ``fully_shard``-ed. With ``cfg.param_dtype`` float32 everything is gathered in

@@ -1,25 +1,11 @@
 """Per-token logprobs from logits, without a float32 copy of the whole vocabulary.
 
-Contract
-- ``token_logprobs(logits, input_ids, attention_mask, temperature, with_entropy,
-  chunk_rows)``: ``[b, L, V]`` logits -> ``[b, L]`` where position t holds
-  ``log_softmax(logits[t-1] / temperature)[x_t]``; position 0 and padding hold
-  0.0. With ``with_entropy`` also the entropy of the same distributions.
-- With ``chunk_rows`` (default) and no entropy, ``TargetLogprob`` computes the
-  result ``chunk_rows`` positions at a time in float32 and keeps only the
-  logits (in their own dtype) and one logsumexp per position for backward,
-  which it also does chunk by chunk: the float32 ``[b, L, V]`` copy, its
-  softmax and its gradient (three vocabulary-sized float32 tensors, the
-  largest memory of an RL step at a 150k vocabulary) never exist. Values and
-  gradients equal the plain form to float rounding (tested).
-- On CUDA with Triton installed (``kernel=None``: auto) both passes are
-  ``kernels.logprob``'s instead: one read of the logits per pass, padding and
-  each row's last position skipped. ``kernel=False`` forces the torch form.
-- ``target_logprobs(logits, target, temperature)``: the same head on ``[N, V]``
-  logits and ``[N]`` targets (the packed forward's rows, ``packing.py``).
-- ``chunk_rows=None`` (or ``with_entropy``) is the plain autograd form.
-- On a CPU a chunk is also held to ``CPU_CHUNK_BYTES`` of float32 logits, so that
-  it is still in the cache when the next operation reads it (``cpu_chunk``).
+- ``token_logprobs(logits, input_ids, attention_mask, ...)``: ``[b, L]`` where position t holds
+  ``log_softmax(logits[t-1] / temperature)[x_t]`` (0.0 at position 0 and padding), optionally
+  with the entropy; ``target_logprobs`` the same head on ``[N, V]`` rows.
+- Chunked (``TargetLogprob``, or ``kernels.logprob`` on CUDA with Triton), the float32
+  ``[b, L, V]`` copy, its softmax and its gradient never exist; values and gradients equal the
+  plain form to float rounding (tested).
 
 It knows nothing of models, losses or devices.
 """
@@ -119,7 +105,28 @@ def token_logprobs(
     temperature: float = 1.0, with_entropy: bool = False, chunk_rows: int | None = 1024,
     kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """See the module docstring."""
+    """Per-token logprobs (and optionally entropy) of ``[b, L, V]`` logits, chunked.
+
+    - ``token_logprobs(logits, input_ids, attention_mask, temperature, with_entropy,
+      chunk_rows)``: ``[b, L, V]`` logits -> ``[b, L]`` where position t holds
+      ``log_softmax(logits[t-1] / temperature)[x_t]``; position 0 and padding hold
+      0.0. With ``with_entropy`` also the entropy of the same distributions.
+    - With ``chunk_rows`` (default) and no entropy, ``TargetLogprob`` computes the
+      result ``chunk_rows`` positions at a time in float32 and keeps only the
+      logits (in their own dtype) and one logsumexp per position for backward,
+      which it also does chunk by chunk: the float32 ``[b, L, V]`` copy, its
+      softmax and its gradient (three vocabulary-sized float32 tensors, the
+      largest memory of an RL step at a 150k vocabulary) never exist. Values and
+      gradients equal the plain form to float rounding (tested).
+    - On CUDA with Triton installed (``kernel=None``: auto) both passes are
+      ``kernels.logprob``'s instead: one read of the logits per pass, padding and
+      each row's last position skipped. ``kernel=False`` forces the torch form.
+    - ``target_logprobs(logits, target, temperature)``: the same head on ``[N, V]``
+      logits and ``[N]`` targets (the packed forward's rows, ``packing.py``).
+    - ``chunk_rows=None`` (or ``with_entropy``) is the plain autograd form.
+    - On a CPU a chunk is also held to ``CPU_CHUNK_BYTES`` of float32 logits, so that
+      it is still in the cache when the next operation reads it (``cpu_chunk``).
+    """
     mask = attention_mask[:, 1:].float()
     if chunk_rows and not with_entropy:
         b, length, vocab = logits.shape

@@ -1,31 +1,12 @@
 """Low-rank adapters (LoRA, through peft) for the trainers: attach, publish, export.
 
-Contract
-- ``attach(model, cfg, seed)`` injects peft LoRA layers into ``model`` in place
-  (``trainer.lora``: rank, alpha, dropout, target modules) and freezes every
-  other parameter, so a trainer whose optimizer takes ``requires_grad``
-  parameters holds only the adapters. A's init comes from a generator seeded
-  with ``seed`` (every FSDP rank and the single-device trainer start from the
-  same adapters); B starts at zero, so the first policy is the base model.
-  Targets missing from the model raise ``LoraSetupError`` naming them and the
-  linear layers the model has (``check_targets``; ``check_checkpoint`` does the
-  same for a checkpoint on the meta device, and checks that peft is installed,
-  before a run starts).
-- After ``attach`` the model's state dict names a target ``X`` as
-  ``X.base_layer.weight`` / ``X.lora_A.default.weight`` /
-  ``X.lora_B.default.weight`` (peft's names). ``merged(items, scaling)`` turns
-  such (name, tensor) pairs, in state-dict order, into the plain model's:
-  ``X.weight = W0 + scaling * B @ A`` computed in float32, every other tensor
-  under its base name. ``adapter(items, scaling)`` yields only the adapters on
-  the wire names of ``transport/adapter.py`` (B pre-scaled). ``published``
-  picks one by ``cfg.publish``.
-- ``write_export(state, cfg, out, form)``: ``merged`` writes the plain HF
-  weights with the adapter beside them in ``out/adapter``; ``adapter`` writes
-  only peft's format (``adapter_config.json`` + ``adapter_model.safetensors``),
-  loadable with ``peft.PeftModel.from_pretrained(base, out)``.
-  ``export_model`` is a single-device trainer's merged export (config and
-  tokenizer files included); ``export_checkpoint`` turns a LoRA run's
-  checkpoint (peft's names; plain or sharded) into either form.
+- ``attach(model, cfg, seed)`` injects peft LoRA layers in place and freezes every other
+  parameter; the first policy is the base model, the same on every rank. Missing targets raise
+  ``LoraSetupError`` naming them (``check_targets`` / ``check_checkpoint`` before a run starts).
+- ``merged`` turns an adapted state dict into the plain model's (``W0 + scaling * B @ A`` in
+  float32); ``adapter`` yields only the adapters on the wire names of ``transport/adapter.py``;
+  ``published`` picks one by ``cfg.publish``.
+- ``write_export``, ``export_model``, ``export_checkpoint``: merged or peft-format exports.
 
 It knows nothing of optimizers, sharding or transports beyond the wire names.
 """
@@ -91,7 +72,19 @@ def peft_config(cfg: LoraConfig):
 
 
 def attach(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
-    """Inject the adapters into ``model`` in place (see the module docstring); returns it."""
+    """Inject the adapters into ``model`` in place; returns it.
+
+    ``attach(model, cfg, seed)`` injects peft LoRA layers into ``model`` in place
+    (``trainer.lora``: rank, alpha, dropout, target modules) and freezes every
+    other parameter, so a trainer whose optimizer takes ``requires_grad``
+    parameters holds only the adapters. A's init comes from a generator seeded
+    with ``seed`` (every FSDP rank and the single-device trainer start from the
+    same adapters); B starts at zero, so the first policy is the base model.
+    Targets missing from the model raise ``LoraSetupError`` naming them and the
+    linear layers the model has (``check_targets``; ``check_checkpoint`` does the
+    same for a checkpoint on the meta device, and checks that peft is installed,
+    before a run starts).
+    """
     check_targets(model, list(cfg.target_modules))
     from peft import inject_adapter_in_model
     model = inject_adapter_in_model(peft_config(cfg), model)
@@ -116,7 +109,17 @@ def merge(w0: torch.Tensor, b_scaled: torch.Tensor, a: torch.Tensor) -> torch.Te
 
 
 def merged(items: Iterable[tuple[str, torch.Tensor]], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
-    """The plain model's tensors from an adapted model's (name, tensor) pairs in state-dict order."""
+    """The plain model's tensors from an adapted model's (name, tensor) pairs in state-dict order.
+
+    After ``attach`` the model's state dict names a target ``X`` as
+    ``X.base_layer.weight`` / ``X.lora_A.default.weight`` /
+    ``X.lora_B.default.weight`` (peft's names). ``merged(items, scaling)`` turns
+    such (name, tensor) pairs, in state-dict order, into the plain model's:
+    ``X.weight = W0 + scaling * B @ A`` computed in float32, every other tensor
+    under its base name. ``adapter(items, scaling)`` yields only the adapters on
+    the wire names of ``transport/adapter.py`` (B pre-scaled). ``published``
+    picks one by ``cfg.publish``.
+    """
     base: dict[str, torch.Tensor] = {}
     a: dict[str, torch.Tensor] = {}
     for name, t in items:
@@ -168,7 +171,16 @@ def save_adapter(state: dict[str, torch.Tensor], cfg: LoraConfig, out: Path, bas
 def write_export(state: dict[str, torch.Tensor], cfg: LoraConfig, out: Path, form: str) -> None:
     """Write an adapted model's full state dict (peft names) into ``out``: ``merged`` the plain
     weights (the caller writes config and tokenizer files) and the adapter in ``out/adapter``,
-    ``adapter`` the adapter alone (peft's format)."""
+    ``adapter`` the adapter alone (peft's format).
+
+    ``write_export(state, cfg, out, form)``: ``merged`` writes the plain HF
+    weights with the adapter beside them in ``out/adapter``; ``adapter`` writes
+    only peft's format (``adapter_config.json`` + ``adapter_model.safetensors``),
+    loadable with ``peft.PeftModel.from_pretrained(base, out)``.
+    ``export_model`` is a single-device trainer's merged export (config and
+    tokenizer files included); ``export_checkpoint`` turns a LoRA run's
+    checkpoint (peft's names; plain or sharded) into either form.
+    """
     from conveyor.trainer.checkpoint import save_hf_weights
     if form not in FORMS:
         raise ValueError(f"export form {form!r}: use one of {', '.join(FORMS)}")

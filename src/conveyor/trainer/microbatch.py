@@ -1,30 +1,11 @@
 """Token-budget micro-batching: which samples share a forward pass, and padding.
 
-Contract
-- ``plan_microbatches(lengths, max_tokens, multiple=1)`` returns lists of
-  sample indices (into ``lengths``) that together cover every sample exactly
-  once. Samples are taken longest first (ties by index, so the plan is
-  deterministic) and a micro-batch grows while its PADDED cost
-  ``(count + 1) * max_len`` stays within ``max_tokens``; ``max_len`` is the
-  first (longest) member's length rounded up to ``multiple``.
-  A single sequence longer than the budget gets a micro-batch of its own: it
-  is never dropped or truncated, so the budget is a target, not a hard cap.
-- ``balance(lengths, world, keys=None)`` deals sample indices to ``world``
-  data-parallel ranks by tokens, before each rank plans its own micro-batches;
-  with ``keys`` (each sample's prompt, ``pack_sequences: shared``) a prompt's
-  samples go to one rank together, so its prompt is computed once, not once per rank.
-- ``split_even(n, parts)`` cuts a batch into ``parts`` mini-batches of nearly
-  equal size (in order).
-- ``live_samples(batch, loss_fn)``: the indices of the samples to compute, all
-  but those the loss's ``inert(batch)`` marks (``LossFn`` in api.py).
-- ``collate(batch, idx, pad_id, multiple=1)`` right-pads the selected samples
-  into the ``[b, L]`` tensors of a ``LossInputs``, L the longest rounded up to
-  ``multiple`` (few distinct shapes let per-shape work — attention plans, allocator
-  blocks — be reused from step to step): ``input_ids`` (pad ``pad_id``), ``attention_mask``
-  (1 on real tokens), ``loss_mask`` (float, 0 on padding) and every field of the
-  batch under its own name, custom ones in ``custom`` (0 on padding, dtype kept), and with
-  ``Batch.routes`` ``routes`` ``[b, L, layers, k]`` (-1, "the router's own choice",
-  wherever a sample recorded none: padding, positions past its record).
+- ``plan_microbatches(lengths, max_tokens, multiple=1)``: groups covering every sample exactly
+  once, by padded cost; a sequence longer than the budget gets a group of its own (never dropped).
+- ``balance`` deals samples to data-parallel ranks by tokens; ``split_even`` cuts mini-batches;
+  ``live_samples`` leaves out what the loss marks inert.
+- ``collate(batch, idx, pad_id, multiple=1)`` right-pads samples into a ``LossInputs``.
+All deterministic.
 
 This module does not know what the tensors are for, which device they go to
 or how a loss normalises; it only groups and pads.
@@ -51,6 +32,15 @@ def plan_microbatches(lengths: list[int], max_tokens: int, multiple: int = 1) ->
 
     >>> plan_microbatches([3, 5, 2, 5], 10)
     [[1, 3], [0, 2]]
+
+    ``plan_microbatches(lengths, max_tokens, multiple=1)`` returns lists of
+    sample indices (into ``lengths``) that together cover every sample exactly
+    once. Samples are taken longest first (ties by index, so the plan is
+    deterministic) and a micro-batch grows while its PADDED cost
+    ``(count + 1) * max_len`` stays within ``max_tokens``; ``max_len`` is the
+    first (longest) member's length rounded up to ``multiple``.
+    A single sequence longer than the budget gets a micro-batch of its own: it
+    is never dropped or truncated, so the budget is a target, not a hard cap.
     """
     if max_tokens < 1:
         raise ValueError(f"plan_microbatches: max_tokens must be >= 1, got {max_tokens}")
@@ -90,7 +80,17 @@ def _check_aligned(batch: "Batch", idx: list[int]) -> None:
 
 
 def collate(batch: "Batch", idx: list[int], pad_id: int, multiple: int = 1) -> LossInputs:
-    """Right-pad samples ``idx`` of ``batch`` into ``[len(idx), max_len]`` tensors (on CPU)."""
+    """Right-pad samples ``idx`` of ``batch`` into ``[len(idx), max_len]`` tensors (on CPU).
+
+    ``collate(batch, idx, pad_id, multiple=1)`` right-pads the selected samples
+    into the ``[b, L]`` tensors of a ``LossInputs``, L the longest rounded up to
+    ``multiple`` (few distinct shapes let per-shape work — attention plans, allocator
+    blocks — be reused from step to step): ``input_ids`` (pad ``pad_id``), ``attention_mask``
+    (1 on real tokens), ``loss_mask`` (float, 0 on padding) and every field of the
+    batch under its own name, custom ones in ``custom`` (0 on padding, dtype kept), and with
+    ``Batch.routes`` ``routes`` ``[b, L, layers, k]`` (-1, "the router's own choice",
+    wherever a sample recorded none: padding, positions past its record).
+    """
     if not idx:
         raise ValueError("collate: idx is empty; a micro-batch needs at least one sample")
     _check_aligned(batch, idx)
@@ -129,6 +129,11 @@ def balance(lengths: list[int], world: int, keys: list[tuple[bytes, int]] | None
     it, so a rank that packs prompts computes each of its prompts once. With fewer groups than
     ranks it deals samples, so no rank is left idle. Deterministic (ties go to the lower index
     and rank), so every rank computes every rank's share without communicating.
+
+    ``balance(lengths, world, keys=None)`` deals sample indices to ``world``
+    data-parallel ranks by tokens, before each rank plans its own micro-batches;
+    with ``keys`` (each sample's prompt, ``pack_sequences: shared``) a prompt's
+    samples go to one rank together, so its prompt is computed once, not once per rank.
     """
     units: list[tuple[int, list[int]]]  # (tokens, samples)
     by_key: dict[tuple[bytes, int], list[int]] = {}
@@ -147,12 +152,20 @@ def balance(lengths: list[int], world: int, keys: list[tuple[bytes, int]] | None
 
 
 def live_samples(batch: "Batch", loss_fn: LossFn) -> list[int]:
-    """Indices of ``batch``'s samples whose loss terms may be nonzero (see the module docstring)."""
+    """Indices of ``batch``'s samples whose loss terms may be nonzero.
+
+    ``live_samples(batch, loss_fn)``: the indices of the samples to compute, all
+    but those the loss's ``inert(batch)`` marks (``LossFn`` in api.py).
+    """
     return [i for i, d in enumerate(loss_fn.inert(batch)) if not d]
 
 
 def split_even(n: int, parts: int) -> list[list[int]]:
-    """Indices 0..n-1 in ``parts`` consecutive runs whose sizes differ by at most one (mini-batches)."""
+    """Indices 0..n-1 in ``parts`` consecutive runs whose sizes differ by at most one (mini-batches).
+
+    ``split_even(n, parts)`` cuts a batch into ``parts`` mini-batches of nearly
+    equal size (in order).
+    """
     if parts > n:
         raise ValueError(f"trainer.mini_batches={parts} exceeds the batch's {n} samples; lower trainer.mini_batches")
     base, extra = divmod(n, parts)

@@ -1,23 +1,11 @@
 """The modules a trainer computes with, built the same way by both trainers.
 
-Contract
-- ``load_policy(src)``: a checkpoint directory (loaded with float32 master
-  weights, whatever its dtype) or a torch model as it is -> the model and its
-  source directory (None when it has none); anything else is a ``TypeError``.
-- ``ValueModel(backbone, hidden_size, seed)``: the critic, the decoder without
-  its head plus ``Linear(hidden, 1)`` initialised from a private generator
-  (the global RNG is neither read nor moved), one float32 value per position.
-- ``training_state_bytes(path, cfg)``: the device memory one rank's whole-model
-  trainer keeps for the model at ``path`` (built on the meta device, nothing
-  loaded): float32 weights, gradients and AdamW's two moments, the bf16 compute
-  copy, the reference and the critic ``cfg`` asks for; LoRA trains a few
-  adapters on frozen float32 weights. Activations are not counted.
-- ``decoder_layers(module)``: the repeated blocks of a Hugging Face model (its
-  ``_no_split_modules`` classes), outermost first (FSDP units, compile units).
-- ``enable_checkpointing``, ``fuse_layers``, ``compile_layers``: the in-place
-  preparations ``trainer.gradient_checkpointing``, ``trainer.kernels`` (on a
-  GPU, not under the compiler) and ``trainer.compile`` ask for; names and
-  ``state_dict`` stay unchanged.
+- ``load_policy(src)``: a checkpoint (float32 master weights) or a torch model as it is.
+- ``ValueModel``: the critic, initialised from a private generator (the global RNG untouched).
+- ``training_state_bytes(path, cfg)``: the device memory one rank's whole-model trainer keeps,
+  computed on the meta device.
+- ``decoder_layers``, ``enable_checkpointing``, ``fuse_layers``, ``compile_layers``: in-place
+  preparations; names and ``state_dict`` stay unchanged.
 
 It does not know about optimizers, losses, devices beyond the kernels' check,
 or how the modules are sharded.
@@ -36,7 +24,12 @@ from conveyor.trainer.logprobs import kernel_available
 
 
 class ValueModel(nn.Module):
-    """Backbone (decoder without lm_head) + Linear(hidden, 1): one value per position."""
+    """Backbone (decoder without lm_head) + Linear(hidden, 1): one value per position.
+
+    ``ValueModel(backbone, hidden_size, seed)``: the critic, the decoder without
+    its head plus ``Linear(hidden, 1)`` initialised from a private generator
+    (the global RNG is neither read nor moved), one float32 value per position.
+    """
 
     def __init__(self, backbone: nn.Module, hidden_size: int, seed: int = 0):
         super().__init__()
@@ -56,6 +49,10 @@ class ValueModel(nn.Module):
 
 
 def load_policy(src: Any) -> tuple[nn.Module, Path | None]:
+    """``load_policy(src)``: a checkpoint directory (loaded with float32 master
+    weights, whatever its dtype) or a torch model as it is -> the model and its
+    source directory (None when it has none); anything else is a ``TypeError``.
+    """
     if isinstance(src, (str, Path)):
         from transformers import AutoModelForCausalLM
 
@@ -70,6 +67,12 @@ def load_policy(src: Any) -> tuple[nn.Module, Path | None]:
 
 
 def training_state_bytes(path: str | Path, cfg: TrainerConfig) -> int:
+    """``training_state_bytes(path, cfg)``: the device memory one rank's whole-model
+    trainer keeps for the model at ``path`` (built on the meta device, nothing
+    loaded): float32 weights, gradients and AdamW's two moments, the bf16 compute
+    copy, the reference and the critic ``cfg`` asks for; LoRA trains a few
+    adapters on frozen float32 weights. Activations are not counted.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -106,6 +109,11 @@ def fuse_layers(cfg: TrainerConfig, model: nn.Module, device: torch.device) -> N
 
 
 def enable_checkpointing(model: nn.Module) -> None:
+    """``enable_checkpointing``, ``fuse_layers``, ``compile_layers``: the in-place
+    preparations ``trainer.gradient_checkpointing``, ``trainer.kernels`` (on a
+    GPU, not under the compiler) and ``trainer.compile`` ask for; names and
+    ``state_dict`` stay unchanged.
+    """
     kwargs = {"use_reentrant": False}  # the non-reentrant form needs no input that requires grad
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -1,39 +1,14 @@
 """Packed sequences: a micro-batch's samples as one row, without padding.
 
-A padded micro-batch spends compute on padding (a sixth to a fifth of the tokens
-at a 16k-token budget with heavy-tail lengths) and runs the vocabulary head
-over every position. Packed, the samples' real tokens sit end to end in one
-``[1, T]`` row, each sample attends only to itself (variable-length
-attention), and the head runs only over the positions whose next token is
-wanted. Values and gradients equal the padded forward's to float rounding
-(tested).
-
-Contract
-- ``wanted(mode, device, compiled)``: whether ``trainer.pack_sequences`` packs here
-  (``auto``: on a GPU whose torch has variable-length flash attention).
-- ``install(model)`` registers the ``conveyor_varlen`` attention with
-  Hugging Face and switches ``model`` to it. Called with ``cu_seq_lens_q``
-  (a packed forward), it runs flash variable-length attention on CUDA in
-  bf16/fp16 and a causal attention per sample elsewhere (CPU, float32);
-  called without (a padded forward), it is plain causal SDPA, which is exact
-  for the real tokens of right-padded rows.
-- ``plan(lengths, max_tokens)``: sample indices in groups whose summed
-  length fits ``max_tokens`` (first fit, longest first; a longer sample
-  alone), covering every sample once.
-- ``Layout.of(attention_mask, need)`` (host tensors, ``[b, L]``, right-padded;
-  ``need`` marks the tokens to score) says where each token sits packed and
-  which rows the head runs on; ``layout.to(device)`` moves it.
-- ``Layout.shared_of(attention_mask, need, input_ids, loss_mask)`` (``pack_sequences:
-  shared``): rows with equal prompts (``prompt_keys``: the tokens before the first loss
-  token) share one copy of the prompt, each row's rest a branch attending to it (``Group``,
-  a masked attention per group); ``plan_shared`` keeps a prompt's rows in one micro-batch.
-- ``logprobs(model, input_ids, layout, temperature, with_entropy, logprob)``:
-  the padded ``input_ids`` forwarded packed; returns the ``LossOutputs`` of ``trainer/api.py``:
-  ``[b, L]`` float32 logprobs (and entropy) where ``need`` was set and 0.0 elsewhere, in the
+Packed, the samples' real tokens sit end to end in one ``[1, T]`` row, each sample attends only
+to itself (variable-length attention), and the head runs only over the positions whose next
+token is wanted. Values and gradients equal the padded forward's to float rounding (tested).
+- ``wanted`` / ``enable``: whether ``trainer.pack_sequences`` packs here; ``install(model)``
+  registers the ``conveyor_varlen`` attention.
+- ``plan`` / ``plan_shared`` and ``micro_batches``: the micro-batch plan; ``Layout``: where each
+  token sits packed (``shared_of``: equal prompts share one copy).
+- ``logprobs(model, input_ids, layout, ...)``: the ``LossOutputs`` of ``trainer/api.py`` in the
   padded layout.
-- ``enable(cfg, device, models)`` and ``micro_batches(cfg, lengths, packed)``
-  are what the trainers call: whether to pack (switching the models), and the
-  micro-batch plan (packed here, padded ``microbatch.py`` otherwise).
 
 It knows nothing of losses, optimizers or where the batch came from.
 """
@@ -60,6 +35,10 @@ def plan(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
     >>> plan([3, 5, 2, 5], 10)
     [[1, 3], [0, 2]]
+
+    ``plan(lengths, max_tokens)``: sample indices in groups whose summed
+    length fits ``max_tokens`` (first fit, longest first; a longer sample
+    alone), covering every sample once.
     """
     if max_tokens < 1:
         raise ValueError(f"packing.plan: max_tokens must be >= 1, got {max_tokens}")
@@ -89,7 +68,19 @@ def _flash_varlen() -> Callable | None:
 
 
 def wanted(mode: str, device: torch.device, compiled: bool) -> bool:
-    """Whether to pack: ``mode`` is ``trainer.pack_sequences``."""
+    """Whether to pack: ``mode`` is ``trainer.pack_sequences``.
+
+    A padded micro-batch spends compute on padding (a sixth to a fifth of the tokens
+    at a 16k-token budget with heavy-tail lengths) and runs the vocabulary head
+    over every position. Packed, the samples' real tokens sit end to end in one
+    ``[1, T]`` row, each sample attends only to itself (variable-length
+    attention), and the head runs only over the positions whose next token is
+    wanted. Values and gradients equal the padded forward's to float rounding
+    (tested).
+
+    ``wanted(mode, device, compiled)``: whether ``trainer.pack_sequences`` packs here
+    (``auto``: on a GPU whose torch has variable-length flash attention).
+    """
     if mode not in MODES:
         raise ValueError(f"trainer.pack_sequences={mode!r}; use auto, on, shared or off")
     if mode in ("on", "shared") and compiled:
@@ -101,7 +92,15 @@ def wanted(mode: str, device: torch.device, compiled: bool) -> bool:
 
 
 def install(model: torch.nn.Module) -> None:
-    """Register the packed attention and make ``model`` use it (in place)."""
+    """Register the packed attention and make ``model`` use it (in place).
+
+    ``install(model)`` registers the ``conveyor_varlen`` attention with
+    Hugging Face and switches ``model`` to it. Called with ``cu_seq_lens_q``
+    (a packed forward), it runs flash variable-length attention on CUDA in
+    bf16/fp16 and a causal attention per sample elsewhere (CPU, float32);
+    called without (a padded forward), it is plain causal SDPA, which is exact
+    for the real tokens of right-padded rows.
+    """
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, attention)
@@ -259,7 +258,16 @@ class Layout:
     """Where a right-padded ``[b, L]`` micro-batch's tokens sit packed, and which rows the head runs on.
 
     Built from host tensors before the micro-batch goes to the device (``of``), so a packed
-    forward never waits on the device for its own shape."""
+    forward never waits on the device for its own shape.
+
+    - ``Layout.of(attention_mask, need)`` (host tensors, ``[b, L]``, right-padded;
+      ``need`` marks the tokens to score) says where each token sits packed and
+      which rows the head runs on; ``layout.to(device)`` moves it.
+    - ``Layout.shared_of(attention_mask, need, input_ids, loss_mask)`` (``pack_sequences:
+      shared``): rows with equal prompts (``prompt_keys``: the tokens before the first loss
+      token) share one copy of the prompt, each row's rest a branch attending to it (``Group``,
+      a masked attention per group); ``plan_shared`` keeps a prompt's rows in one micro-batch.
+    """
 
     real: torch.Tensor       # [T] flat padded index of each packed token
     cu: torch.Tensor         # [n + 1] int32 sample boundaries in the packed row
@@ -344,7 +352,13 @@ class Layout:
 
 def logprobs(model, input_ids: torch.Tensor, layout: Layout, temperature: float, with_entropy: bool,
              logprob: Callable, keeps_logits: bool = True) -> LossOutputs:
-    """See the module docstring; ``logprob(logits [K, V], target [K], temperature)`` -> ``[K]``."""
+    """The padded ``input_ids`` forwarded packed; ``logprob(logits [K, V], target [K], temperature)`` -> ``[K]``.
+
+    ``logprobs(model, input_ids, layout, temperature, with_entropy, logprob)``:
+    the padded ``input_ids`` forwarded packed; returns the ``LossOutputs`` of ``trainer/api.py``:
+    ``[b, L]`` float32 logprobs (and entropy) where ``need`` was set and 0.0 elsewhere, in the
+    padded layout.
+    """
     kwargs = {"cu_seq_lens_q": layout.cu, "cu_seq_lens_k": layout.cu, "max_length_q": layout.max_len,
               "max_length_k": layout.max_len}
     if layout.groups is not None:
@@ -375,7 +389,12 @@ def _scatter(values: torch.Tensor, layout: Layout) -> torch.Tensor:
 
 def enable(cfg, device: torch.device, models: list) -> bool:
     """Whether ``cfg`` (a ``TrainerConfig``) packs on ``device``; if so the models (None skipped)
-    are switched to the packed attention."""
+    are switched to the packed attention.
+
+    ``enable(cfg, device, models)`` and ``micro_batches(cfg, lengths, packed)``
+    are what the trainers call: whether to pack (switching the models), and the
+    micro-batch plan (packed here, padded ``microbatch.py`` otherwise).
+    """
     if not wanted(cfg.pack_sequences, device, cfg.compile):
         return False
     for m in models:

@@ -4,16 +4,7 @@
 ``torch.distributed`` group: ``FSDPTrainer`` (``fsdp.py``: each rank holds a shard) and
 ``ReplicatedTrainer`` (``replicated.py``: each rank holds the whole model). Its helpers are
 COLLECTIVE (every rank calls them, in the same order) and never leave a rank waiting in a
-collective that another rank will not reach:
-
-- ``_agree(fn, what)``: run ``fn`` here; if it raised on any rank, raise on every rank;
-- ``_broadcast(obj)``: rank 0's picklable object on every rank;
-- ``_rows(values)``: every rank's list of floats, in rank order; ``_raise_failures`` raises a
-  failure or a non-finite loss of any rank on every rank;
-- ``_merge_means``: the step's per-rank metric sums, merged in rank order (the same on every rank);
-- ``_sum(tensors)``: tensors summed over ranks in place (flat buckets per dtype);
-- ``_gather_samples``: per-sample results computed on the ranks, back in batch order on every rank;
-- ``train`` reports the slowest rank's ``time_s``; ``accumulate`` is refused (one rank only).
+collective that another rank will not reach; ``RankGroup`` lists them.
 """
 from __future__ import annotations
 
@@ -32,6 +23,15 @@ BUCKET_BYTES = 256 * 2**20  # a flat all-reduce buffer: few collectives, bounded
 
 
 class RankGroup:
+    """- ``_agree(fn, what)``: run ``fn`` here; if it raised on any rank, raise on every rank;
+    - ``_broadcast(obj)``: rank 0's picklable object on every rank;
+    - ``_rows(values)``: every rank's list of floats, in rank order; ``_raise_failures`` raises a
+      failure or a non-finite loss of any rank on every rank;
+    - ``_merge_means``: the step's per-rank metric sums, merged in rank order (the same on every rank);
+    - ``_sum(tensors)``: tensors summed over ranks in place (flat buckets per dtype);
+    - ``_gather_samples``: per-sample results computed on the ranks, back in batch order on every rank;
+    - ``train`` reports the slowest rank's ``time_s``; ``accumulate`` is refused (one rank only).
+    """
     rank: int
     world: int
     device: torch.device

@@ -1,28 +1,11 @@
 """Data-parallel trainer with the whole model on every rank (``trainer.parallel: replicate``).
 
-Contract (``trainer/api.py``, ``trainer/single.py``; only differences here)
-- ``ReplicatedTrainer(model_path_or_model, cfg, total_steps, temperature,
-  pad_token_id)`` needs ``torch.distributed`` initialised by the caller (the
-  default group is the trainer ranks) and the device set. Every rank holds a
-  ``LocalTrainer``: the float32 masters, their bf16 compute copy on a GPU, the
-  optimizer state, the reference and the critic. Rank 0's weights are
-  broadcast once at construction, so every rank starts from the same ones.
-- Every public method is COLLECTIVE: call it on every rank with the same
-  arguments (the full Batch); every rank returns the same result.
-- ``train``: a mini-batch's samples are dealt to ranks by tokens; each rank
-  runs forward and backward over its share in its own micro-batches, with no
-  collective until its share is done (no dummy passes); the gradients are then
-  summed over ranks with one all-reduce per flat bucket, and every rank takes
-  the same clipped optimizer step (the same gradients and state give the same
-  weights). The loss is normalised by the mini-batch's global ``num_tokens`` /
-  ``num_seqs``, so the update equals the single-device one. A non-finite loss
-  or a failure on any rank raises on every rank before any step.
-- ``logprobs`` / ``ref_logprobs`` / ``values``: each rank computes its share,
-  every rank returns all of them.
-- ``save`` / ``export_hf``: rank 0 writes LocalTrainer's checkpoint (a
-  filesystem the ranks share); ``load``: every rank reads it.
-- The weights are published after the step (``streams_publish`` is False):
-  every rank holds them whole, so publishing gathers nothing.
+- ``ReplicatedTrainer``: a ``LocalTrainer`` on every rank of the default process group, rank 0's
+  weights broadcast once at construction. Every public method is COLLECTIVE (the same arguments
+  on every rank, the same result on every rank).
+- ``train``: each rank runs its share of the mini-batch, then one all-reduce of the gradients
+  per flat bucket and the same clipped step everywhere; the update equals the single-device one.
+- Contract otherwise as ``trainer/api.py`` and ``trainer/single.py``.
 
 For models that fit on one device: no weight is gathered in forward or
 backward (FSDP's per-layer all-gathers), and the only collective of a step is
@@ -47,7 +30,32 @@ from conveyor.types import Batch
 
 
 class ReplicatedTrainer(RankGroup, LocalTrainer):
-    """LocalTrainer on every rank of the default process group; gradients summed over the ranks."""
+    """LocalTrainer on every rank of the default process group; gradients summed over the ranks.
+
+    Contract (``trainer/api.py``, ``trainer/single.py``; only differences here)
+    - ``ReplicatedTrainer(model_path_or_model, cfg, total_steps, temperature,
+      pad_token_id)`` needs ``torch.distributed`` initialised by the caller (the
+      default group is the trainer ranks) and the device set. Every rank holds a
+      ``LocalTrainer``: the float32 masters, their bf16 compute copy on a GPU, the
+      optimizer state, the reference and the critic. Rank 0's weights are
+      broadcast once at construction, so every rank starts from the same ones.
+    - Every public method is COLLECTIVE: call it on every rank with the same
+      arguments (the full Batch); every rank returns the same result.
+    - ``train``: a mini-batch's samples are dealt to ranks by tokens; each rank
+      runs forward and backward over its share in its own micro-batches, with no
+      collective until its share is done (no dummy passes); the gradients are then
+      summed over ranks with one all-reduce per flat bucket, and every rank takes
+      the same clipped optimizer step (the same gradients and state give the same
+      weights). The loss is normalised by the mini-batch's global ``num_tokens`` /
+      ``num_seqs``, so the update equals the single-device one. A non-finite loss
+      or a failure on any rank raises on every rank before any step.
+    - ``logprobs`` / ``ref_logprobs`` / ``values``: each rank computes its share,
+      every rank returns all of them.
+    - ``save`` / ``export_hf``: rank 0 writes LocalTrainer's checkpoint (a
+      filesystem the ranks share); ``load``: every rank reads it.
+    - The weights are published after the step (``streams_publish`` is False):
+      every rank holds them whole, so publishing gathers nothing.
+    """
 
     streams_publish = False  # every rank steps its own copy, then publishes it whole
     parallel = "replicate"  # what trainer.parallel names it

@@ -1,30 +1,11 @@
 """The trainer's host: one trainer (one rank of it) behind the ``TrainerHandle`` calls.
 
-Contract
 - ``TrainerHost(trainer, writers, publish_dtype, rank)`` is the ``TrainerHandle``
-  (``trainer/api.py``) of a trainer in this process, and what a trainer rank
-  process serves to the controller (``serve_rpc``). ``publish(version)`` is
-  one pass over the trainer's weights (collective for a sharded trainer:
-  every rank runs it) feeding the weight writers this rank owns (possibly
-  none), in the engines' dtype. ``train_and_publish(batch, loss_fn,
-  version)`` is a train call whose weights leave as its optimizer step ends,
-  from this process, not after a round trip through the controller; a
-  trainer that ``streams_publish`` runs its last optimizer step group by
-  group inside the publish. Neither waits for the engines' receives: each
-  engine waits for the version its chunks were admitted for. ``accumulate(part,
-  loss_fn, micro_batch_tokens)`` and ``finish_and_publish(version)`` are the
-  same step taken part by part as a step's groups arrive (one rank). ``describe()``
-  is one line for the run's log: the ranks, and with several, which kind of
-  trainer they are (``trainer.parallel``). Its answer's
-  ``spans`` are this rank's train and publish spans (wall time), after those
-  of the forward-only calls (``logprobs``, ``ref_logprobs``, ``values``)
-  since the previous train call, for the run's timeline.
-- ``RankSpec`` is what a trainer rank is built from, frozen: the model's path, its
-  ``TrainerConfig`` (device set), the run's totals, its place among the ranks and where
-  they meet; ``launch.roles.rank_spec`` makes it for every launcher. ``build_rank(spec)``
-  builds the rank's trainer; ``trainer_process(spec, conn, writers)`` is the main of a
-  trainer rank's child process: bind the device, join the ranks' process group (world > 1,
-  FSDP2), build the trainer, serve until stopped, close its writers.
+  (``trainer/api.py``) of a trainer in this process, and what a trainer rank process serves to
+  the controller (``serve_rpc``); its weights leave from this process as a step ends, without
+  waiting for the engines' receives.
+- ``RankSpec``: what a trainer rank is built from, frozen; ``build_rank(spec)`` builds it;
+  ``trainer_process(spec, conn, writers)`` is a trainer rank's child process main.
 
 It knows nothing of the loop's schedule, the admission rule or engines.
 """
@@ -47,7 +28,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass(frozen=True)
 class RankSpec:
-    """One trainer rank, as its process (or Ray actor) builds it."""
+    """One trainer rank, as its process (or Ray actor) builds it.
+
+    ``RankSpec`` is what a trainer rank is built from, frozen: the model's path, its
+    ``TrainerConfig`` (device set), the run's totals, its place among the ranks and where
+    they meet; ``launch.roles.rank_spec`` makes it for every launcher. ``build_rank(spec)``
+    builds the rank's trainer; ``trainer_process(spec, conn, writers)`` is the main of a
+    trainer rank's child process: bind the device, join the ranks' process group (world > 1,
+    FSDP2), build the trainer, serve until stopped, close its writers.
+    """
 
     path: str                       # the model's directory
     trainer: TrainerConfig          # the trainer section, with this rank's device
@@ -64,7 +53,27 @@ class RankSpec:
 
 
 class TrainerHost:
-    """A ``TrainerHandle`` over a trainer object of this process."""
+    """A ``TrainerHandle`` over a trainer object of this process.
+
+    ``TrainerHost(trainer, writers, publish_dtype, rank)`` is the ``TrainerHandle``
+    (``trainer/api.py``) of a trainer in this process, and what a trainer rank
+    process serves to the controller (``serve_rpc``). ``publish(version)`` is
+    one pass over the trainer's weights (collective for a sharded trainer:
+    every rank runs it) feeding the weight writers this rank owns (possibly
+    none), in the engines' dtype. ``train_and_publish(batch, loss_fn,
+    version)`` is a train call whose weights leave as its optimizer step ends,
+    from this process, not after a round trip through the controller; a
+    trainer that ``streams_publish`` runs its last optimizer step group by
+    group inside the publish. Neither waits for the engines' receives: each
+    engine waits for the version its chunks were admitted for. ``accumulate(part,
+    loss_fn, micro_batch_tokens)`` and ``finish_and_publish(version)`` are the
+    same step taken part by part as a step's groups arrive (one rank). ``describe()``
+    is one line for the run's log: the ranks, and with several, which kind of
+    trainer they are (``trainer.parallel``). Its answer's
+    ``spans`` are this rank's train and publish spans (wall time), after those
+    of the forward-only calls (``logprobs``, ``ref_logprobs``, ``values``)
+    since the previous train call, for the run's timeline.
+    """
 
     def __init__(self, trainer: Trainer, writers: list[WeightWriter], publish_dtype=None, rank: int = 0):
         # publish_dtype: the same on every rank (the gathers are collective), None = float32.

@@ -1,22 +1,13 @@
 """The trainer's kernels confined to part of a GPU's SMs while engines decode on the same GPU
 (``loop.accumulate_sms``, CUDA green contexts).
 
-A part of a synchronous step trained while the engine finishes the step's long samples
-(``loop.accumulate_groups``) competes with the engine for the GPU. The engine's decode steps in
-that tail are small, latency-bound kernels; a training GEMM's blocks fill every SM for
-milliseconds, so a decode kernel queued behind them waits even on a high-priority stream (blocks
-are not pre-empted). Run the part in a green context of ``sms`` SMs and the remaining SMs stay
-free for the engine: training is slower by about total / ``sms``, decoding is not held up.
-
-Contract
-- ``check(sms, device=None)`` raises ``ConfigError`` (a ``ValueError``) with a one-line fix where ``sms`` cannot
-  work: no CUDA device, a torch without green contexts, a count outside 1 .. SMs - 1. 0 passes.
-- ``SMShare(device)``: ``confined(sms)`` is a context manager under which the calling thread's
-  kernels, queued on the current stream, run on at most ``sms`` SMs. One green context per count
-  is made on first use and kept. On entry its stream waits for the current stream's queued work;
-  on exit the current stream waits for the green stream's, so tensors pass between the two in
-  order. ``sms`` None or 0: nothing changes. Results are the same as without it (the same kernels
-  on fewer SMs), not faster.
+A training GEMM's blocks fill every SM for milliseconds, so an engine's small decode kernels
+queued behind them wait; run the trainer's part in a green context of ``sms`` SMs and the rest
+stay free for the engine (training slower by about total / ``sms``; results unchanged).
+- ``check(sms, device=None)`` raises ``ConfigError`` with a one-line fix where ``sms`` cannot
+  work. 0 passes.
+- ``SMShare(device).confined(sms)``: the calling thread's kernels on at most ``sms`` SMs, in
+  order with the current stream's work.
 """
 from __future__ import annotations
 
@@ -33,7 +24,11 @@ def total_sms(device: torch.device | None = None) -> int:
 
 
 def check(sms: int, device: torch.device | None = None) -> None:
-    """Refuse an SM count that cannot confine the trainer on ``device`` (default: the current GPU)."""
+    """Refuse an SM count that cannot confine the trainer on ``device`` (default: the current GPU).
+
+    ``check(sms, device=None)`` raises ``ConfigError`` (a ``ValueError``) with a one-line fix where ``sms`` cannot
+    work: no CUDA device, a torch without green contexts, a count outside 1 .. SMs - 1. 0 passes.
+    """
     if not sms:
         return
     fix = "or set loop.accumulate_sms=0"
@@ -51,7 +46,22 @@ def check(sms: int, device: torch.device | None = None) -> None:
 
 
 class SMShare:
-    """Green contexts of a device, one per SM count, made when first asked for."""
+    """Green contexts of a device, one per SM count, made when first asked for.
+
+    A part of a synchronous step trained while the engine finishes the step's long samples
+    (``loop.accumulate_groups``) competes with the engine for the GPU. The engine's decode steps in
+    that tail are small, latency-bound kernels; a training GEMM's blocks fill every SM for
+    milliseconds, so a decode kernel queued behind them waits even on a high-priority stream (blocks
+    are not pre-empted). Run the part in a green context of ``sms`` SMs and the remaining SMs stay
+    free for the engine: training is slower by about total / ``sms``, decoding is not held up.
+
+    ``SMShare(device)``: ``confined(sms)`` is a context manager under which the calling thread's
+    kernels, queued on the current stream, run on at most ``sms`` SMs. One green context per count
+    is made on first use and kept. On entry its stream waits for the current stream's queued work;
+    on exit the current stream waits for the green stream's, so tensors pass between the two in
+    order. ``sms`` None or 0: nothing changes. Results are the same as without it (the same kernels
+    on fewer SMs), not faster.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device

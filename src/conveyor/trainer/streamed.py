@@ -1,23 +1,10 @@
 """A train call's last optimizer step, run group by group while its weights leave.
 
-Contract
-- ``StreamPlan(named, copies, params)``: ``named`` is the publish list ((name,
-  tensor) in the order a transport's buckets are laid out), ``copies`` the
-  (compute copy, master) pairs refreshed after a step, ``params`` every tensor
-  the optimizer steps. It cuts the list into consecutive groups of about
-  ``STREAM_BYTES`` published bytes and records, per group, the masters to
-  step and the copies to refresh. Every parameter lands in exactly one group
-  (one that publishes nothing joins the first) and every copy is refreshed
-  after its master has stepped.
-- ``plan.run(optimizer, publish)`` calls ``publish(plan.steps(optimizer))``
-  and steps whatever a failing publish left, returning its error (or None).
-  ``plan.steps(optimizer)`` is a generator: each ``next`` steps one group's
-  masters, refreshes its copies and yields its (name, tensor) pairs. A
-  publisher that consumes it (``publish_all``) casts and sends bucket k while
-  the optimizer updates the tensors of bucket k + 1, so the transfer ends
-  about one bucket after the optimizer does instead of a whole transfer
-  after it. ``plan.ended()`` is when the last group's optimizer work was done
-  (on a GPU read off its clock: the host is usually still queueing sends).
+- ``StreamPlan(named, copies, params)`` cuts the publish list into groups of about
+  ``STREAM_BYTES``; every parameter lands in exactly one group and every copy is refreshed after
+  its master has stepped.
+- ``plan.run(optimizer, publish)``: the publisher sends bucket k while the optimizer updates
+  bucket k + 1, so the transfer ends about one bucket after the optimizer does.
 - AdamW and SGD update each tensor from its own state only, so stepping the
   groups in turn gives the same bits as one ``optimizer.step()`` (tested).
 
@@ -46,7 +33,28 @@ def step_subset(optimizer: torch.optim.Optimizer, ids: set[int]) -> None:
 
 
 class StreamPlan:
-    """See the module docstring."""
+    """The last optimizer step of a train call, cut into groups that step as the weights leave.
+
+    - ``StreamPlan(named, copies, params)``: ``named`` is the publish list ((name,
+      tensor) in the order a transport's buckets are laid out), ``copies`` the
+      (compute copy, master) pairs refreshed after a step, ``params`` every tensor
+      the optimizer steps. It cuts the list into consecutive groups of about
+      ``STREAM_BYTES`` published bytes and records, per group, the masters to
+      step and the copies to refresh. Every parameter lands in exactly one group
+      (one that publishes nothing joins the first) and every copy is refreshed
+      after its master has stepped.
+    - ``plan.run(optimizer, publish)`` calls ``publish(plan.steps(optimizer))``
+      and steps whatever a failing publish left, returning its error (or None).
+      ``plan.steps(optimizer)`` is a generator: each ``next`` steps one group's
+      masters, refreshes its copies and yields its (name, tensor) pairs. A
+      publisher that consumes it (``publish_all``) casts and sends bucket k while
+      the optimizer updates the tensors of bucket k + 1, so the transfer ends
+      about one bucket after the optimizer does instead of a whole transfer
+      after it. ``plan.ended()`` is when the last group's optimizer work was done
+      (on a GPU read off its clock: the host is usually still queueing sends).
+    - AdamW and SGD update each tensor from its own state only, so stepping the
+      groups in turn gives the same bits as one ``optimizer.step()`` (tested).
+    """
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], copies: list[tuple[torch.Tensor, torch.Tensor]],
                  params: list[torch.Tensor]):

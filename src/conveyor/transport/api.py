@@ -1,21 +1,8 @@
 """The weight transport's contract: a writer on the trainer's side, a reader in each engine worker.
 
-Contract
-- ``WeightWriter``: whoever owns the trainer feeds it after an optimizer
-  step, either ``publish(named_tensors, version)`` or ``begin(version)``,
-  ``put(name, tensor)`` for every tensor, ``commit(wait)`` (so a sharded
-  trainer hands over one gathered tensor at a time and several writers are
-  fed from one pass, ``weights.publish_all``); ``abort()`` gives up a begun
-  publish, and readers keep the version they had. ``close()`` ends transfers
-  still running. ``dtype`` is the dtype its readers take, or None.
-- ``WeightReader``: an engine worker calls ``poll(engine, engine_id)``
-  between generation steps: if a newer version than ``engine`` holds is
-  published it is copied in (``engine.update_weights``) and returned, else
-  None. ``wait_news(engine, timeout)`` blocks until ``poll`` would copy
-  something (a watcher thread wakes on it). ``received_at`` /
-  ``announced_at``: when the reader held the whole newest version and when
-  its writer announced it (``time.time()``), None where the transport does
-  not know.
+- ``WeightWriter``: fed after an optimizer step (``publish``, or ``begin`` / ``put`` /
+  ``commit``); ``abort()`` gives a publish up and readers keep the version they had.
+- ``WeightReader``: ``poll(engine, engine_id)`` between generation steps copies a newer version in.
 Every wait has a deadline and raises ``WeightSyncTimeout`` naming the side
 and the version. Implementations: ``weights.StagedWeights`` (one staging
 copy: a device copy, shared memory or CUDA IPC; both sides),
@@ -34,6 +21,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @runtime_checkable
 class WeightWriter(Protocol):
+    """``WeightWriter``: whoever owns the trainer feeds it after an optimizer
+    step, either ``publish(named_tensors, version)`` or ``begin(version)``,
+    ``put(name, tensor)`` for every tensor, ``commit(wait)`` (so a sharded
+    trainer hands over one gathered tensor at a time and several writers are
+    fed from one pass, ``weights.publish_all``); ``abort()`` gives up a begun
+    publish, and readers keep the version they had. ``close()`` ends transfers
+    still running. ``dtype`` is the dtype its readers take, or None.
+    """
     def begin(self, version: int) -> None: ...
 
     def put(self, name: str, tensor: "torch.Tensor") -> None: ...
@@ -52,6 +47,15 @@ class WeightWriter(Protocol):
 
 @runtime_checkable
 class WeightReader(Protocol):
+    """``WeightReader``: an engine worker calls ``poll(engine, engine_id)``
+    between generation steps: if a newer version than ``engine`` holds is
+    published it is copied in (``engine.update_weights``) and returned, else
+    None. ``wait_news(engine, timeout)`` blocks until ``poll`` would copy
+    something (a watcher thread wakes on it). ``received_at`` /
+    ``announced_at``: when the reader held the whole newest version and when
+    its writer announced it (``time.time()``), None where the transport does
+    not know.
+    """
     received_at: float | None
     announced_at: float | None
 

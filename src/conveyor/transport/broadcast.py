@@ -1,34 +1,12 @@
 """Weights from trainer rank 0 to engine processes by a collective broadcast (NCCL or gloo).
 
-Contract: ``BroadcastWeights(specs, ctx, engines, backend, dtype, port,
-bucket_mb, timeout_s)`` is a ``WeightWriter`` for trainer rank 0 and a
-``WeightReader`` for engines 0..engines-1 (``transport/api.py``), made by the
-controller and pickled to both. Tensors travel in ``dtype`` (the engines')
-in flat buckets of at most ``bucket_mb`` MiB; a bucket is sent as soon as its
-last tensor is put. ``begin`` waits until every engine received the previous
-version (no bucket is overwritten while read), then sends a header
-``[serial, version, tensors, numel]``; ``commit`` sends a trailer
-``[serial]`` (``[-1]`` for a failed or incomplete publish, which engines
-discard) and, unless ``wait=False``, returns once every engine holds it. A
-reader's receiver thread (``broadcast_receive.Receiver``) takes every
-announced version into staging buckets at once; ``poll`` copies the newest
-whole one into the engine. A header that
-disagrees with the announcement or the layout is a ``WeightSyncError``;
-every wait has ``timeout_s``.
-
-Replaced engines: the group is one membership generation (``group.Membership``).
-``regroup()`` (the controller, when it starts a replacement for a dead
-engine) begins the next one: the writer and every reader abandon their group
-and join the new one with the same rank; the first message in a group is
-the serial announced before it formed (a reader's next header is the one
-after). The writer then sends again, under a new serial, the publish it was
-in (what it had sent so far) or else its last complete version, so the
-replacement, and a survivor that lost a transfer, hold the current weights;
-a survivor keeps serving on the version it holds meanwhile. The writer's
-waits and a thread beside it (between publishes) watch the generation; a
-failed broadcast waits ``timeout_s`` for one before it is an error. After
-an aborted publish there is no complete version to send again: a
-replacement gets the next publish.
+- ``BroadcastWeights`` is a ``WeightWriter`` for trainer rank 0 and a ``WeightReader`` for
+  every engine (``transport/api.py``): tensors travel in the engines' dtype in flat buckets; a
+  version is whole or discarded, and no bucket is overwritten while read.
+- Every wait has ``timeout_s``; a header that disagrees with the announcement or the layout is
+  a ``WeightSyncError``.
+- Replaced engines: ``regroup()`` re-forms the group (``group.Membership``) and the writer sends
+  the current weights again, so a replacement holds them.
 
 It knows nothing of optimizers, models, the admission rule or who restarts engines.
 """
@@ -67,7 +45,24 @@ def _layout(specs, dtype: torch.dtype, bucket_mb: float) -> list[tuple[str, tupl
 
 
 class BroadcastWeights:
-    """See the module docstring."""
+    """Weights by collective broadcast: the writer on trainer rank 0, a reader per engine.
+
+    Contract: ``BroadcastWeights(specs, ctx, engines, backend, dtype, port,
+    bucket_mb, timeout_s)`` is a ``WeightWriter`` for trainer rank 0 and a
+    ``WeightReader`` for engines 0..engines-1 (``transport/api.py``), made by the
+    controller and pickled to both. Tensors travel in ``dtype`` (the engines')
+    in flat buckets of at most ``bucket_mb`` MiB; a bucket is sent as soon as its
+    last tensor is put. ``begin`` waits until every engine received the previous
+    version (no bucket is overwritten while read), then sends a header
+    ``[serial, version, tensors, numel]``; ``commit`` sends a trailer
+    ``[serial]`` (``[-1]`` for a failed or incomplete publish, which engines
+    discard) and, unless ``wait=False``, returns once every engine holds it. A
+    reader's receiver thread (``broadcast_receive.Receiver``) takes every
+    announced version into staging buckets at once; ``poll`` copies the newest
+    whole one into the engine. A header that
+    disagrees with the announcement or the layout is a ``WeightSyncError``;
+    every wait has ``timeout_s``. Details: docs/architecture.md ("Launch").
+    """
 
     def __init__(self, specs, ctx, engines: int, backend: str = "gloo", dtype: torch.dtype = torch.float32,
                  port: int = 0, bucket_mb: float = 512.0, timeout_s: float = 120.0, host: str = "127.0.0.1"):
@@ -131,8 +126,23 @@ class BroadcastWeights:
         return int(self._generation.value)
 
     def regroup(self) -> int:
-        """A dead engine is being replaced: every member re-forms the group (the module docstring).
-        Called by the one that restarts engines; returns the new generation."""
+        """A dead engine is being replaced: every member re-forms the group (below).
+        Called by the one that restarts engines; returns the new generation.
+
+        Replaced engines: the group is one membership generation (``group.Membership``).
+        ``regroup()`` (the controller, when it starts a replacement for a dead
+        engine) begins the next one: the writer and every reader abandon their group
+        and join the new one with the same rank; the first message in a group is
+        the serial announced before it formed (a reader's next header is the one
+        after). The writer then sends again, under a new serial, the publish it was
+        in (what it had sent so far) or else its last complete version, so the
+        replacement, and a survivor that lost a transfer, hold the current weights;
+        a survivor keeps serving on the version it holds meanwhile. The writer's
+        waits and a thread beside it (between publishes) watch the generation; a
+        failed broadcast waits ``timeout_s`` for one before it is an error. After
+        an aborted publish there is no complete version to send again: a
+        replacement gets the next publish.
+        """
         return bump(self._generation)
 
     # ------------------------------------------------------------- the group
@@ -412,7 +422,7 @@ class BroadcastWeights:
         return self._rx.announced_at
 
     def poll(self, engine, engine_id: int = 0) -> int | None:
-        """Apply the newest received version to ``engine`` (see the module docstring)."""
+        """Apply the newest received version to ``engine``."""
         return self._rx.poll(engine, engine_id)
 
     def wait_news(self, engine, timeout: float) -> bool:

@@ -1,20 +1,9 @@
 """An engine's side of ``broadcast.BroadcastWeights``: the receiver thread and the swap into the engine.
 
-Contract: ``Receiver(bw)`` is made by ``BroadcastWeights`` in every process
-and used where it reads (an engine). ``poll(engine, engine_id)`` starts the
-receiver thread at its first call; the thread joins the weight group of the
-current membership generation (rank ``engine_id + 1``), takes every
-announced publish into staging buckets at once (woken by the engine's
-semaphore, not a timer) and acknowledges its serial; ``poll`` copies the
-newest whole version into the engine under the staging lock and returns it.
-``wait_news(timeout)`` blocks until ``poll`` would copy something. When the
-generation moves on (an engine was replaced) the thread abandons its group,
-joins the new one and takes its first message (the serial announced before
-it); a receive given up mid-transfer leaves new staging buckets (the old
-group may still write into the old ones) and the version the engine holds.
-A version sent again that the engine already holds is not copied again. A
-failure is raised by the next ``poll`` as a ``WeightSyncError``; every wait
-has the transport's ``timeout_s``.
+Contract: ``Receiver(bw)``: a thread that takes every announced publish into staging buckets at
+once; ``poll(engine, engine_id)`` copies the newest whole version into the engine and returns
+it. It follows the group across membership generations (a replaced engine); a failure is raised
+by the next ``poll`` as a ``WeightSyncError``, and every wait has the transport's ``timeout_s``.
 
 It knows nothing of the writer's side or of the engine beyond ``update_weights``.
 """
@@ -36,7 +25,24 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class Receiver:
-    """See the module docstring."""
+    """The receiver thread of an engine's ``BroadcastWeights`` and the swap into the engine.
+
+    Contract: ``Receiver(bw)`` is made by ``BroadcastWeights`` in every process
+    and used where it reads (an engine). ``poll(engine, engine_id)`` starts the
+    receiver thread at its first call; the thread joins the weight group of the
+    current membership generation (rank ``engine_id + 1``), takes every
+    announced publish into staging buckets at once (woken by the engine's
+    semaphore, not a timer) and acknowledges its serial; ``poll`` copies the
+    newest whole version into the engine under the staging lock and returns it.
+    ``wait_news(timeout)`` blocks until ``poll`` would copy something. When the
+    generation moves on (an engine was replaced) the thread abandons its group,
+    joins the new one and takes its first message (the serial announced before
+    it); a receive given up mid-transfer leaves new staging buckets (the old
+    group may still write into the old ones) and the version the engine holds.
+    A version sent again that the engine already holds is not copied again. A
+    failure is raised by the next ``poll`` as a ``WeightSyncError``; every wait
+    has the transport's ``timeout_s``.
+    """
 
     def __init__(self, bw: BroadcastWeights):
         self._bw = bw

@@ -1,36 +1,11 @@
 """A collective group whose members can be replaced: it is formed anew for each membership generation.
 
-Contract: ``Membership(host, port, rank, names, backend, timeout_s, generation)``
-is one rank's view of a group of ``len(names)`` ranks (``names[r]`` says who
-rank r is, for errors) that rendezvous at the ``TCPStore`` on ``host:port``,
-hosted by rank 0 (``open()`` connects or hosts it). ``generation`` is an
-integer every member reads (a ``ctx.Value``: shared memory, or a
-``StoreState`` value for members on other hosts); whoever replaces a dead
-member increments it (``bump(generation)``), after which every member
-abandons its group and joins the next one with the same rank.
-
-- ``join()`` forms the group of the current generation and returns it: each
-  member marks itself present under that generation's keys in the store and
-  the process group (gloo or NCCL, over a store prefix of that generation) is
-  made once all are present, so a member told of a newer generation while
-  waiting moves on to it instead of waiting for ranks that never come. A join
-  that does not complete within ``timeout_s`` is a ``WeightSyncError`` naming
-  the ranks that did not arrive.
-- ``stale()``: the generation moved on since the last join.
-- ``settle(works, stream)`` waits for gloo works in slices (the host sleeps
-  in them: no spinning against another thread's GIL), or with NCCL polls
-  ``stream`` (made to wait for the works by the caller), and returns
-  False as soon as the generation moves on (the caller abandons the works);
-  a failed work raises ``RuntimeError`` (a slice that runs out as the work
-  completes is not a failure). It waits at most ``timeout_s``.
-- ``abandon()`` gives the group up: the communicator is aborted (NCCL stops
-  waiting at once) and the object is dropped on a thread of its own, since a
-  gloo group's destructor waits for its pending operations (each ends at its
-  ``timeout_s``). Tensors those operations still hold stay theirs: a caller
-  that receives into a buffer allocates a new one for the next group.
-- ``await_newer(what, error)``: after a failed collective, wait up to
-  ``timeout_s`` for a newer generation (the dead member's replacement);
-  none is a ``WeightSyncError`` naming ``what``.
+- ``Membership`` is one rank's view of a group that rendezvous at a ``TCPStore`` hosted by
+  rank 0. Whoever replaces a dead member increments the generation (``bump``), after which
+  every member abandons its group and joins the next one with the same rank.
+- ``join()``, ``settle()`` and ``await_newer()`` wait at most ``timeout_s``; a join that does
+  not complete is a ``WeightSyncError`` naming the ranks that did not arrive.
+- ``abandon()`` gives the group up without waiting for its pending operations.
 
 It knows nothing of weights, versions or who restarts dead members.
 """
@@ -54,7 +29,17 @@ def bump(generation) -> int:
 
 
 class Membership:
-    """See the module docstring."""
+    """One rank's view of a collective group formed anew per membership generation.
+
+    Contract: ``Membership(host, port, rank, names, backend, timeout_s, generation)``
+    is one rank's view of a group of ``len(names)`` ranks (``names[r]`` says who
+    rank r is, for errors) that rendezvous at the ``TCPStore`` on ``host:port``,
+    hosted by rank 0 (``open()`` connects or hosts it). ``generation`` is an
+    integer every member reads (a ``ctx.Value``: shared memory, or a
+    ``StoreState`` value for members on other hosts); whoever replaces a dead
+    member increments it (``bump(generation)``), after which every member
+    abandons its group and joins the next one with the same rank.
+    """
 
     def __init__(self, host: str, port: int, rank: int, names: list[str], backend: str, timeout_s: float,
                  generation, slice_s: float = 0.05):
@@ -80,10 +65,20 @@ class Membership:
                                   "an engine or the trainer did not start") from None
 
     def stale(self) -> bool:
+        """The generation moved on since the last join."""
         return int(self._generation.value) != self.gen
 
     def join(self):
-        """The group of the current generation (see the module docstring)."""
+        """The group of the current generation.
+
+        ``join()`` forms the group of the current generation and returns it: each
+        member marks itself present under that generation's keys in the store and
+        the process group (gloo or NCCL, over a store prefix of that generation) is
+        made once all are present, so a member told of a newer generation while
+        waiting moves on to it instead of waiting for ranks that never come. A join
+        that does not complete within ``timeout_s`` is a ``WeightSyncError`` naming
+        the ranks that did not arrive.
+        """
         deadline = time.monotonic() + self.timeout_s
         while True:
             gen = int(self._generation.value)
@@ -116,7 +111,14 @@ class Membership:
         return dist.ProcessGroupNCCL(prefix, self.rank, self.size, opts)
 
     def abandon(self) -> None:
-        """Give the group up (see the module docstring)."""
+        """Give the group up.
+
+        ``abandon()`` gives the group up: the communicator is aborted (NCCL stops
+        waiting at once) and the object is dropped on a thread of its own, since a
+        gloo group's destructor waits for its pending operations (each ends at its
+        ``timeout_s``). Tensors those operations still hold stay theirs: a caller
+        that receives into a buffer allocates a new one for the next group.
+        """
         if self.group is None:
             return
         # The list holds the only reference, so the group's destructor (which may wait for its
@@ -129,7 +131,15 @@ class Membership:
         threading.Thread(target=holder.clear, name=f"{self.backend}-group-release", daemon=True).start()
 
     def settle(self, works: list, stream=None) -> bool:
-        """Wait for ``works`` (see the module docstring): True once done, False once stale."""
+        """Wait for ``works``: True once done, False once stale.
+
+        ``settle(works, stream)`` waits for gloo works in slices (the host sleeps
+        in them: no spinning against another thread's GIL), or with NCCL polls
+        ``stream`` (made to wait for the works by the caller), and returns
+        False as soon as the generation moves on (the caller abandons the works);
+        a failed work raises ``RuntimeError`` (a slice that runs out as the work
+        completes is not a failure). It waits at most ``timeout_s``.
+        """
         deadline = time.monotonic() + self.timeout_s
         step = timedelta(seconds=self.slice_s)
         for w in works if stream is None else ():  # NCCL: the caller made ``stream`` wait for them
@@ -157,7 +167,12 @@ class Membership:
         return True
 
     def await_newer(self, what: str, error: BaseException) -> None:
-        """After ``error`` in a collective: return once a newer generation exists, else raise."""
+        """After ``error`` in a collective: return once a newer generation exists, else raise.
+
+        ``await_newer(what, error)``: after a failed collective, wait up to
+        ``timeout_s`` for a newer generation (the dead member's replacement);
+        none is a ``WeightSyncError`` naming ``what``.
+        """
         deadline = time.monotonic() + self.timeout_s
         while not self.stale():
             if time.monotonic() > deadline:

@@ -1,24 +1,18 @@
 """Every message that crosses a thread or process boundary between the controller and a role.
 
-Contract: each message is a frozen dataclass; its fields are documented here
-and nowhere else, and a receiver reads fields by name (a dispatch on the
-message's type, never on a tuple's first element). The same classes travel
-through ``queue.Queue`` (roles in threads), ``multiprocessing`` queues and
-the RPC pipe of ``runtime.procs`` (roles in processes): they pickle.
+Contract: each message is a frozen dataclass; its fields are documented here and nowhere else,
+and a receiver reads fields by name (a dispatch on the message's type, never on a tuple's first
+element). The same classes travel through ``queue.Queue``, ``multiprocessing`` queues and the
+RPC pipe of ``runtime.procs``: they pickle.
+- Controller -> engine worker: ``Generate``, ``Memory``, ``Stop``. Engine worker -> controller:
+  ``Ready``, ``Done``, ``WeightSwap``, ``MemoryDone``, ``Failed``.
+- Producer -> loop: ``Scored``. Trainer -> loop (``train_and_publish``): ``Trained``. Inside
+  ``Done`` and ``Trained``: ``Span`` (what a role did when, for the timeline).
+- Controller <-> a child of ``serve_rpc``: ``Call``, ``Answer`` (defined in
+  ``runtime/procs.py``, re-exported). Reward service <-> a reward worker process:
+  ``RewardLoaded``, ``ScoreRequest``, ``ScoreReply``.
 
-Controller -> engine worker (its inbox): ``Generate``, ``Memory``, ``Stop``.
-Engine worker -> controller (the shared outbox): ``Ready``, ``Done``,
-``WeightSwap``, ``MemoryDone``, ``Failed``.
-Producer -> loop (the trajectory buffer): ``Scored``.
-Trainer -> loop (the answer of ``train_and_publish``): ``Trained``.
-Inside ``Done`` and ``Trained``: ``Span`` (what a role did when, for the timeline).
-Controller <-> a child served by ``serve_rpc``: ``Call``, ``Answer`` (defined with the
-RPC in ``runtime/procs.py``, the floor below, and re-exported here).
-Reward service <-> a reward worker process (``reward.processes``): ``RewardLoaded``,
-``ScoreRequest``, ``ScoreReply``.
-
-This module knows no torch, no engine and no schedule: only the shapes of
-what is sent.
+This module knows no torch, no engine and no schedule: only the shapes of what is sent.
 """
 from __future__ import annotations
 

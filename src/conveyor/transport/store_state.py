@@ -1,18 +1,10 @@
 """Shared counters in a ``torch.distributed.TCPStore``, for transports whose roles may be on other hosts.
 
-Contract: ``StoreState(host, port, prefix)`` stands in for the multiprocessing
-context a transport is built with (``BroadcastWeights(specs, ctx, ...)``): its
-``Value(typecode, init, lock=False)``, ``Array("q", n, lock=False)`` and
-``Semaphore(0)`` keep their state in the store at ``host:port`` instead of
-shared memory, so the objects pickle to any process that can reach that
-address (a Ray actor on another node) and every process sees the same
-numbers. Integer values and array items are read with ``add(key, 0)`` and
-written with ``set``; float values travel as text. ``Semaphore.acquire``
-polls the store (``poll_s``), so a wake costs at most that much latency;
-an array read waits ``read_pause_s`` first, so a writer polling acks in a
-tight loop does not flood the store with round trips. Each process connects
-once per store (lazily, on first use). The store server is the caller's
-(``serve_store``): it must outlive every process that uses the state.
+Contract: ``StoreState(host, port, prefix)`` stands in for the multiprocessing context a
+transport is built with: its ``Value``, ``Array`` and ``Semaphore`` keep their state in the
+store instead of shared memory, so they pickle to any process that can reach it and every
+process sees the same numbers. The store server is the caller's (``serve_store``): it must
+outlive every process that uses the state.
 
 It knows nothing of weights or of what the counters mean.
 """
@@ -115,7 +107,22 @@ class StoreSemaphore(_Keyed):
 
 
 class StoreState:
-    """See the module docstring."""
+    """A multiprocessing context's shared values, kept in a TCPStore.
+
+    Contract: ``StoreState(host, port, prefix)`` stands in for the multiprocessing
+    context a transport is built with (``BroadcastWeights(specs, ctx, ...)``): its
+    ``Value(typecode, init, lock=False)``, ``Array("q", n, lock=False)`` and
+    ``Semaphore(0)`` keep their state in the store at ``host:port`` instead of
+    shared memory, so the objects pickle to any process that can reach that
+    address (a Ray actor on another node) and every process sees the same
+    numbers. Integer values and array items are read with ``add(key, 0)`` and
+    written with ``set``; float values travel as text. ``Semaphore.acquire``
+    polls the store (``poll_s``), so a wake costs at most that much latency;
+    an array read waits ``read_pause_s`` first, so a writer polling acks in a
+    tight loop does not flood the store with round trips. Each process connects
+    once per store (lazily, on first use). The store server is the caller's
+    (``serve_store``): it must outlive every process that uses the state.
+    """
 
     def __init__(self, host: str, port: int, prefix: str, timeout_s: float = 120.0,
                  poll_s: float = 0.005, read_pause_s: float = 0.001):

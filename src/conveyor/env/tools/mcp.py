@@ -1,28 +1,11 @@
 """Tools of MCP servers (Model Context Protocol) as tools of the environment pool.
 
-Contract
-- ``McpServer.parse(spec, i)`` reads one entry of ``env.kwargs.mcp_servers``:
-  ``{command: prog, args: [...], env: {...}, cwd: dir}`` (stdio: the server
-  is started as a process) or ``{url: http://host:port/mcp, headers: {...}}``
-  (streamable HTTP), plus optional ``name``, ``prefix`` (put before every
-  tool name, to keep two servers' tools apart), ``timeout_s`` (deadline of
-  one call; default the pool's ``env.tool_timeout_s``) and
-  ``start_timeout_s`` (deadline of connecting and listing, default 30).
-  A bad entry is one ``ValueError`` naming it and the fix.
-- ``mcp_tools(servers) -> (tools, release)``: one ``conveyor.env.api.Tool``
-  per tool the servers list, with the server's JSON schema as
-  ``parameters``; calling it calls the server. ``release()`` gives the
-  connections back (an environment calls it from ``close()``).
-- One connection per server is shared by every environment instance that
-  names it (reference-counted; the last release closes it and, for stdio,
-  stops the process). Each connection lives on an event loop in a thread of
-  its own, because the SDK's sessions must be entered and left in one task.
-  A call runs under its deadline (the pool's ``tool_timeout_s`` or
-  ``timeout_s``; a hung server is cancelled there and counted as a
-  ``timeout`` by the pool, its breaker quarantining a server that keeps
-  failing); a server that died fails the call (a counted ``crash``) and is
-  started again by the next call. A tool result marked ``isError`` is a
-  ``ToolError`` the model reads (the server works; its input or tool failed).
+- ``McpServer.parse(spec, i)`` reads one entry of ``env.kwargs.mcp_servers`` (stdio or
+  streamable HTTP); a bad entry is one ``ValueError`` naming it and the fix.
+- ``mcp_tools(servers) -> (tools, release)``: one ``conveyor.env.api.Tool`` per tool the
+  servers list; one connection per server is shared by every environment instance that names it.
+- A call runs under its deadline; a server that died fails the call and is started again by the
+  next; a result marked ``isError`` is a ``ToolError`` the model reads.
 
 It knows nothing of tokens, parsers or engines: a tool call in, text out.
 """
@@ -43,7 +26,17 @@ _KEYS = {"name", "command", "args", "env", "cwd", "url", "headers", "prefix", "t
 
 @dataclass(frozen=True)
 class McpServer:
-    """Where one MCP server is (stdio ``command`` or streamable-HTTP ``url``) and its call deadlines."""
+    """Where one MCP server is (stdio ``command`` or streamable-HTTP ``url``) and its call deadlines.
+
+    ``McpServer.parse(spec, i)`` reads one entry of ``env.kwargs.mcp_servers``:
+    ``{command: prog, args: [...], env: {...}, cwd: dir}`` (stdio: the server
+    is started as a process) or ``{url: http://host:port/mcp, headers: {...}}``
+    (streamable HTTP), plus optional ``name``, ``prefix`` (put before every
+    tool name, to keep two servers' tools apart), ``timeout_s`` (deadline of
+    one call; default the pool's ``env.tool_timeout_s``) and
+    ``start_timeout_s`` (deadline of connecting and listing, default 30).
+    A bad entry is one ``ValueError`` naming it and the fix.
+    """
     name: str
     command: str | None = None
     args: tuple[str, ...] = ()
@@ -227,7 +220,23 @@ def _release(server: McpServer) -> None:
 
 
 def mcp_tools(servers: Sequence[Any]) -> tuple[tuple[Tool, ...], Callable[[], None]]:
-    """Tools of the servers in ``env.kwargs.mcp_servers`` and the function that releases them."""
+    """Tools of the servers in ``env.kwargs.mcp_servers`` and the function that releases them.
+
+    ``mcp_tools(servers) -> (tools, release)``: one ``conveyor.env.api.Tool``
+    per tool the servers list, with the server's JSON schema as
+    ``parameters``; calling it calls the server. ``release()`` gives the
+    connections back (an environment calls it from ``close()``).
+    - One connection per server is shared by every environment instance that
+    names it (reference-counted; the last release closes it and, for stdio,
+    stops the process). Each connection lives on an event loop in a thread of
+    its own, because the SDK's sessions must be entered and left in one task.
+    A call runs under its deadline (the pool's ``tool_timeout_s`` or
+    ``timeout_s``; a hung server is cancelled there and counted as a
+    ``timeout`` by the pool, its breaker quarantining a server that keeps
+    failing); a server that died fails the call (a counted ``crash``) and is
+    started again by the next call. A tool result marked ``isError`` is a
+    ``ToolError`` the model reads (the server works; its input or tool failed).
+    """
     parsed = [s if isinstance(s, McpServer) else McpServer.parse(s, i) for i, s in enumerate(servers)]
     held: list[McpServer] = []
 

@@ -1,16 +1,9 @@
 """A search tool over a local folder of documents, ranked by BM25.
 
 Contract: ``search_tool(folder, k=3, max_chars=600) -> Tool`` named ``search`` with one
-required string argument ``query``. At construction it reads every ``.txt`` and ``.md``
-file under ``folder`` (recursively, UTF-8 with replacement) and indexes it once; a missing
-folder raises a one-line ``ValueError`` naming it. A call ranks the documents by BM25
-(k1=1.5, b=0.75) over lowercase word tokens (``[a-z0-9]+``) and answers the top ``k``
-documents that share a term with the query, best first, one per line block:
-``[1] <path relative to folder>: <snippet>``. The snippet is the best-matching passage
-of the document (a window of ``PASSAGE_WORDS`` words scored by the query terms' idf)
-with whitespace collapsed; the whole answer is at most ``max_chars`` characters (snippets
-are cut with ``...``). An empty folder or a query that matches nothing answers a sentence
-saying so; an empty query is a ``ToolError`` (bad_arguments).
+required string argument ``query``; it indexes the folder's ``.txt`` and ``.md`` files once,
+at construction (a missing folder is a one-line ``ValueError``), and answers the top ``k``
+documents with their best passage, at most ``max_chars`` characters.
 
 It knows no embeddings, no stemming and no network: words in, ranked files out. The index
 is the folder as it was at construction; files added later are not seen.
@@ -71,7 +64,20 @@ def tokenize(text: str) -> list[str]:
 
 
 def search_tool(folder: str | Path, k: int = 3, max_chars: int = 600) -> Tool:
-    """The ``search`` tool over the ``.txt`` / ``.md`` files under ``folder`` (indexed now)."""
+    """The ``search`` tool over the ``.txt`` / ``.md`` files under ``folder`` (indexed now).
+
+    Contract: ``search_tool(folder, k=3, max_chars=600) -> Tool`` named ``search`` with one
+    required string argument ``query``. At construction it reads every ``.txt`` and ``.md``
+    file under ``folder`` (recursively, UTF-8 with replacement) and indexes it once; a missing
+    folder raises a one-line ``ValueError`` naming it. A call ranks the documents by BM25
+    (k1=1.5, b=0.75) over lowercase word tokens (``[a-z0-9]+``) and answers the top ``k``
+    documents that share a term with the query, best first, one per line block:
+    ``[1] <path relative to folder>: <snippet>``. The snippet is the best-matching passage
+    of the document (a window of ``PASSAGE_WORDS`` words scored by the query terms' idf)
+    with whitespace collapsed; the whole answer is at most ``max_chars`` characters (snippets
+    are cut with ``...``). An empty folder or a query that matches nothing answers a sentence
+    saying so; an empty query is a ``ToolError`` (bad_arguments).
+    """
     root = Path(folder).expanduser()
     if not root.is_dir():
         raise ValueError(f"search_tool folder {str(root)!r} is not a directory; pass a folder "

@@ -1,18 +1,10 @@
 """Adapter-only weight updates in the native engine: ``W = W0 + B @ A`` over its own base weights.
 
 Contract: ``is_adapter_tensor(name)`` tells an adapter's tensor from a weight's.
-``AdapterMerge(targets)`` over the engine's name -> parameter map.
-``plan(named)`` takes the adapter tensors of one update (wire names of
-``transport/adapter.py``: ``X.lora_A`` ``[r, in]``, ``X.lora_B`` ``[out, r]``,
-B already scaled) and checks every pair (both halves present, ``X.weight`` a
-parameter of the engine, shapes that fit) before anything changes, so a bad
-update changes nothing. ``apply(plan)`` (under the engine's step lock) sets
-every adapted weight to ``W0 + B @ A``, computed in float32 and written in
-place in the weight's dtype. ``W0`` is a copy of the weight taken the first
-time an adapter reaches it, so each version's delta replaces the previous one
-exactly instead of piling onto it; ``rebase(name)`` drops that copy when a full
-tensor arrives for the weight (it is the new base). The copies cost the
-adapted weights' memory once, in the engine's dtype.
+``AdapterMerge(targets)``: ``plan(named)`` checks every pair of an update before anything
+changes, so a bad update changes nothing; ``apply(plan)`` sets each adapted weight to
+``W0 + B @ A`` in place, where ``W0`` is the weight's own copy, so each version's delta replaces
+the previous one exactly.
 
 It knows nothing of peft, trainers or transports.
 """
@@ -37,6 +29,19 @@ class AdapterPair:
 
 
 class AdapterMerge:
+    """``AdapterMerge(targets)`` over the engine's name -> parameter map.
+    ``plan(named)`` takes the adapter tensors of one update (wire names of
+    ``transport/adapter.py``: ``X.lora_A`` ``[r, in]``, ``X.lora_B`` ``[out, r]``,
+    B already scaled) and checks every pair (both halves present, ``X.weight`` a
+    parameter of the engine, shapes that fit) before anything changes, so a bad
+    update changes nothing. ``apply(plan)`` (under the engine's step lock) sets
+    every adapted weight to ``W0 + B @ A``, computed in float32 and written in
+    place in the weight's dtype. ``W0`` is a copy of the weight taken the first
+    time an adapter reaches it, so each version's delta replaces the previous one
+    exactly instead of piling onto it; ``rebase(name)`` drops that copy when a full
+    tensor arrives for the weight (it is the new base). The copies cost the
+    adapted weights' memory once, in the engine's dtype.
+    """
     def __init__(self, targets: dict[str, torch.Tensor]):
         self.targets = targets
         self.base: dict[str, torch.Tensor] = {}  # weight name -> W0, taken on its first adapter

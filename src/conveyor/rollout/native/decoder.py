@@ -1,32 +1,11 @@
 """The fast runner's own forward for Llama-family decoders (Llama 3, Qwen2 / Qwen2.5, Qwen3).
 
-Contract
-- ``unsupported_reason(model)`` is None when ``PagedDecoder`` can run ``model``
-  (a ``*ForCausalLM`` whose ``model_type`` is llama, qwen2 or qwen3, SiLU MLP,
-  RMSNorm, full attention in every layer, a position-independent rotary
-  embedding), else a sentence saying why not; the engine then keeps the Hugging
-  Face runner.
-- ``PagedDecoder(model, max_positions)`` reads the weights from the model's own
-  modules and keeps references to them, so an in-place copy into the model's
-  parameters (``update_weights``) is seen by the next forward and by captured
-  CUDA graphs. The q / k / v projections and the gate / up projections are
-  fused into one matrix each: the fused tensor is built once and the model's
-  parameters are re-pointed at slices of it (``param.data = fused[a:b]``), so the
-  model and the fast forward share one copy of every weight.
-- ``quantization`` ``"fp8"`` / ``"int8"`` (``quant.py``) turns the q/k/v, o, gate/up
-  and down weights into ``QuantWeight``s that follow those engine-dtype tensors;
-  ``requantize(params)`` refreshes the ones holding any of the given model
-  parameters after an in-place update. Embeddings, norms and the LM head keep
-  the engine dtype.
-- ``forward(ids, pos, slots, kv, attend, ops)`` runs the decoder over ``T``
-  tokens given as flat ``[T]`` tensors: token ids, positions and the KV-cache
-  slot each token's keys and values are written to. ``kv(i)`` returns layer
-  ``i``'s flat key and value caches ``[S, nkv, D]``; ``attend(i, q)`` returns the
-  attention output ``[T, nq * D]`` for the rotated queries ``[T, nq, D]`` (decode
-  reads the paged cache, prefill runs causal attention per prompt). It returns
-  the final-normed hidden states ``[T, H]``; ``logits(h)`` applies the LM head.
-- Rotary tables are computed once by the model's own rotary module (so Llama 3
-  and YaRN scaling come for free) in float32 for positions ``< max_positions``.
+- ``unsupported_reason(model)`` is None when ``PagedDecoder`` can run ``model``, else a sentence
+  saying why not; the engine then keeps the Hugging Face runner.
+- ``PagedDecoder(model, max_positions)`` shares every weight with the model (fused projections
+  re-point the model's parameters at slices), so an in-place update is seen by the next forward
+  and by captured CUDA graphs; ``forward(ids, pos, slots, kv, attend, ops)`` runs it over flat
+  tokens. Optional 8-bit weights (``quant.py``) are refreshed by ``requantize``.
 
 It knows nothing of requests, block allocation, sampling or CUDA graphs.
 """
@@ -51,6 +30,12 @@ def _text_config(config):
 
 
 def unsupported_reason(model) -> str | None:
+    """``unsupported_reason(model)`` is None when ``PagedDecoder`` can run ``model``
+    (a ``*ForCausalLM`` whose ``model_type`` is llama, qwen2 or qwen3, SiLU MLP,
+    RMSNorm, full attention in every layer, a position-independent rotary
+    embedding), else a sentence saying why not; the engine then keeps the Hugging
+    Face runner.
+    """
     cfg = _text_config(model.config)
     kind = getattr(cfg, "model_type", None)
     if kind not in SUPPORTED_TYPES:
@@ -112,7 +97,30 @@ def _bias(lin) -> torch.Tensor | None:
 
 
 class PagedDecoder:
-    """Weights and forward of one supported decoder; see the module docstring."""
+    """Weights and forward of one supported decoder.
+
+    - ``PagedDecoder(model, max_positions)`` reads the weights from the model's own
+      modules and keeps references to them, so an in-place copy into the model's
+      parameters (``update_weights``) is seen by the next forward and by captured
+      CUDA graphs. The q / k / v projections and the gate / up projections are
+      fused into one matrix each: the fused tensor is built once and the model's
+      parameters are re-pointed at slices of it (``param.data = fused[a:b]``), so the
+      model and the fast forward share one copy of every weight.
+    - ``quantization`` ``"fp8"`` / ``"int8"`` (``quant.py``) turns the q/k/v, o, gate/up
+      and down weights into ``QuantWeight``s that follow those engine-dtype tensors;
+      ``requantize(params)`` refreshes the ones holding any of the given model
+      parameters after an in-place update. Embeddings, norms and the LM head keep
+      the engine dtype.
+    - ``forward(ids, pos, slots, kv, attend, ops)`` runs the decoder over ``T``
+      tokens given as flat ``[T]`` tensors: token ids, positions and the KV-cache
+      slot each token's keys and values are written to. ``kv(i)`` returns layer
+      ``i``'s flat key and value caches ``[S, nkv, D]``; ``attend(i, q)`` returns the
+      attention output ``[T, nq * D]`` for the rotated queries ``[T, nq, D]`` (decode
+      reads the paged cache, prefill runs causal attention per prompt). It returns
+      the final-normed hidden states ``[T, H]``; ``logits(h)`` applies the LM head.
+    - Rotary tables are computed once by the model's own rotary module (so Llama 3
+      and YaRN scaling come for free) in float32 for positions ``< max_positions``.
+    """
 
     def __init__(self, model, max_positions: int, quantization: str = "none"):
         reason = unsupported_reason(model)

@@ -1,27 +1,12 @@
 """NativeEngine: the built-in rollout engine (CPU or one GPU), a ``RolloutEngine``.
 
-Contract (``conveyor.rollout.api`` states what every engine promises)
-- Two model runners: the paged CUDA-graph runner (``graph_runner.py``, loop in
-  ``paged_loop.py``; Llama / Qwen2 / Qwen3; ``runner="auto"`` picks it on a GPU
-  for supported models, ``"fast"`` forces it, also on the CPU) and the Hugging
-  Face runner (``runner.py``; any causal LM; the logged fallback). Both keep the
-  same promises: order, versions, logprobs, context rule, seeding.
-- ``quantization`` ``"fp8"`` / ``"int8"`` (fast runner only, ``quant.py``): the
-  linear layers decode from 8-bit copies of their weights, re-quantised by every
-  ``update_weights``; refused (``ValueError`` naming the setting) where the fast
-  runner cannot run the model or, for fp8, the GPU has no FP8 tensor cores.
-- ``record_experts`` (Hugging Face runner, mixture-of-experts models): every completion
-  carries ``routed_experts``, the experts each fed token was routed to (``conveyor.routing``).
-- ``generate(prompts, params)``: every (prompt, sample) is a request, admitted
-  into the running batch by ``scheduler.py``; each prompt is prefilled once.
-- ``generate_stream(params, intake, on_done)`` (``streams`` is True: the paged
-  runner only): continuous batching over the ``StreamChunk``s ``intake()``
-  returns between steps; ``on_done(tag, i, samples)`` as soon as prompt ``i``
-  of a chunk has all its samples, with what ``generate`` would return.
-- ``update_weights`` takes the step lock, so a swap lands between two decode
-  steps; a token records the version at the start of the step that made it.
-- A sample depends only on its prompt, the seed and the weights (keyed random
-  streams, ``sampling.py``); ``pause`` / ``resume`` / ``abort`` control a call.
+Contract: ``conveyor.rollout.api`` states what every engine promises; ``NativeEngine`` keeps it
+with either of two model runners, the paged CUDA-graph runner (``graph_runner.py``) or the
+Hugging Face runner (``runner.py``, the logged fallback).
+- ``generate`` and, on the paged runner, ``generate_stream`` (continuous batching); a sample
+  depends only on its prompt, the seed and the weights.
+- ``update_weights`` lands between two decode steps; optional 8-bit weights (``quant.py``) are
+  re-quantised by it.
 The class and ``generate_stream`` docstrings have the details.
 
 It knows nothing of tasks, rewards, trajectories, weight transports or where
@@ -102,6 +87,28 @@ def _eos_ids(model, tokenizer) -> set[int]:
 class NativeEngine:
     """The built-in engine. Takes ownership of ``model``: it is moved, cast and put in eval mode.
 
+    Contract (``conveyor.rollout.api`` states what every engine promises)
+    - Two model runners: the paged CUDA-graph runner (``graph_runner.py``, loop in
+      ``paged_loop.py``; Llama / Qwen2 / Qwen3; ``runner="auto"`` picks it on a GPU
+      for supported models, ``"fast"`` forces it, also on the CPU) and the Hugging
+      Face runner (``runner.py``; any causal LM; the logged fallback). Both keep the
+      same promises: order, versions, logprobs, context rule, seeding.
+    - ``quantization`` ``"fp8"`` / ``"int8"`` (fast runner only, ``quant.py``): the
+      linear layers decode from 8-bit copies of their weights, re-quantised by every
+      ``update_weights``; refused (``ValueError`` naming the setting) where the fast
+      runner cannot run the model or, for fp8, the GPU has no FP8 tensor cores.
+    - ``record_experts`` (Hugging Face runner, mixture-of-experts models): every completion
+      carries ``routed_experts``, the experts each fed token was routed to (``conveyor.routing``).
+    - ``generate(prompts, params)``: every (prompt, sample) is a request, admitted
+      into the running batch by ``scheduler.py``; each prompt is prefilled once.
+    - ``generate_stream(params, intake, on_done)`` (``streams`` is True: the paged
+      runner only): continuous batching over the ``StreamChunk``s ``intake()``
+      returns between steps; ``on_done(tag, i, samples)`` as soon as prompt ``i``
+      of a chunk has all its samples, with what ``generate`` would return.
+    - ``update_weights`` takes the step lock, so a swap lands between two decode
+      steps; a token records the version at the start of the step that made it.
+    - A sample depends only on its prompt, the seed and the weights (keyed random
+      streams, ``sampling.py``); ``pause`` / ``resume`` / ``abort`` control a call.
     - ``generate(prompts, params)``: up to ``max_batch`` requests run; the runner prefills each
       admitted prompt ONCE and replicates its KV to its samples; every step decodes all running
       rows, samples in float32, appends token / logprob / version to each request and removes

@@ -1,20 +1,10 @@
 """Paged KV cache bookkeeping: a block allocator with reference counts, and pool sizing.
 
-Contract
-- The KV pool is ``num_blocks`` blocks of ``block_size`` token slots each. Block 0
-  is the null block: it is never handed out, so padded rows of a CUDA-graph batch
-  can point their block table and their write slot at it without touching any
-  sequence's data.
-- ``BlockAllocator.allocate(n)`` returns ``n`` distinct free block ids (each with
-  reference count 1) or ``None`` when fewer than ``n`` are free; it never hands out
-  part of a request. ``share(block)`` adds a reference (the samples of one prompt
-  share its full prompt blocks); ``free(blocks)`` drops one reference per id and
-  returns a block to the free list when its count reaches 0. Freed blocks are
-  reused first (a stack), which keeps the touched part of the pool small.
-- ``kv_pool_blocks(...)`` turns a memory budget into a block count: on a GPU a
-  fraction of the memory that is free once the model is loaded, minus a reserve
-  for the logits and sampling workspace of the largest batch; on the CPU a fixed
-  small pool.
+- The KV pool is ``num_blocks`` blocks of ``block_size`` token slots each; block 0 is the null
+  block, never handed out (padded rows of a CUDA-graph batch point at it).
+- ``BlockAllocator``: ``allocate(n)`` (all ``n`` or none), ``share(block)``, ``free(blocks)``,
+  by reference count.
+- ``kv_pool_blocks(...)`` turns a memory budget into a block count.
 
 It knows nothing of models, requests or tensors' contents: only integers.
 """
@@ -27,7 +17,19 @@ CPU_DEFAULT_BLOCKS = 256
 
 
 class BlockAllocator:
-    """Free-list allocator of KV blocks with reference counts (block 0 is reserved)."""
+    """Free-list allocator of KV blocks with reference counts (block 0 is reserved).
+
+    - The KV pool is ``num_blocks`` blocks of ``block_size`` token slots each. Block 0
+      is the null block: it is never handed out, so padded rows of a CUDA-graph batch
+      can point their block table and their write slot at it without touching any
+      sequence's data.
+    - ``BlockAllocator.allocate(n)`` returns ``n`` distinct free block ids (each with
+      reference count 1) or ``None`` when fewer than ``n`` are free; it never hands out
+      part of a request. ``share(block)`` adds a reference (the samples of one prompt
+      share its full prompt blocks); ``free(blocks)`` drops one reference per id and
+      returns a block to the free list when its count reaches 0. Freed blocks are
+      reused first (a stack), which keeps the touched part of the pool small.
+    """
 
     def __init__(self, num_blocks: int):
         if num_blocks < 2:
@@ -89,6 +91,11 @@ def kv_pool_blocks(*, device_type: str, bytes_per_block: int, kv_fraction: float
     On a GPU: ``kv_fraction`` of the free memory minus ``workspace_bytes`` (the
     logits and sampling temporaries of the largest decode batch, which must fit
     beside the pool or the first large step runs out of memory).
+
+    ``kv_pool_blocks(...)`` turns a memory budget into a block count: on a GPU a
+    fraction of the memory that is free once the model is loaded, minus a reserve
+    for the logits and sampling workspace of the largest batch; on the CPU a fixed
+    small pool.
     """
     if kv_blocks is not None:
         if kv_blocks < 2:

@@ -1,20 +1,10 @@
 """The native engine's generation loop over the paged CUDA-graph runner.
 
-Contract: ``PagedLoop(engine, params, stop).run(requests, feed, on_finish)``
-fills every request's tokens, logprobs, versions and finish reason (the
-contract of ``engine.py``). Each iteration takes new requests from ``feed()``
-(outside the engine's lock), admits a FIFO wave the KV pool can take,
-prefills it, makes room for the next tokens (preempting the latest admitted
-when the pool is full; they are recomputed on re-admission) and decodes one
-token per running request; finished requests free their blocks and go to
-``on_finish`` once each. ``run`` returns when nothing waits or runs and
-``feed()`` gave nothing: continuous batching. ``prompt_index`` must be unique
-per prompt within a ``run`` (prompt KV blocks are shared by index). A decode
-step is queued before the host reads the step before's tokens, so host and
-device overlap; a step holds the engine's lock only while it queues its
-forward, so weight updates land between steps. ``engine.counters`` adds up
-decode steps, rows and host seconds; ``pause`` / ``resume`` / ``abort`` act
-between steps.
+Contract: ``PagedLoop(engine, params, stop).run(requests, feed, on_finish)`` fills every
+request's tokens, logprobs, versions and finish reason (the contract of ``engine.py``), taking
+new requests from ``feed()`` between steps: continuous batching. A step holds the engine's lock
+only while it queues its forward, so weight updates land between steps; host and device overlap.
+``PagedLoop``'s docstring has the details.
 
 It knows nothing of model internals or KV layout (the runner owns those), nor
 of chunks or callers: requests in, finished requests out.
@@ -54,6 +44,22 @@ class _Step:
 
 
 class PagedLoop:
+    """Contract: ``PagedLoop(engine, params, stop).run(requests, feed, on_finish)``
+    fills every request's tokens, logprobs, versions and finish reason (the
+    contract of ``engine.py``). Each iteration takes new requests from ``feed()``
+    (outside the engine's lock), admits a FIFO wave the KV pool can take,
+    prefills it, makes room for the next tokens (preempting the latest admitted
+    when the pool is full; they are recomputed on re-admission) and decodes one
+    token per running request; finished requests free their blocks and go to
+    ``on_finish`` once each. ``run`` returns when nothing waits or runs and
+    ``feed()`` gave nothing: continuous batching. ``prompt_index`` must be unique
+    per prompt within a ``run`` (prompt KV blocks are shared by index). A decode
+    step is queued before the host reads the step before's tokens, so host and
+    device overlap; a step holds the engine's lock only while it queues its
+    forward, so weight updates land between steps. ``engine.counters`` adds up
+    decode steps, rows and host seconds; ``pause`` / ``resume`` / ``abort`` act
+    between steps. Details: docs/architecture.md ("Built-in engine").
+    """
     def __init__(self, engine, params: SamplingParams, stop: StopRule):
         self.engine, self.runner, self.params, self.stop = engine, engine.runner, params, stop
         self.counters = engine.counters

@@ -1,16 +1,10 @@
 """Prefix cache of the paged runner: full KV blocks of ended sequences, found again by their tokens.
 
-Contract: ``PrefixCache(allocator, block_size)``. ``insert(tokens, blocks,
-written)`` keeps (one reference to) each full block of a sequence whose KV
-holds its first ``written`` tokens, keyed by a digest of all tokens up to
-the block's end (a chain: block i's key covers blocks 0..i); ``lookup(tokens)``
-returns the blocks of the longest cached prefix of whole blocks, leaving at
-least one token to compute (the caller needs its logits), and marks them
-recently used; ``peek`` counts them without touching. ``evictable()``
-counts blocks only the cache holds; ``evict(n)`` frees up to n of those,
-least recently used first. ``clear()`` drops every entry: KV is valid only
-for the weights that computed it, so the engine clears the cache on every
-weight update.
+Contract: ``PrefixCache(allocator, block_size)`` keeps full blocks keyed by a digest of all
+tokens up to each block's end; ``lookup(tokens)`` returns the blocks of the longest cached
+prefix, always leaving one token to compute; ``evict(n)`` frees least recently used blocks
+first. KV is valid only for the weights that computed it, so the engine clears the cache on
+every weight update.
 
 This is what keeps a multi-turn episode's KV between turns: a turn's
 request (the history plus the observation) finds the blocks the previous
@@ -26,6 +20,18 @@ from conveyor.rollout.native.paged import BlockAllocator
 
 
 class PrefixCache:
+    """Contract: ``PrefixCache(allocator, block_size)``. ``insert(tokens, blocks,
+    written)`` keeps (one reference to) each full block of a sequence whose KV
+    holds its first ``written`` tokens, keyed by a digest of all tokens up to
+    the block's end (a chain: block i's key covers blocks 0..i); ``lookup(tokens)``
+    returns the blocks of the longest cached prefix of whole blocks, leaving at
+    least one token to compute (the caller needs its logits), and marks them
+    recently used; ``peek`` counts them without touching. ``evictable()``
+    counts blocks only the cache holds; ``evict(n)`` frees up to n of those,
+    least recently used first. ``clear()`` drops every entry: KV is valid only
+    for the weights that computed it, so the engine clears the cache on every
+    weight update.
+    """
     def __init__(self, allocator: BlockAllocator, block_size: int):
         self.allocator, self.block_size = allocator, block_size
         self._blocks: OrderedDict[bytes, int] = OrderedDict()  # chain digest -> block, LRU first

@@ -1,28 +1,12 @@
 """8-bit weights for the fast runner's linear layers: FP8 (e4m3, W8A8) and INT8 (weight-only).
 
-Contract
-- ``QuantWeight(src, kind)`` holds one linear layer's weight ``src`` ``[N, K]`` (the
-  engine-dtype tensor that ``update_weights`` copies into) as 8-bit values ``q``
-  ``[N, K]`` with one scale per output channel (row): ``src ~= q * scale`` (float32;
-  the activation dtype for ``torch._weight_int8pack_mm``, which takes it so).
-  ``requantize()`` recomputes ``q`` and ``scale`` from ``src`` in place, so CUDA
-  graphs captured over them stay valid. ``shape`` is ``src``'s.
-- ``qw(x, bias)`` computes ``F.linear(x, src, bias)`` from the 8-bit weights:
-  fp8 quantises each row of ``x`` to e4m3 with its own scale (dynamic, per token)
-  and multiplies with ``torch._scaled_mm`` (row-wise scales; bf16 output on a GPU,
-  cast back to ``x``'s dtype; ``fp8_method``: the same product in float32 where a
-  CPU build's ``_scaled_mm`` takes only per-tensor scales); int8 keeps ``x`` as it is and dequantises inside the
-  product (``torch._weight_int8pack_mm`` where it runs for this device and dtype,
-  else ``(x @ q.T) * scale``, see ``int8_method``).
-- ``quantize(w, kind)`` / ``dequantize(q, scale)`` are the per-channel round trip;
-  ``error_bound(w, scale, kind)`` is the largest error the format allows per element
-  (fp8: half an e4m3 step, 2^-4 of the value for normals, 2^-10 * scale below 2^-6 * scale;
-  int8: half a step, scale / 2).
-- ``fp8_unsupported_reason(device)`` is None where FP8 GEMMs run (CPU, CUDA compute
-  capability >= 8.9), else a sentence naming the card; ``check_shape`` refuses fp8
-  for weights whose sizes are not multiples of 16 (``_scaled_mm``'s rule);
-  ``runner_for(quantization, runner, device)`` is the engine runner a setting
-  needs (``fast``; ``auto`` becomes it) or a ``ValueError`` naming the setting.
+- ``QuantWeight(src, kind)`` holds one linear layer's weight as 8-bit values with one scale per
+  output channel; ``requantize()`` refreshes them in place (captured CUDA graphs stay valid) and
+  ``qw(x, bias)`` computes ``F.linear(x, src, bias)`` from them.
+- ``quantize`` / ``dequantize`` are the per-channel round trip; ``error_bound`` the largest
+  error the format allows.
+- ``fp8_unsupported_reason``, ``check_shape`` and ``runner_for`` refuse settings this device or
+  weight cannot run, with a sentence naming why.
 
 It knows nothing of models, layers or weight names: ``decoder.py`` decides which
 weights are quantised.
@@ -53,7 +37,14 @@ def fp8_unsupported_reason(device: torch.device) -> str | None:
 
 
 def runner_for(quantization: str, runner: str, device: torch.device) -> str:
-    """The runner to use: quantized weights need the fast one (``auto`` picks it on any device)."""
+    """The runner to use: quantized weights need the fast one (``auto`` picks it on any device).
+
+    ``fp8_unsupported_reason(device)`` is None where FP8 GEMMs run (CPU, CUDA compute
+    capability >= 8.9), else a sentence naming the card; ``check_shape`` refuses fp8
+    for weights whose sizes are not multiples of 16 (``_scaled_mm``'s rule);
+    ``runner_for(quantization, runner, device)`` is the engine runner a setting
+    needs (``fast``; ``auto`` becomes it) or a ``ValueError`` naming the setting.
+    """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"rollout.quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     if quantization == "none":
@@ -75,7 +66,13 @@ def check_shape(shape: torch.Size, kind: str) -> None:
 
 
 def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` ``[N, K]`` -> (8-bit ``[N, K]``, float32 scales ``[N]``) with ``w ~= q * scale[:, None]``."""
+    """``w`` ``[N, K]`` -> (8-bit ``[N, K]``, float32 scales ``[N]``) with ``w ~= q * scale[:, None]``.
+
+    ``quantize(w, kind)`` / ``dequantize(q, scale)`` are the per-channel round trip;
+    ``error_bound(w, scale, kind)`` is the largest error the format allows per element
+    (fp8: half an e4m3 step, 2^-4 of the value for normals, 2^-10 * scale below 2^-6 * scale;
+    int8: half a step, scale / 2).
+    """
     wf = w.float()
     top = FP8_MAX if kind == "fp8" else INT8_MAX
     scale = (wf.abs().amax(dim=1) / top).clamp_(min=_TINY)
@@ -90,7 +87,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def error_bound(w: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-element bound on ``|w - dequantize(quantize(w))|`` that the format allows (see module docstring)."""
+    """Per-element bound on ``|w - dequantize(quantize(w))|`` that the format allows (see ``quantize``)."""
     s = scale.reshape(-1, 1).float()
     if kind == "int8":
         return (s / 2).expand_as(w)
@@ -118,7 +115,22 @@ def int8_method(q: torch.Tensor, dtype: torch.dtype) -> str:
 
 
 class QuantWeight:
-    """One linear layer's 8-bit weight that follows ``src``; see the module docstring."""
+    """One linear layer's 8-bit weight that follows ``src``.
+
+    - ``QuantWeight(src, kind)`` holds one linear layer's weight ``src`` ``[N, K]`` (the
+      engine-dtype tensor that ``update_weights`` copies into) as 8-bit values ``q``
+      ``[N, K]`` with one scale per output channel (row): ``src ~= q * scale`` (float32;
+      the activation dtype for ``torch._weight_int8pack_mm``, which takes it so).
+      ``requantize()`` recomputes ``q`` and ``scale`` from ``src`` in place, so CUDA
+      graphs captured over them stay valid. ``shape`` is ``src``'s.
+    - ``qw(x, bias)`` computes ``F.linear(x, src, bias)`` from the 8-bit weights:
+      fp8 quantises each row of ``x`` to e4m3 with its own scale (dynamic, per token)
+      and multiplies with ``torch._scaled_mm`` (row-wise scales; bf16 output on a GPU,
+      cast back to ``x``'s dtype; ``fp8_method``: the same product in float32 where a
+      CPU build's ``_scaled_mm`` takes only per-tensor scales); int8 keeps ``x`` as it is and dequantises inside the
+      product (``torch._weight_int8pack_mm`` where it runs for this device and dtype,
+      else ``(x @ q.T) * scale``, see ``int8_method``).
+    """
 
     def __init__(self, src: torch.Tensor, kind: str):
         if kind not in ("fp8", "int8"):

@@ -1,26 +1,10 @@
 """Model runner: prefill and decode steps of a Hugging Face causal LM over a left-padded batch.
 
-Contract
-- A ``KVBatch`` holds the running rows: the model's KV cache, a boolean key mask
-  ``[B, L]`` (False = left padding), the position id of the next token to feed
-  ``[B]`` and that token ``[B]``. Rows are in the order the caller keeps its
-  requests; ``select`` and ``merge`` are the only ways rows move.
-- ``prefill(prompts)`` returns a new ``KVBatch`` (one row per prompt) and the
-  float32 next-token logits ``[U, V]`` of each prompt's last token.
-- ``decode(batch)`` feeds ``batch.last_tok`` at ``batch.next_pos``, grows the
-  cache by one column and returns float32 logits ``[B, V]``.
-- ``record_experts`` (mixture-of-experts models): after each ``prefill`` /
-  ``decode``, ``last_routes`` holds the experts every fed token was routed to
-  (per prompt ``[len, layers, k]`` / per row ``[B, layers, k]``).
-- ``select(batch, rows)`` keeps (or repeats) rows by index and drops leading
-  columns that became padding in every row, so finished sequences stop costing
-  compute and memory. ``merge(a, b)`` left-pads the shorter batch and stacks the
-  rows of ``b`` after those of ``a`` (continuous admission of new prompts).
-- Left padding never changes results: every row gets its own position ids and
-  the runner builds the 4-D additive attention mask itself (causal, padded keys
-  masked, the diagonal always open so pad queries never see an all-masked row,
-  which would make NaNs that leak into the cache). Supported attention
-  implementations are therefore the mask-taking ones, "sdpa" and "eager".
+- ``HFModelRunner``: ``prefill(prompts)`` makes a ``KVBatch`` (the running rows and their KV
+  cache) and ``decode(batch)`` steps it, both returning float32 logits; ``select`` and ``merge``
+  are the only ways rows move.
+- Left padding never changes results: every row gets its own position ids and the runner
+  builds the attention mask itself ("sdpa" and "eager" attention only).
 
 This is the one module that knows Hugging Face internals: the forward keyword
 for the cache (``cache`` in recent transformers, ``past_key_values`` before) and
@@ -43,6 +27,11 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 @dataclass
 class KVBatch:
+    """A ``KVBatch`` holds the running rows: the model's KV cache, a boolean key mask
+    ``[B, L]`` (False = left padding), the position id of the next token to feed
+    ``[B]`` and that token ``[B]``. Rows are in the order the caller keeps its
+    requests; ``select`` and ``merge`` are the only ways rows move.
+    """
     cache: object  # transformers DynamicCache
     mask: torch.Tensor  # [B, L] bool, True where the key is a real token
     next_pos: torch.Tensor  # [B] long, position id of the token fed next
@@ -89,7 +78,25 @@ def _contiguous_head_input(model) -> None:
 
 
 class HFModelRunner:
-    """Runs prefill and decode forwards of one HF causal LM (eval mode, caller holds inference_mode)."""
+    """Runs prefill and decode forwards of one HF causal LM (eval mode, caller holds inference_mode).
+
+    - ``prefill(prompts)`` returns a new ``KVBatch`` (one row per prompt) and the
+      float32 next-token logits ``[U, V]`` of each prompt's last token.
+    - ``decode(batch)`` feeds ``batch.last_tok`` at ``batch.next_pos``, grows the
+      cache by one column and returns float32 logits ``[B, V]``.
+    - ``record_experts`` (mixture-of-experts models): after each ``prefill`` /
+      ``decode``, ``last_routes`` holds the experts every fed token was routed to
+      (per prompt ``[len, layers, k]`` / per row ``[B, layers, k]``).
+    - ``select(batch, rows)`` keeps (or repeats) rows by index and drops leading
+      columns that became padding in every row, so finished sequences stop costing
+      compute and memory. ``merge(a, b)`` left-pads the shorter batch and stacks the
+      rows of ``b`` after those of ``a`` (continuous admission of new prompts).
+    - Left padding never changes results: every row gets its own position ids and
+      the runner builds the 4-D additive attention mask itself (causal, padded keys
+      masked, the diagonal always open so pad queries never see an all-masked row,
+      which would make NaNs that leak into the cache). Supported attention
+      implementations are therefore the mask-taking ones, "sdpa" and "eager".
+    """
 
     def __init__(self, model, prefill_token_budget: int = 16384, record_experts: bool = False):
         impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"

@@ -1,29 +1,12 @@
 """Token sampling and behaviour logprobs from one step's logits, with a random stream per request.
 
-Contract: ``sample(logits, ..., seeds)`` takes next-token logits ``[B, V]`` (any
-float dtype) and returns ``(tokens [B] long, logprobs [B] float32)``. Everything
-is computed in float32. The logprob is ``log_softmax(logits / T)`` of the
-temperature-scaled distribution BEFORE top-k / top-p truncation, at the sampled
-token (``log_softmax(logits)`` for greedy), because the trainer recomputes
-exactly that, and with the trainer's formula (the token's scaled logit minus the
-row's logsumexp); truncation only decides which tokens may be drawn.
-``eos_bias`` is added to the EOS logits first, so the logprob is of the biased
-distribution.
-
-Randomness is keyed, not drawn from a shared generator: row b's draw is a
-Gumbel-max over uniform numbers hashed from ``seeds[b]`` and the vocabulary
-index, and the engines give each row the seed ``draw_seeds(key, k)`` of its
-request's stream ``key`` and the index ``k`` of the token being drawn. So a
-request's tokens depend on its key, the weights and its own prefix only: not on
-which other requests share the batch, on the batch size, on preemption, or on
-whether the loop reads a step before queueing the next. ``request_key(seed,
-prompt, sample)`` makes a call's keys; prompt ``i`` of a call seeded ``s`` gets
-the keys of prompt 0 of a call seeded ``s + i``, so a caller that seeds each
-chunk with ``base + (its first prompt's place in a schedule)`` gives every
-prompt a key of its own place, however the schedule is cut into calls.
-
-The hash is the one of ``triton_ops.sample_plain`` (the GPU's fused sampler),
-so both draw the same tokens up to float rounding at near-ties.
+- ``sample(logits, ..., seeds)``: tokens and float32 logprobs; the logprob is the trainer's
+  formula over the temperature-scaled distribution BEFORE top-k / top-p truncation.
+- Randomness is keyed, not drawn from a shared generator (``request_key``, ``draw_seeds``): a
+  request's tokens depend on its key, the weights and its own prefix only, never on which other
+  requests share the batch.
+- The hash is the one of ``triton_ops.sample_plain`` (the GPU's fused sampler), so both draw
+  the same tokens up to float rounding at near-ties.
 
 It does not know about requests, stop conditions or the model: one call, one
 batch of logits.
@@ -58,7 +41,20 @@ def _mix64(z: int) -> int:
 
 
 def request_key(seed: int, prompt: int, sample: int) -> int:
-    """The 64-bit key of the random stream of sample ``sample`` of prompt ``prompt`` in a call seeded ``seed``."""
+    """The 64-bit key of the random stream of sample ``sample`` of prompt ``prompt`` in a call seeded ``seed``.
+
+    Randomness is keyed, not drawn from a shared generator: row b's draw is a
+    Gumbel-max over uniform numbers hashed from ``seeds[b]`` and the vocabulary
+    index, and the engines give each row the seed ``draw_seeds(key, k)`` of its
+    request's stream ``key`` and the index ``k`` of the token being drawn. So a
+    request's tokens depend on its key, the weights and its own prefix only: not on
+    which other requests share the batch, on the batch size, on preemption, or on
+    whether the loop reads a step before queueing the next. ``request_key(seed,
+    prompt, sample)`` makes a call's keys; prompt ``i`` of a call seeded ``s`` gets
+    the keys of prompt 0 of a call seeded ``s + i``, so a caller that seeds each
+    chunk with ``base + (its first prompt's place in a schedule)`` gives every
+    prompt a key of its own place, however the schedule is cut into calls.
+    """
     return _mix64((_mix64((int(seed) + int(prompt)) & _M64) + _GOLDEN * (int(sample) + 1)) & _M64)
 
 
@@ -181,7 +177,18 @@ def _gumbel_argmax(allowed: torch.Tensor, temperature: float, seeds: torch.Tenso
 def sample(logits: torch.Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
            eos_ids: tuple[int, ...] = (), eos_bias: float = 0.0,
            seeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row (row b from ``seeds[b]``); return the tokens and their float32 logprobs."""
+    """Draw one token per row (row b from ``seeds[b]``); return the tokens and their float32 logprobs.
+
+    Contract: ``sample(logits, ..., seeds)`` takes next-token logits ``[B, V]`` (any
+    float dtype) and returns ``(tokens [B] long, logprobs [B] float32)``. Everything
+    is computed in float32. The logprob is ``log_softmax(logits / T)`` of the
+    temperature-scaled distribution BEFORE top-k / top-p truncation, at the sampled
+    token (``log_softmax(logits)`` for greedy), because the trainer recomputes
+    exactly that, and with the trainer's formula (the token's scaled logit minus the
+    row's logsumexp); truncation only decides which tokens may be drawn.
+    ``eos_bias`` is added to the EOS logits first, so the logprob is of the biased
+    distribution.
+    """
     logits = logits.float()
     if eos_bias and eos_ids:
         logits = logits.clone()

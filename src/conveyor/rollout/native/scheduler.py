@@ -1,28 +1,10 @@
 """Requests and the admission scheduler of the native engine.
 
-Contract
-- A ``Request`` is one sequence being generated: its prompt, its own token budget
-  (already capped by the model's context), and the tokens, logprobs and versions
-  produced so far, plus its finish reason once it has one.
-- ``StopRule.finish_reason(request)`` decides, right after a token is appended,
-  whether the request is done: a stop token, then a stop string found in the tail
-  of the decoded completion, then the token budget.
-- ``Scheduler`` keeps a FIFO ``waiting`` queue and the ``running`` list, whose
-  order is the row order of the model runner's batch. ``admit()`` moves requests
-  from waiting to the end of running; ``retire()`` drops finished requests from
-  running and returns the row indices that stay. ``preempt(tail)`` moves the last
-  running requests back to the front of waiting (the paged runner ran out of KV
-  blocks; their tokens so far are kept and recomputed on re-admission).
-- ``admit(fits)``: the optional ``fits(request)`` stops a wave at the first
-  request the KV budget cannot take, so admission stays FIFO.
-
-Admission policy (admission waves with a refill threshold): new requests are
-admitted when the batch is empty, or when at least ``refill`` slots are free
-(``refill`` defaults to a quarter of ``max_batch``), or when every waiting request
-fits. Each admission costs a prefill plus one copy of the running KV cache (to
-merge the rows), so admitting in waves amortises that copy over several slots
-while still refilling long before the batch drains. Samples of one prompt are
-admitted next to each other so they can share one prefill.
+- A ``Request`` is one sequence being generated; ``StopRule.finish_reason(request)`` decides,
+  right after a token is appended, whether it is done.
+- ``Scheduler``: a FIFO ``waiting`` queue and the ``running`` list (the runner's row order);
+  ``admit``, ``retire`` and ``preempt`` are the only ways requests move. Admission stays FIFO
+  and comes in waves with a refill threshold; samples of one prompt are admitted together.
 
 It knows nothing of tensors or models: the engine turns admissions into
 prefills and retirements into row selections.
@@ -36,6 +18,10 @@ from typing import Any, Callable
 
 @dataclass
 class Request:
+    """A ``Request`` is one sequence being generated: its prompt, its own token budget
+    (already capped by the model's context), and the tokens, logprobs and versions
+    produced so far, plus its finish reason once it has one.
+    """
     prompt_index: int
     sample_index: int
     prompt_ids: list[int]
@@ -59,7 +45,12 @@ class Request:
 
 
 class StopRule:
-    """When a request is finished, given the token it just appended."""
+    """When a request is finished, given the token it just appended.
+
+    ``StopRule.finish_reason(request)`` decides, right after a token is appended,
+    whether the request is done: a stop token, then a stop string found in the tail
+    of the decoded completion, then the token budget.
+    """
 
     # Extra tokens decoded before the window, so tokenizers that render a token's
     # leading space or a multi-byte character differently at the start of a
@@ -89,6 +80,23 @@ class StopRule:
 
 
 class Scheduler:
+    """- ``Scheduler`` keeps a FIFO ``waiting`` queue and the ``running`` list, whose
+      order is the row order of the model runner's batch. ``admit()`` moves requests
+      from waiting to the end of running; ``retire()`` drops finished requests from
+      running and returns the row indices that stay. ``preempt(tail)`` moves the last
+      running requests back to the front of waiting (the paged runner ran out of KV
+      blocks; their tokens so far are kept and recomputed on re-admission).
+    - ``admit(fits)``: the optional ``fits(request)`` stops a wave at the first
+      request the KV budget cannot take, so admission stays FIFO.
+
+    Admission policy (admission waves with a refill threshold): new requests are
+    admitted when the batch is empty, or when at least ``refill`` slots are free
+    (``refill`` defaults to a quarter of ``max_batch``), or when every waiting request
+    fits. Each admission costs a prefill plus one copy of the running KV cache (to
+    merge the rows), so admitting in waves amortises that copy over several slots
+    while still refilling long before the batch drains. Samples of one prompt are
+    admitted next to each other so they can share one prefill.
+    """
     def __init__(self, requests: list[Request], max_batch: int, refill: int | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")

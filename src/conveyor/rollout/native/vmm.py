@@ -1,19 +1,11 @@
 """Device memory that is given back and taken again at the same address (CUDA virtual memory).
 
-Contract
-- ``VmmBuffer(nbytes, device)`` reserves a virtual address range on a CUDA
-  device and maps physical memory into it (the driver's ``cuMemAddressReserve``
-  / ``cuMemCreate`` / ``cuMemMap``, through ctypes: no extension to build).
-  ``tensor(dtype, shape)`` is a torch tensor over that range (it does not own
-  the memory). ``release()`` unmaps and frees the physical memory, keeping the
-  addresses; ``reacquire()`` maps new physical memory at the same addresses,
-  so CUDA graphs captured over the tensor stay valid (their kernels hold
-  addresses, not allocations). Contents do not survive a release.
-- ``available(device)``: whether the driver offers this (CUDA and libcuda
-  with virtual memory management); the KV pool falls back to an ordinary
-  allocation, and graphs recaptured after a release, where it does not.
-- A driver error raises ``RuntimeError`` naming the call and the error code;
-  out of memory on ``reacquire`` names the bytes asked for.
+- ``VmmBuffer(nbytes, device)``: ``release()`` frees the physical memory and keeps the
+  addresses; ``reacquire()`` maps new memory there, so CUDA graphs captured over its tensor stay
+  valid. Contents do not survive a release.
+- ``available(device)``: whether the driver offers this; elsewhere the KV pool is an ordinary
+  allocation.
+- A driver error raises ``RuntimeError`` naming the call and the error code.
 
 It knows nothing of KV caches; ``graph_runner.py`` keeps its pool here on a GPU.
 """
@@ -59,6 +51,10 @@ def _check(code: int, call: str, nbytes: int = 0) -> None:
 
 
 def available(device: torch.device) -> bool:
+    """``available(device)``: whether the driver offers this (CUDA and libcuda
+    with virtual memory management); the KV pool falls back to an ordinary
+    allocation, and graphs recaptured after a release, where it does not.
+    """
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     try:
@@ -78,6 +74,17 @@ class _ArrayInterface:
 
 
 class VmmBuffer:
+    """``VmmBuffer(nbytes, device)`` reserves a virtual address range on a CUDA
+    device and maps physical memory into it (the driver's ``cuMemAddressReserve``
+    / ``cuMemCreate`` / ``cuMemMap``, through ctypes: no extension to build).
+    ``tensor(dtype, shape)`` is a torch tensor over that range (it does not own
+    the memory). ``release()`` unmaps and frees the physical memory, keeping the
+    addresses; ``reacquire()`` maps new physical memory at the same addresses,
+    so CUDA graphs captured over the tensor stay valid (their kernels hold
+    addresses, not allocations). Contents do not survive a release.
+    A driver error raises ``RuntimeError`` naming the call and the error code;
+    out of memory on ``reacquire`` names the bytes asked for.
+    """
     def __init__(self, nbytes: int, device: torch.device):
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         gran = self._granularity(self.device_index)

@@ -1,14 +1,8 @@
 """Triton kernels for ``TargetLogprob`` on a GPU: one read of the logits per pass.
 
-The torch form (``logprobs.TargetLogprob``) goes over each chunk of ``[N, V]``
-logits about ten times in float32 (cast, max, exp, sum, gather; in backward
-cast, subtract, exp, scale, write): on a 0.5B model with a 152k vocabulary
-that was a quarter of a training step's kernel time. Here the forward reads
-each row once (an online max and sum of exponentials) and the backward reads
-it once and writes its gradient once, in the logits' own dtype.
-
-Rows whose target is negative are skipped (output 0, gradient 0): the caller
-marks positions that no loss reads (padding, each row's last position).
+The forward reads each row once (an online max and sum of exponentials) and the backward reads
+it once and writes its gradient once, in the logits' own dtype; rows whose target is negative
+are skipped (output 0, gradient 0).
 
 Contract: ``forward(logits [N, V], target [N] int64, temperature) -> (out, lse)``,
 both float32 ``[N]``; ``backward(logits, target, lse, grad_out, temperature)``
@@ -70,6 +64,16 @@ def _backward(logits, stride, target, lse_in, grad_out, grad, inv_t, vocab: tl.c
 
 
 def forward(logits: torch.Tensor, target: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch form (``logprobs.TargetLogprob``) goes over each chunk of ``[N, V]``
+    logits about ten times in float32 (cast, max, exp, sum, gather; in backward
+    cast, subtract, exp, scale, write): on a 0.5B model with a 152k vocabulary
+    that was a quarter of a training step's kernel time. Here the forward reads
+    each row once (an online max and sum of exponentials) and the backward reads
+    it once and writes its gradient once, in the logits' own dtype.
+
+    Rows whose target is negative are skipped (output 0, gradient 0): the caller
+    marks positions that no loss reads (padding, each row's last position).
+    """
     n, vocab = logits.shape
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
     lse = torch.empty_like(out)

@@ -1,20 +1,9 @@
 """Triton versions of the fast runner's fused operations (GPU path).
 
-Contract: the same four functions and results (up to rounding) as
-``kernels/torch_ops.py``, which states what each computes. Differences that matter:
-- ``add_rmsnorm`` updates ``residual`` in place (the torch version returns a new
-  tensor); callers use the returned residual either way.
-- ``decode_attention`` is a paged, grouped-query flash-decoding kernel. The
-  context is cut into chunks of a fixed size dealt round-robin to ``lanes``
-  programs per (sequence, KV head); each loads a KV tile once for all the query
-  heads that share it, with an online softmax in float32, and a second kernel
-  merges the lanes' results by their log-sum-exp (a context of one chunk is
-  finished by its lane directly). Fixed chunks keep a heavy tail of long
-  sequences from holding the kernel up: with one program per sequence, the
-  kernel lasts as long as the longest one. Lanes and chunk size depend only on
-  the batch size (``attention_split``), so a CUDA graph captured for a batch
-  bucket stays valid for any context lengths. ``max_ctx`` is ignored.
-- ``rope_store`` runs one program per token over all its heads.
+Contract: the same four functions and results (up to rounding) as ``kernels/torch_ops.py``,
+which states what each computes; the functions here say where they differ (``add_rmsnorm``
+updates ``residual`` in place; ``decode_attention`` is a paged flash-decoding kernel whose CUDA
+graphs stay valid for any context lengths). ``sample_plain`` is ``sampling.sample``'s fused form.
 
 Importing this module imports triton; the runner imports it only on CUDA. It
 knows nothing of layers, requests or CUDA graphs.
@@ -54,6 +43,9 @@ def _add_rmsnorm_kernel(X, R, W, OUT, stride_x, stride_r, stride_o, N, eps,
 
 
 def add_rmsnorm(x, residual, weight, eps):
+    """``add_rmsnorm`` updates ``residual`` in place (the torch version returns a new
+    tensor); callers use the returned residual either way.
+    """
     t, n = x.shape
     out = torch.empty_like(x)
     res = x if residual is None else residual
@@ -89,6 +81,7 @@ def _rope_store_kernel(QKV, POS, SLOTS, COS, SIN, QOUT, KC, VC, stride_t, stride
 
 
 def rope_store(qkv, pos, slots, cos, sin, k_cache, v_cache, nq, nkv):
+    """``rope_store`` runs one program per token over all its heads."""
     t, d = qkv.shape[0], k_cache.shape[-1]
     q = torch.empty(t, nq, d, dtype=qkv.dtype, device=qkv.device)
     _rope_store_kernel[(t,)](qkv, pos, slots, cos, sin, q, k_cache, v_cache, qkv.stride(0), q.stride(0),
@@ -206,6 +199,17 @@ def attention_split(batch: int, kv_heads: int, device) -> tuple[int, int]:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale, block_size, max_ctx=None):
+    """``decode_attention`` is a paged, grouped-query flash-decoding kernel. The
+    context is cut into chunks of a fixed size dealt round-robin to ``lanes``
+    programs per (sequence, KV head); each loads a KV tile once for all the query
+    heads that share it, with an online softmax in float32, and a second kernel
+    merges the lanes' results by their log-sum-exp (a context of one chunk is
+    finished by its lane directly). Fixed chunks keep a heavy tail of long
+    sequences from holding the kernel up: with one program per sequence, the
+    kernel lasts as long as the longest one. Lanes and chunk size depend only on
+    the batch size (``attention_split``), so a CUDA graph captured for a batch
+    bucket stays valid for any context lengths. ``max_ctx`` is ignored.
+    """
     b, nq, d = q.shape
     nkv = k_cache.shape[1]
     g = nq // nkv
