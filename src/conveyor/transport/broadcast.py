@@ -61,7 +61,7 @@ class BroadcastWeights:
     announced version into staging buckets at once; ``poll`` copies the newest
     whole one into the engine. A header that
     disagrees with the announcement or the layout is a ``WeightSyncError``;
-    every wait has ``timeout_s``. Details: docs/architecture.md ("Launch").
+    every wait has ``timeout_s``.
     """
 
     def __init__(self, specs, ctx, engines: int, backend: str = "gloo", dtype: torch.dtype = torch.float32,

@@ -58,7 +58,7 @@ class PagedLoop:
     device overlap; a step holds the engine's lock only while it queues its
     forward, so weight updates land between steps. ``engine.counters`` adds up
     decode steps, rows and host seconds; ``pause`` / ``resume`` / ``abort`` act
-    between steps. Details: docs/architecture.md ("Built-in engine").
+    between steps.
     """
     def __init__(self, engine, params: SamplingParams, stop: StopRule):
         self.engine, self.runner, self.params, self.stop = engine, engine.runner, params, stop
