@@ -408,7 +408,8 @@ class LaunchConfig(_Section):
         "colocated: trainer rank i and engine i share device i (one trainer rank and one engine run in "
         "this process); disaggregated: trainer ranks and engines on devices of their own, in processes"))
     trainer_ranks: int = Field(1, ge=1, description=(
-        "data-parallel trainer processes (one per GPU); more than 1 runs whole-model replicas or FSDP2 shards, as trainer.parallel says"))
+        "data-parallel trainer processes (one per GPU); more than 1 runs whole-model replicas or FSDP2 "
+        "shards, as trainer.parallel says"))
     engines: int = Field(1, ge=1, description="rollout engine workers (one per GPU)")
     weight_sync: Literal["auto", "shm", "ipc", "broadcast"] = Field("auto", description=(
         "auto: broadcast (NCCL) to engines on GPUs of their own, ipc to an engine on a trainer's GPU, "
